@@ -1,0 +1,46 @@
+"""Every use of a private Lightning name, in one place.
+
+Lightning has no public hook to choose the *class* of the distributed sampler it injects, nor a public function
+to rebuild a user's DataLoader around another sampler. The names below are what its own data connector uses;
+``tests/test_lightning_private.py`` fails if any of them moves.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSamplerWrapper
+from lightning.pytorch.trainer.states import RunningStage
+from lightning.pytorch.utilities.data import _update_dataloader
+from torch.utils.data import DataLoader, DistributedSampler, Sampler, SequentialSampler
+
+
+class InjectedSeed(int):
+    """The ``seed`` the strategy hands to Lightning's sampler injection (``distributed_sampler_kwargs``).
+
+    Lightning passes it on to the ``DistributedSampler`` it builds, which stores it as ``.seed``; finding this
+    type there tells a sampler Lightning injected from one the user built (which is left alone).
+    """
+
+
+def is_injected(sampler: Any) -> bool:
+    """Whether ``sampler`` is a DistributedSampler that Lightning built with the strategy's kwargs."""
+    return isinstance(sampler, DistributedSampler) and isinstance(sampler.seed, InjectedSeed)
+
+
+def injected_over_dataset_order(sampler: DistributedSampler) -> bool:
+    """Whether Lightning's injected sampler shards the dataset itself (plain or sequential order), as opposed
+    to wrapping a custom sampler of the user's, whose order we must not replace."""
+    if type(sampler) is DistributedSampler:
+        return True
+    if isinstance(sampler, UnrepeatedDistributedSamplerWrapper):  # predict: wraps the loader's own sampler
+        return isinstance(sampler.dataset._sampler, SequentialSampler)  # private: `_DatasetSamplerWrapper`
+    return False
+
+
+def replace_sampler(dataloader: DataLoader, sampler: Sampler, stage: RunningStage) -> DataLoader:
+    """Rebuild ``dataloader`` (its class, batch size, collate_fn, workers, ...) around ``sampler``.
+
+    For prediction Lightning also wraps the batch sampler to record the indices of each batch.
+    """
+    return _update_dataloader(dataloader, sampler, mode=stage)

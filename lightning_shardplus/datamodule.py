@@ -1,0 +1,216 @@
+"""DataModules whose user sets the *global* batch size; the per-device batch is derived from the world size."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch.utils.data import DataLoader, Dataset, TensorDataset
+
+from lightning_shardplus._validation import check_bool, check_int
+
+_STAGE_SPLITS = {
+    "fit": ("train", "val"),
+    "validate": ("val",),
+    "test": ("test",),
+    "predict": ("predict",),
+}
+
+
+def per_device_batch_size(global_batch_size: int, world_size: int) -> int:
+    """``global_batch_size // world_size``, as Determined does; an error if that is zero."""
+    check_int("global_batch_size", global_batch_size, minimum=1)
+    check_int("world_size", world_size, minimum=1)
+    if global_batch_size < world_size:
+        raise ValueError(
+            f"`global_batch_size`={global_batch_size} is smaller than the world size ({world_size} processes): "
+            f"every process needs at least one sample per step, so use global_batch_size >= {world_size}."
+        )
+    return global_batch_size // world_size
+
+
+class ShardPlusDataModule(pl.LightningDataModule):
+    """Datasets in, loaders out, with the batch size given for the whole job.
+
+    Pass the datasets to the constructor, or override ``build_train_dataset`` (and ``build_val_dataset``,
+    ``build_test_dataset``, ``build_predict_dataset``) in a subclass; they are built once, in ``setup``.
+    Every loader uses ``per_device_batch_size = global_batch_size // world_size``; when that does not divide
+    evenly a warning gives the ``effective_global_batch_size`` actually trained with.
+
+    Args:
+        global_batch_size: samples per optimizer micro-step over all processes together.
+        train_dataset, val_dataset, test_dataset, predict_dataset: map-style datasets (or None).
+        num_workers, pin_memory, persistent_workers, collate_fn: passed to every DataLoader.
+        shuffle: shuffle the training set (the strategy reshuffles it globally every epoch).
+    """
+
+    def __init__(
+        self,
+        global_batch_size: int,
+        train_dataset: Dataset | None = None,
+        val_dataset: Dataset | None = None,
+        test_dataset: Dataset | None = None,
+        predict_dataset: Dataset | None = None,
+        num_workers: int = 0,
+        pin_memory: bool = False,
+        persistent_workers: bool = False,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        shuffle: bool = True,
+    ) -> None:
+        check_int("global_batch_size", global_batch_size, minimum=1)
+        check_int("num_workers", num_workers, minimum=0)
+        check_bool("pin_memory", pin_memory)
+        check_bool("persistent_workers", persistent_workers)
+        check_bool("shuffle", shuffle)
+        self._trainer: pl.Trainer | None = None
+        super().__init__()
+        self.global_batch_size = global_batch_size
+        self.num_workers = num_workers
+        self.pin_memory = pin_memory
+        self.persistent_workers = persistent_workers and num_workers > 0
+        self.collate_fn = collate_fn
+        self.shuffle = shuffle
+        self._given = {"train": train_dataset, "val": val_dataset, "test": test_dataset, "predict": predict_dataset}
+        self.datasets: dict[str, Dataset | None] = {}
+        self.world_size = 1
+
+    # The trainer is attached before any process group starts: check the batch against the world size then.
+    @property
+    def trainer(self) -> pl.Trainer | None:
+        return self._trainer
+
+    @trainer.setter
+    def trainer(self, trainer: pl.Trainer | None) -> None:
+        self._trainer = trainer
+        if trainer is not None:
+            self.world_size = trainer.num_devices * trainer.num_nodes
+            per_device_batch_size(self.global_batch_size, self.world_size)  # raises on a bad combination
+            if self.effective_global_batch_size != self.global_batch_size:
+                rank_zero_warn(
+                    f"global_batch_size={self.global_batch_size} is not divisible by the world size "
+                    f"({self.world_size}): each process uses {self.per_device_batch_size} samples per step, so the "
+                    f"effective global batch is {self.effective_global_batch_size}."
+                )
+
+    @property
+    def per_device_batch_size(self) -> int:
+        """Samples per step on each process: ``global_batch_size // world_size``."""
+        return per_device_batch_size(self.global_batch_size, self.world_size)
+
+    @property
+    def effective_global_batch_size(self) -> int:
+        """Samples per step over all processes: ``per_device_batch_size * world_size``."""
+        return self.per_device_batch_size * self.world_size
+
+    # ------------------------------------------------------------------ datasets
+
+    def build_train_dataset(self) -> Dataset | None:
+        return self._given["train"]
+
+    def build_val_dataset(self) -> Dataset | None:
+        return self._given["val"]
+
+    def build_test_dataset(self) -> Dataset | None:
+        return self._given["test"]
+
+    def build_predict_dataset(self) -> Dataset | None:
+        return self._given["predict"]
+
+    def setup(self, stage: str) -> None:
+        for split in _STAGE_SPLITS.get(stage, ()):
+            if split not in self.datasets:
+                self.datasets[split] = getattr(self, f"build_{split}_dataset")()
+        if stage == "fit":
+            train = self.datasets["train"]
+            if train is None:
+                raise ValueError(f"{type(self).__name__} has no training dataset: pass `train_dataset` or "
+                                 "override `build_train_dataset`.")
+            if len(train) == 0:  # type: ignore[arg-type]
+                raise ValueError("`train_dataset` is empty (len 0): give it at least one sample.")
+            rank_zero_info(
+                f"shardplus: global batch {self.effective_global_batch_size} = {self.per_device_batch_size} per "
+                f"device x {self.world_size} processes"
+            )
+
+    # ------------------------------------------------------------------ loaders
+
+    def _loader(self, split: str, shuffle: bool) -> DataLoader | list:
+        dataset = self.datasets.get(split)
+        if dataset is None:
+            return []
+        return DataLoader(
+            dataset,
+            batch_size=self.per_device_batch_size,
+            shuffle=shuffle,
+            num_workers=self.num_workers,
+            pin_memory=self.pin_memory,
+            persistent_workers=self.persistent_workers,
+            collate_fn=self.collate_fn,
+        )
+
+    def train_dataloader(self) -> DataLoader | list:
+        return self._loader("train", self.shuffle)
+
+    def val_dataloader(self) -> DataLoader | list:
+        return self._loader("val", False)
+
+    def test_dataloader(self) -> DataLoader | list:
+        return self._loader("test", False)
+
+    def predict_dataloader(self) -> DataLoader | list:
+        return self._loader("predict", False)
+
+
+class SyntheticDataModule(ShardPlusDataModule):
+    """Random inputs of ``input_shape`` with labels from a fixed random linear rule, generated from ``seed``.
+
+    The same seed gives the same data on every process and every run; the labels are learnable, so a smoke test
+    can check that training makes progress. For benchmarks and tests: no download, no disk.
+    """
+
+    def __init__(
+        self,
+        global_batch_size: int = 64,
+        num_samples: int = 2048,
+        val_samples: int = 512,
+        input_shape: Sequence[int] = (32,),
+        num_classes: int = 10,
+        seed: int = 0,
+        num_workers: int = 0,
+    ) -> None:
+        check_int("num_samples", num_samples, minimum=1)
+        check_int("val_samples", val_samples, minimum=0)
+        check_int("num_classes", num_classes, minimum=2)
+        check_int("seed", seed, minimum=0)
+        if not input_shape or any(isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in input_shape):
+            raise ValueError(f"`input_shape`={input_shape!r} is not valid: expected a sequence of integers >= 1.")
+        super().__init__(global_batch_size, num_workers=num_workers)
+        self.num_samples = num_samples
+        self.val_samples = val_samples
+        self.input_shape = tuple(input_shape)
+        self.num_classes = num_classes
+        self.seed = seed
+        generator = torch.Generator().manual_seed(seed)
+        features = int(torch.tensor(self.input_shape).prod())
+        self._rule = torch.randn(features, num_classes, generator=generator)
+
+    def _make(self, count: int, offset: int) -> TensorDataset:
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + offset)
+        inputs = torch.randn(count, *self.input_shape, generator=generator)
+        labels = (inputs.reshape(count, -1) @ self._rule).argmax(dim=1)
+        return TensorDataset(inputs, labels)
+
+    def build_train_dataset(self) -> Dataset:
+        return self._make(self.num_samples, 1)
+
+    def build_val_dataset(self) -> Dataset | None:
+        return self._make(self.val_samples, 2) if self.val_samples else None
+
+    def build_test_dataset(self) -> Dataset | None:
+        return self.build_val_dataset()
+
+    def build_predict_dataset(self) -> Dataset | None:
+        return self.build_val_dataset()

@@ -1,0 +1,116 @@
+"""A small classifier and the scikit-learn digits data, used by ``configs/``, the examples and the benchmark."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import Dataset, TensorDataset
+from torchmetrics.classification import MulticlassAccuracy
+
+from lightning_shardplus._validation import check_int
+from lightning_shardplus.datamodule import ShardPlusDataModule
+
+
+class ClassifierModule(pl.LightningModule):
+    """An MLP classifier (optionally with BatchNorm) that logs loss and accuracy for train, val and test.
+
+    The optimizer is SGD with momentum unless the LightningCLI's ``optimizer:`` section chooses another.
+    """
+
+    def __init__(
+        self,
+        input_dim: int = 64,
+        num_classes: int = 10,
+        hidden_dims: Sequence[int] = (128,),
+        batch_norm: bool = False,
+        lr: float = 0.05,
+        momentum: float = 0.9,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        layers: list[nn.Module] = []
+        width = input_dim
+        for hidden in hidden_dims:
+            layers.append(nn.Linear(width, hidden))
+            if batch_norm:
+                layers.append(nn.BatchNorm1d(hidden))
+            layers.append(nn.ReLU())
+            width = hidden
+        layers.append(nn.Linear(width, num_classes))
+        self.net = nn.Sequential(nn.Flatten(), *layers)
+        self.val_accuracy = MulticlassAccuracy(num_classes, average="micro")
+        self.test_accuracy = MulticlassAccuracy(num_classes, average="micro")
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        return self.net(inputs)
+
+    def training_step(self, batch: Sequence[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        inputs, labels = batch[0], batch[1]
+        loss = F.cross_entropy(self(inputs), labels)
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def _evaluate(self, batch: Sequence[torch.Tensor], split: str, accuracy: MulticlassAccuracy) -> None:
+        inputs, labels = batch[0], batch[1]
+        logits = self(inputs)
+        self.log(f"{split}_loss", F.cross_entropy(logits, labels), prog_bar=True)
+        accuracy(logits, labels)
+        self.log(f"{split}_acc", accuracy, prog_bar=True)
+
+    def validation_step(self, batch: Sequence[torch.Tensor], batch_idx: int) -> None:
+        self._evaluate(batch, "val", self.val_accuracy)
+
+    def test_step(self, batch: Sequence[torch.Tensor], batch_idx: int) -> None:
+        self._evaluate(batch, "test", self.test_accuracy)
+
+    def predict_step(self, batch: Sequence[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self(batch[0]).argmax(dim=1)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=self.hparams.momentum)
+
+
+class DigitsDataModule(ShardPlusDataModule):
+    """scikit-learn's bundled 8x8 digits (1,797 images, no download): a fixed train/validation split,
+    pixels scaled to [0, 1]."""
+
+    def __init__(
+        self, global_batch_size: int = 64, val_fraction: float = 0.2, split_seed: int = 0, num_workers: int = 0
+    ) -> None:
+        if not 0.0 < val_fraction < 1.0:
+            raise ValueError(f"`val_fraction`={val_fraction!r} is not valid: expected 0 < val_fraction < 1.")
+        check_int("split_seed", split_seed, minimum=0)
+        super().__init__(global_batch_size, num_workers=num_workers)
+        self.val_fraction = val_fraction
+        self.split_seed = split_seed
+
+    def _split(self) -> tuple[TensorDataset, TensorDataset]:
+        try:
+            from sklearn.datasets import load_digits
+        except ImportError as err:  # pragma: no cover - depends on the environment
+            raise ImportError(
+                "DigitsDataModule needs scikit-learn: pip install 'lightning-shardplus[examples]'"
+            ) from err
+        digits = load_digits()
+        inputs = torch.tensor(digits.data, dtype=torch.float32) / 16.0
+        labels = torch.tensor(digits.target, dtype=torch.int64)
+        order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(self.split_seed))
+        n_val = int(len(labels) * self.val_fraction)
+        val, train = order[:n_val], order[n_val:]
+        return TensorDataset(inputs[train], labels[train]), TensorDataset(inputs[val], labels[val])
+
+    def build_train_dataset(self) -> Dataset:
+        return self._split()[0]
+
+    def build_val_dataset(self) -> Dataset:
+        return self._split()[1]
+
+    def build_test_dataset(self) -> Dataset:
+        return self._split()[1]
+
+    def build_predict_dataset(self) -> Dataset:
+        return self._split()[1]
