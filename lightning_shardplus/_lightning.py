@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSamplerWrapper
+from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSamplerWrapper, _IndexBatchSamplerWrapper
 from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.data import _update_dataloader
 from torch.utils.data import DataLoader, DistributedSampler, Sampler, SequentialSampler
@@ -28,6 +28,13 @@ def is_injected(sampler: Any) -> bool:
     return isinstance(sampler, DistributedSampler) and isinstance(sampler.seed, InjectedSeed)
 
 
+def effective_sampler(dataloader: DataLoader) -> Any:
+    """The sampler that orders ``dataloader``: for prediction Lightning puts it inside the batch sampler
+    (wrapped to record indices), leaving ``dataloader.sampler`` a default one."""
+    inner = getattr(dataloader.batch_sampler, "sampler", None)
+    return inner if isinstance(inner, DistributedSampler) else dataloader.sampler
+
+
 def injected_over_dataset_order(sampler: DistributedSampler) -> bool:
     """Whether Lightning's injected sampler shards the dataset itself (plain or sequential order), as opposed
     to wrapping a custom sampler of the user's, whose order we must not replace."""
@@ -41,6 +48,12 @@ def injected_over_dataset_order(sampler: DistributedSampler) -> bool:
 def replace_sampler(dataloader: DataLoader, sampler: Sampler, stage: RunningStage) -> DataLoader:
     """Rebuild ``dataloader`` (its class, batch size, collate_fn, workers, ...) around ``sampler``.
 
-    For prediction Lightning also wraps the batch sampler to record the indices of each batch.
+    For prediction Lightning has already rebuilt the loader around a ``BatchSampler`` wrapped to record the
+    indices of each batch, and cannot rebuild it again: the sampler is swapped inside that wrapper.
     """
+    batch_sampler = dataloader.batch_sampler
+    if isinstance(batch_sampler, _IndexBatchSamplerWrapper):
+        batch_sampler._batch_sampler.sampler = sampler  # private: the wrapped BatchSampler
+        batch_sampler.sampler = sampler  # the wrapper's copy of the BatchSampler's attributes
+        return dataloader
     return _update_dataloader(dataloader, sampler, mode=stage)

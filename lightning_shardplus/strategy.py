@@ -194,7 +194,7 @@ class ShardPlusStrategy(DDPStrategy):
         dataloader = super().process_dataloader(dataloader)
         if not isinstance(dataloader, DataLoader):
             return dataloader
-        sampler = dataloader.sampler
+        sampler = _lightning.effective_sampler(dataloader)
         if not _lightning.is_injected(sampler):
             if isinstance(sampler, DistributedSampler):
                 rank_zero_warn(

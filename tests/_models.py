@@ -1,0 +1,118 @@
+"""Small models and datasets shared by the multi-process tests.
+
+Fork workers cannot hand Python objects back, so each rank appends what it saw to its own JSON-lines file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from contextlib import contextmanager
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import Dataset
+
+
+class IndexedDataset(Dataset):
+    """Sample ``i`` is ``(x_i, y_i, i)``: inputs and labels fixed by the index, so every run sees the same data."""
+
+    def __init__(self, length: int, dim: int = 4, num_classes: int = 3, seed: int = 0) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        self.inputs = torch.randn(length, dim, generator=generator)
+        self.labels = torch.randint(0, num_classes, (length,), generator=generator)
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, index: int):
+        return self.inputs[index], self.labels[index], index
+
+
+class RecordingModule(pl.LightningModule):
+    """A linear classifier that records, per rank, the sample indices of every batch of every stage."""
+
+    def __init__(
+        self, record_dir: str | os.PathLike, dim: int = 4, num_classes: int = 3, lr: float = 0.1
+    ) -> None:
+        super().__init__()
+        self.record_dir = Path(record_dir)
+        self.record_dir.mkdir(parents=True, exist_ok=True)
+        self.layer = nn.Linear(dim, num_classes)
+        self.lr = lr
+
+    def record(self, stage: str, indices: torch.Tensor, **extra) -> None:
+        row = {
+            "stage": stage,
+            "rank": self.global_rank,
+            "epoch": self.current_epoch,
+            "indices": indices.tolist(),
+        }
+        with open(self.record_dir / f"rank{self.global_rank}.jsonl", "a") as f:
+            f.write(json.dumps(row | extra) + "\n")
+
+    def forward(self, inputs):
+        return self.layer(inputs)
+
+    def training_step(self, batch, batch_idx):
+        inputs, labels, indices = batch
+        self.record("train", indices)
+        loss = F.cross_entropy(self(inputs), labels)
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        inputs, labels, indices = batch
+        self.record("sanity" if self.trainer.sanity_checking else "val", indices)
+        self.log("val_loss", F.cross_entropy(self(inputs), labels))
+
+    def test_step(self, batch, batch_idx):
+        inputs, labels, indices = batch
+        self.record("test", indices)
+        self.log("test_loss", F.cross_entropy(self(inputs), labels))
+
+    def predict_step(self, batch, batch_idx):
+        inputs, _, indices = batch
+        self.record("predict", indices)
+        return indices
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+def read_records(record_dir: str | os.PathLike) -> list[dict]:
+    rows = []
+    for path in sorted(Path(record_dir).glob("rank*.jsonl")):
+        rows += [json.loads(line) for line in path.read_text().splitlines()]
+    return rows
+
+
+def cpu_trainer(strategy, devices: int, **kwargs) -> pl.Trainer:
+    defaults = dict(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    return pl.Trainer(**(defaults | kwargs))
+
+
+@contextmanager
+def in_process_run():
+    """Undo what a run inside the test process leaves behind: Lightning's popen launcher sets ``LOCAL_RANK``
+    and friends in ``os.environ`` (a later Trainer would then wait for processes launched "externally") and
+    does not destroy its process group (a later fork would inherit it). Either makes the next fork test hang."""
+    environ = dict(os.environ)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(environ)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()

@@ -1,0 +1,119 @@
+"""Properties of the shard samplers, checked in one process over many sizes, world sizes and epochs."""
+
+import math
+from collections import Counter
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lightning_shardplus import ExactShardSampler, PaddedShardSampler
+from lightning_shardplus.sharding import ShardingError, check_epoch_shards, epoch_permutation
+
+sizes = st.integers(min_value=0, max_value=1000)
+world_sizes = st.integers(min_value=1, max_value=8)
+seeds = st.integers(min_value=0, max_value=2**31)
+epochs = st.lists(st.integers(min_value=0, max_value=50), min_size=1, max_size=3, unique=True)
+
+
+def padded_shards(n, w, epoch, **kwargs):
+    shards = []
+    for rank in range(w):
+        sampler = PaddedShardSampler(n, w, rank, **kwargs)
+        sampler.set_epoch(epoch)
+        shards.append(list(sampler))
+    return shards
+
+
+@settings(max_examples=200, deadline=None)
+@given(n=sizes, w=world_sizes, seed=seeds, epochs=epochs, padding=st.sampled_from(["first", "wrap"]))
+def test_padded_shards_are_equal_cover_everything_and_pad_as_specified(n, w, seed, epochs, padding):
+    for epoch in epochs:
+        shards = padded_shards(n, w, epoch, seed=seed, padding=padding)
+        expected_len = math.ceil(n / w)
+        assert [len(s) for s in shards] == [expected_len] * w
+        assert all(len(PaddedShardSampler(n, w, r)) == expected_len for r in range(w))
+        # Interleaving the shards gives back the epoch order followed by the padding.
+        interleaved = [shards[pos % w][pos // w] for pos in range(expected_len * w)]
+        order = epoch_permutation(n, seed=seed, epoch=epoch).tolist()
+        assert interleaved[:n] == order
+        assert sorted(order) == list(range(n))
+        pads = interleaved[n:]
+        if padding == "first":
+            assert pads == [0] * len(pads)
+        else:
+            assert pads == (order * (len(pads) // max(n, 1) + 1))[: len(pads)]
+        # The pads sit at the end of the shards, after num_real_samples real indices.
+        real = [s[: PaddedShardSampler(n, w, r).num_real_samples] for r, s in enumerate(shards)]
+        assert sorted(i for s in real for i in s) == list(range(n))
+
+
+@settings(max_examples=100, deadline=None)
+@given(n=sizes, w=world_sizes, seed=seeds)
+def test_drop_last_drops_the_tail_instead_of_padding(n, w, seed):
+    shards = padded_shards(n, w, 0, seed=seed, drop_last=True)
+    assert [len(s) for s in shards] == [n // w] * w
+    flat = [i for s in shards for i in s]
+    assert len(set(flat)) == len(flat) == (n // w) * w
+
+
+@settings(max_examples=100, deadline=None)
+@given(n=st.integers(min_value=3, max_value=1000), w=world_sizes, seed=seeds)
+def test_permutation_is_deterministic_per_seed_and_changes_every_epoch(n, w, seed):
+    assert padded_shards(n, w, 3, seed=seed) == padded_shards(n, w, 3, seed=seed)
+    orders = {tuple(epoch_permutation(n, seed=seed, epoch=e).tolist()) for e in range(4)}
+    assert len(orders) > 1
+    if n >= 8:  # a repeat of 4 permutations of >= 8 elements is (8!)**-1 unlikely; seen as a bug
+        assert len(orders) == 4
+        assert (
+            epoch_permutation(n, seed=seed, epoch=0).tolist()
+            != epoch_permutation(n, seed=seed + 1, epoch=0).tolist()
+        )
+
+
+def test_shuffle_false_keeps_dataset_order():
+    assert padded_shards(10, 3, 5, shuffle=False) == [[0, 3, 6, 9], [1, 4, 7, 0], [2, 5, 8, 0]]
+    assert padded_shards(10, 3, 5, shuffle=False, padding="wrap") == [
+        [0, 3, 6, 9],
+        [1, 4, 7, 0],
+        [2, 5, 8, 1],
+    ]
+
+
+@settings(max_examples=200, deadline=None)
+@given(n=sizes, w=world_sizes, seed=seeds, shuffle=st.booleans())
+def test_exact_shards_cover_every_index_exactly_once(n, w, seed, shuffle):
+    shards = [list(ExactShardSampler(n, w, r, shuffle=shuffle, seed=seed)) for r in range(w)]
+    lengths = [len(s) for s in shards]
+    assert lengths == [len(ExactShardSampler(n, w, r)) for r in range(w)]
+    assert max(lengths) - min(lengths) <= 1
+    assert Counter(i for s in shards for i in s) == Counter(range(n))
+    if not shuffle:  # contiguous blocks in rank order: concatenation is the dataset order
+        assert [i for s in shards for i in s] == list(range(n))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"padding": "zeros"}, r"`padding`='zeros'.*'first', 'wrap'"),
+        ({"num_replicas": 0}, r"`num_replicas`=0.*>= 1"),
+        ({"rank": 2}, r"`rank`=2.*num_replicas=2"),
+        ({"rank": -1}, r"`rank`=-1"),
+        ({"seed": -3}, r"`seed`=-3"),
+        ({"dataset_or_length": -1}, r"`dataset_or_length`=-1"),
+        ({"dataset_or_length": object()}, r"`dataset_or_length`"),
+    ],
+)
+def test_bad_sampler_arguments_name_the_argument(kwargs, message):
+    args = {"dataset_or_length": 10, "num_replicas": 2, "rank": 0} | kwargs
+    with pytest.raises((ValueError, TypeError), match=message):
+        PaddedShardSampler(**args)
+
+
+def test_check_epoch_shards_names_epoch_and_ranks():
+    check_epoch_shards(1, [[0, 2], [1, 3]], 4, expect_full_coverage=True)
+    with pytest.raises(ShardingError, match=r"epoch 7, ranks 0 and 1 both read sample 2"):
+        check_epoch_shards(7, [[0, 2], [2, 3]], 4, expect_full_coverage=False)
+    with pytest.raises(ShardingError, match=r"epoch 2.*3 of 4 samples.*\[1\]"):
+        check_epoch_shards(2, [[0, 2], [3]], 4, expect_full_coverage=True)
+    check_epoch_shards(2, [[0, 2], [3]], 4, expect_full_coverage=False)
