@@ -1,0 +1,153 @@
+"""Optimizers for large-batch training: ``LARS`` (layer-wise adaptive rate scaling)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.optim import Optimizer
+from torch.optim.optimizer import ParamsT
+
+from lightning_shardplus._validation import check_bool, check_positive_number
+
+
+def _check_number(name: str, value: Any, minimum: float, below: float | None = None) -> None:
+    """``value`` is a real number with ``minimum <= value`` (and ``value < below`` when given)."""
+    valid = f"{minimum} <= {name}" + (f" < {below}" if below is not None else "")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"`{name}`={value!r} is not valid: expected a number with {valid}.")
+    if not value >= minimum or (below is not None and not value < below):  # `not >=` also rejects NaN
+        raise ValueError(f"`{name}`={value!r} is not valid: expected a number with {valid}.")
+
+
+def _check_group(options: dict[str, Any]) -> None:
+    _check_number("lr", options["lr"], 0.0)
+    _check_number("momentum", options["momentum"], 0.0, below=1.0)
+    _check_number("weight_decay", options["weight_decay"], 0.0)
+    check_positive_number("trust_coefficient", options["trust_coefficient"])
+    _check_number("eps", options["eps"], 0.0)
+    check_bool("exclude_bias_and_norm", options["exclude_bias_and_norm"])
+
+
+class LARS(Optimizer):
+    r"""Layer-wise Adaptive Rate Scaling: SGD with momentum whose step for each parameter tensor (a "layer")
+    is scaled by the ratio of the tensor's norm to its gradient's norm (You, Gitman and Ginsburg, *Large Batch
+    Training of Convolutional Networks*, 2017, Algorithm 1).
+
+    For every parameter tensor :math:`w` with gradient :math:`g`, with global learning rate :math:`\gamma`
+    (``lr``, as set by schedulers and :class:`~lightning_shardplus.callbacks.ScaleLearningRate`), momentum
+    :math:`m`, weight decay :math:`\beta`, trust coefficient :math:`\eta` and ``eps`` :math:`\epsilon`:
+
+    .. math::
+
+        \lambda &= \begin{cases}
+            \eta \, \dfrac{\lVert w \rVert}{\lVert g \rVert + \beta \lVert w \rVert + \epsilon}
+                & \text{if } \lVert w \rVert > 0 \text{ and } \lVert g \rVert > 0 \\
+            1 & \text{otherwise (trust ratio 1)}
+        \end{cases} \\
+        v &\leftarrow m \, v + \gamma \, \lambda \, (g + \beta w) \\
+        w &\leftarrow w - v
+
+    with :math:`\lVert\cdot\rVert` the L2 norm of the whole tensor and :math:`v` the momentum buffer (zero
+    before the first step). As in the paper, the learning rate is inside the momentum buffer. The trust ratio
+    is 1 when the tensor or its gradient is all zeros (e.g. a zero-initialized layer).
+
+    With ``exclude_bias_and_norm=True`` (the default), tensors with ``ndim <= 1`` (biases and the weights
+    and biases of normalization layers) are neither adapted nor decayed: :math:`\lambda = 1`,
+    :math:`\beta = 0`, so they get plain SGD with momentum, :math:`v \leftarrow m v + \gamma g`,
+    :math:`w \leftarrow w - v` (the same updates as ``torch.optim.SGD(momentum=m)`` while the learning rate
+    is constant). With ``exclude_bias_and_norm=False`` every tensor is adapted and decayed.
+
+    Every option can be set per parameter group. From a LightningCLI config::
+
+        optimizer:
+          class_path: lightning_shardplus.optim.LARS
+          init_args: {lr: 0.1, momentum: 0.9, weight_decay: 0.0005, trust_coefficient: 0.02}
+
+    Args:
+        params: parameters or parameter groups (LightningCLI passes the model's parameters).
+        lr: global learning rate :math:`\gamma`, ``>= 0``.
+        momentum: :math:`m`, in ``[0, 1)``; 0 turns the buffer off:
+            :math:`w \leftarrow w - \gamma \lambda (g + \beta w)`.
+        weight_decay: :math:`\beta`, ``>= 0``: L2 penalty, part of the adapted update.
+        trust_coefficient: :math:`\eta`, ``> 0``: how far a step may move a tensor relative to its norm.
+        eps: :math:`\epsilon`, ``>= 0``: keeps the trust ratio finite.
+        exclude_bias_and_norm: give tensors with ``ndim <= 1`` plain SGD with momentum (no adaptation, no
+            weight decay).
+    """
+
+    def __init__(
+        self,
+        params: ParamsT,
+        lr: float = 0.1,
+        momentum: float = 0.9,
+        weight_decay: float = 0.0,
+        trust_coefficient: float = 0.001,
+        eps: float = 1e-8,
+        exclude_bias_and_norm: bool = True,
+    ) -> None:
+        defaults = {
+            "lr": lr,
+            "momentum": momentum,
+            "weight_decay": weight_decay,
+            "trust_coefficient": trust_coefficient,
+            "eps": eps,
+            "exclude_bias_and_norm": exclude_bias_and_norm,
+        }
+        _check_group(defaults)
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        _check_group(self.param_groups[-1])  # options a group sets for itself
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        for group in self.param_groups:
+            group.setdefault("exclude_bias_and_norm", True)
+            group.setdefault("eps", 1e-8)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        """Update every parameter that has a gradient; ``closure`` re-evaluates the loss and returns it."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            lr = group["lr"]
+            momentum = group["momentum"]
+            weight_decay = group["weight_decay"]
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                grad = param.grad
+                if grad.is_sparse:
+                    raise RuntimeError("LARS does not support sparse gradients.")
+                if group["exclude_bias_and_norm"] and param.ndim <= 1:
+                    update = grad
+                else:
+                    update = self._adapted_update(param, grad, weight_decay, group)
+                if momentum == 0:
+                    param.sub_(update, alpha=lr)
+                    continue
+                state = self.state[param]
+                buffer = state.get("momentum_buffer")
+                if buffer is None:
+                    buffer = state["momentum_buffer"] = torch.zeros_like(param)
+                buffer.mul_(momentum).add_(update, alpha=lr)
+                param.sub_(buffer)
+        return loss
+
+    @staticmethod
+    def _adapted_update(
+        param: torch.Tensor, grad: torch.Tensor, weight_decay: float, group: dict[str, Any]
+    ) -> torch.Tensor:
+        """:math:`\\lambda (g + \\beta w)`, computed on the device (no host synchronization)."""
+        param_norm = torch.linalg.vector_norm(param)
+        grad_norm = torch.linalg.vector_norm(grad)
+        denominator = grad_norm + weight_decay * param_norm + group["eps"]
+        ratio = group["trust_coefficient"] * param_norm / denominator
+        trust_ratio = torch.where((param_norm > 0) & (grad_norm > 0), ratio, torch.ones_like(ratio))
+        return grad.add(param, alpha=weight_decay).mul_(trust_ratio)
