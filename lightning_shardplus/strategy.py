@@ -26,6 +26,7 @@ from typing_extensions import override
 
 from lightning_shardplus import _lightning
 from lightning_shardplus.callbacks import VerifySharding
+from lightning_shardplus.datamodule import ShardPlusDataModule, per_device_batch_size
 from lightning_shardplus._validation import check_bool, check_choice, check_int, check_positive_number
 from lightning_shardplus.sharding import PADDING_MODES, ExactShardSampler, PaddedShardSampler, PaddingMode
 
@@ -173,6 +174,25 @@ class ShardPlusStrategy(DDPStrategy):
         kwargs = super().distributed_sampler_kwargs
         kwargs["seed"] = _lightning.InjectedSeed(self.epoch_seed)
         return kwargs
+
+    @override
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        # Check what the user handed to fit/validate/test/predict in the launching process, before any worker
+        # or process group starts (the launcher keeps its type: Lightning checks it with isinstance).
+        launch = self._launcher.launch
+
+        def launch_after_preflight(function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any):
+            self.preflight(*args, *kwargs.values())
+            return launch(function, *args, trainer=trainer, **kwargs)
+
+        self._launcher.launch = launch_after_preflight
+
+    def preflight(self, *call_args: Any) -> None:
+        """Refuse, before any process starts, the arguments of a Trainer call that cannot work at this world size."""
+        for arg in call_args:
+            if isinstance(arg, ShardPlusDataModule):
+                per_device_batch_size(arg.global_batch_size, self.num_replicas)
 
     @override
     def connect(self, model: pl.LightningModule) -> None:

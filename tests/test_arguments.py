@@ -1,0 +1,129 @@
+"""Bad arguments are refused with an error naming the argument, the value and what is valid, before any
+process group starts."""
+
+import pytest
+import torch.distributed as dist
+from _models import IndexedDataset, RecordingModule, cpu_trainer
+from lightning.pytorch.strategies import StrategyRegistry
+
+import lightning_shardplus  # noqa: F401
+from lightning_shardplus import ShardPlusDataModule, ShardPlusStrategy, SyntheticDataModule
+from lightning_shardplus.datamodule import per_device_batch_size
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"shard_padding": "zeros"}, ValueError, r"`shard_padding`='zeros'.*'first', 'wrap'"),
+        ({"shuffle_seed": -1}, ValueError, r"`shuffle_seed`=-1.*>= 0"),
+        ({"shuffle_seed": 1.5}, TypeError, r"`shuffle_seed`=1.5.*integer"),
+        ({"exact_evaluation": "yes"}, TypeError, r"`exact_evaluation`='yes'.*True or False"),
+        ({"verify_sharding": 1}, TypeError, r"`verify_sharding`=1"),
+        ({"tensor_fusion_threshold_mb": 0}, ValueError, r"`tensor_fusion_threshold_mb`=0.*> 0"),
+        ({"tensor_fusion_threshold_mb": -5.0}, ValueError, r"`tensor_fusion_threshold_mb`=-5.0"),
+        ({"start_method": "thread"}, ValueError, r"`start_method`='thread'.*'popen'"),
+        ({"bucket_cap_mb": 10}, TypeError, r"`bucket_cap_mb`=10.*tensor_fusion_threshold_mb"),
+        ({"shard_paddin": "first"}, TypeError, r"unknown option\(s\) `shard_paddin`='first'.*valid"),
+        ({"aggregation_frequenzy": 2}, TypeError, r"`aggregation_frequenzy`=2"),
+    ],
+)
+def test_strategy_rejects_bad_arguments(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        ShardPlusStrategy(**kwargs)
+    assert not dist.is_initialized()
+
+
+def test_strategy_passes_ddp_arguments_through():
+    strategy = ShardPlusStrategy(tensor_fusion_threshold_mb=4, static_graph=True, bucket_cap_mb_list=None)
+    assert strategy._ddp_kwargs["bucket_cap_mb"] == 4.0
+    assert strategy._ddp_kwargs["static_graph"] is True
+
+
+def test_strategy_names_are_registered_with_their_start_methods():
+    for name, start_method in [
+        ("shardplus", "popen"),
+        ("shardplus_spawn", "spawn"),
+        ("shardplus_fork", "fork"),
+        ("shardplus_notebook", "fork"),
+    ]:
+        strategy = StrategyRegistry.get(name)
+        assert isinstance(strategy, ShardPlusStrategy)
+        assert strategy._start_method == start_method
+
+
+@pytest.mark.parametrize(
+    ("global_batch_size", "world_size", "error", "message"),
+    [
+        (0, 2, ValueError, r"`global_batch_size`=0.*>= 1"),
+        (-8, 2, ValueError, r"`global_batch_size`=-8"),
+        (2.5, 2, TypeError, r"`global_batch_size`=2.5"),
+        (3, 4, ValueError, r"`global_batch_size`=3 is smaller than the world size \(4 processes\).*>= 4"),
+    ],
+)
+def test_global_batch_size_is_checked(global_batch_size, world_size, error, message):
+    with pytest.raises(error, match=message):
+        per_device_batch_size(global_batch_size, world_size)
+
+
+def test_per_device_batch_is_derived_from_the_world_size():
+    assert per_device_batch_size(64, 3) == 21
+    datamodule = SyntheticDataModule(global_batch_size=64)
+    datamodule.world_size = 3
+    assert datamodule.per_device_batch_size == 21
+    assert datamodule.effective_global_batch_size == 63
+
+
+def test_global_batch_below_world_size_fails_before_any_process_starts(tmp_path):
+    trainer = cpu_trainer(ShardPlusStrategy(start_method="fork"), 3, max_epochs=1)
+    with pytest.raises(ValueError, match=r"`global_batch_size`=2 is smaller than the world size \(3 processes\)"):
+        trainer.fit(RecordingModule(tmp_path), datamodule=ShardPlusDataModule(2, train_dataset=IndexedDataset(8)))
+    assert not dist.is_initialized()
+
+
+def test_uneven_global_batch_warns_with_the_effective_batch(tmp_path):
+    trainer = cpu_trainer(ShardPlusStrategy(start_method="fork"), 3, max_epochs=1)
+    datamodule = ShardPlusDataModule(10, train_dataset=IndexedDataset(8))
+    with pytest.warns(UserWarning, match=r"global_batch_size=10.*\(3\).*3 samples per step.*effective global batch is 9"):
+        datamodule.trainer = trainer
+    assert datamodule.per_device_batch_size == 3
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"num_workers": -1}, r"`num_workers`=-1"),
+        ({"shuffle": "no"}, r"`shuffle`='no'"),
+    ],
+)
+def test_datamodule_rejects_bad_arguments(kwargs, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        ShardPlusDataModule(8, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"num_samples": 0}, r"`num_samples`=0"),
+        ({"input_shape": (0, 3)}, r"`input_shape`=\(0, 3\)"),
+        ({"num_classes": 1}, r"`num_classes`=1"),
+    ],
+)
+def test_synthetic_datamodule_rejects_bad_arguments(kwargs, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        SyntheticDataModule(**kwargs)
+
+
+def test_empty_training_set_in_the_datamodule_is_a_clear_error():
+    datamodule = ShardPlusDataModule(4, train_dataset=IndexedDataset(0))
+    with pytest.raises(ValueError, match=r"`train_dataset` is empty"):
+        datamodule.setup("fit")
+    with pytest.raises(ValueError, match=r"no training dataset"):
+        ShardPlusDataModule(4).setup("fit")
+
+
+def test_synthetic_data_is_deterministic_for_a_seed():
+    first, again, other = (SyntheticDataModule(seed=s, num_samples=16) for s in (1, 1, 2))
+    for dm in (first, again, other):
+        dm.setup("fit")
+    assert first.datasets["train"].tensors[0].equal(again.datasets["train"].tensors[0])
+    assert not first.datasets["train"].tensors[0].equal(other.datasets["train"].tensors[0])

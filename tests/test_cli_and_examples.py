@@ -1,0 +1,75 @@
+"""The README's entry points run as a user runs them: the `shardplus` command with the shipped configs, and
+the example script with `strategy="shardplus"` (Lightning's popen launcher, which re-runs the command)."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(args, cwd, timeout=240):
+    result = subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    return result
+
+
+def shardplus(*args, cwd):
+    return run([sys.executable, "-m", "lightning_shardplus.cli", *args], cwd=cwd)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("config", ["digits.yaml", "synthetic.yaml", "large_batch.yaml"])
+def test_shipped_configs_fit_on_two_processes(tmp_path, config):
+    shardplus("fit", "--config", str(ROOT / "configs" / config), "--trainer.max_steps=6", "--trainer.log_every_n_steps=1", cwd=tmp_path)
+    metrics = list(tmp_path.glob("lightning_logs/*/version_0/metrics.csv"))
+    assert metrics, "the config's CSVLogger wrote no metrics"
+
+
+@pytest.mark.timeout(300)
+def test_print_config_round_trips(tmp_path):
+    printed = shardplus("fit", "--config", str(ROOT / "configs" / "digits.yaml"), "--print_config", cwd=tmp_path)
+    config = yaml.safe_load(printed.stdout)
+    assert config["trainer"]["strategy"]["class_path"] == "lightning_shardplus.ShardPlusStrategy"
+    assert config["trainer"]["strategy"]["init_args"]["shard_padding"] == "first"
+    assert config["data"]["init_args"]["global_batch_size"] == 64
+    (tmp_path / "printed.yaml").write_text(printed.stdout)
+    again = shardplus("fit", "--config", "printed.yaml", "--print_config", cwd=tmp_path)
+    assert yaml.safe_load(again.stdout) == config
+
+
+@pytest.mark.timeout(300)
+def test_strategy_defaults_to_shardplus_and_strategy_options_parse(tmp_path):
+    printed = shardplus(
+        "fit",
+        "--model=lightning_shardplus.demo.ClassifierModule",
+        "--data=lightning_shardplus.SyntheticDataModule",
+        "--print_config",
+        cwd=tmp_path,
+    )
+    assert yaml.safe_load(printed.stdout)["trainer"]["strategy"] == "shardplus"
+    result = subprocess.run(
+        [sys.executable, "-m", "lightning_shardplus.cli", "fit", "--config", str(ROOT / "configs" / "digits.yaml"),
+         "--trainer.strategy.init_args.shard_padding=zeros", "--print_config"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode != 0 and "shard_padding" in result.stderr
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("flag", [[], ["--instance"]])
+def test_example_script_trains_with_the_strategy_string_or_instance(tmp_path, flag):
+    result = run([sys.executable, str(ROOT / "examples" / "train_digits.py"), "--max-steps=8", *flag], cwd=tmp_path)
+    assert "final metrics" in result.stdout
+
+
+@pytest.mark.timeout(300)
+def test_digits_config_reaches_90_percent_validation_accuracy(tmp_path):
+    shardplus("fit", "--config", str(ROOT / "configs" / "digits.yaml"), cwd=tmp_path)
+    rows = (tmp_path / "lightning_logs/digits/version_0/metrics.csv").read_text().splitlines()
+    header = rows[0].split(",")
+    accuracies = [float(r.split(",")[header.index("val_acc")]) for r in rows[1:] if r.split(",")[header.index("val_acc")]]
+    assert accuracies[-1] >= 0.90
