@@ -105,7 +105,8 @@ def run(configs: list[BenchConfig], args: argparse.Namespace) -> dict[str, Any]:
         }
         for name, values in samples.items()
     }
-    return {"settings": vars(args), "results": rows}
+    settings = {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()}
+    return {"settings": settings, "results": rows}
 
 
 def format_table(report: dict[str, Any]) -> str:
@@ -146,7 +147,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     report = run(default_configs(), args)
     print(format_table(report))
     if args.json is not None:
-        report["settings"]["json"] = str(args.json)
         args.json.write_text(json.dumps(report, indent=2))
     return report
 
