@@ -57,3 +57,57 @@ def replace_sampler(dataloader: DataLoader, sampler: Sampler, stage: RunningStag
         batch_sampler.sampler = sampler  # the wrapper's copy of the BatchSampler's attributes
         return dataloader
     return _update_dataloader(dataloader, sampler, mode=stage)
+
+
+# ---------------------------------------------------------------- logged results (exact evaluation)
+#
+# Lightning keeps what `self.log` recorded in a private `_ResultCollection` (`trainer._results`): one
+# `_ResultMetric` per key, holding the running value (`value`, `cumulated_batch_size`) and, once the epoch value
+# is computed, the cached `_computed` tensor that the logger, progress bar and `callback_metrics` read. Exact
+# evaluation reduces those running values across ranks itself and writes the result into `_computed`.
+
+
+def active_results(trainer: Any) -> Any:
+    """The result collection of the loop now running (private ``trainer._results``)."""
+    return trainer._results
+
+
+def epoch_result_metrics(results: Any) -> dict[str, Any]:
+    """Key -> ``_ResultMetric`` for every value logged this epoch that has an epoch-level value."""
+    return {key: metric for key, metric in results.items() if not metric.has_reset and metric.meta.on_epoch}
+
+
+def log_placeholder(results: Any, description: dict[str, Any], value: Any, sync_dist_fn: Any) -> Any:
+    """Register ``description``'s key on a rank that never logged it (e.g. one with no evaluation batch), with
+    a value that does not change the reduction (``batch_size=0``); returns its ``_ResultMetric``."""
+    previous_idx = results.dataloader_idx
+    results.dataloader_idx = description["dataloader_idx"]
+    try:
+        results.log(
+            description["fx"],
+            description["name"],
+            value,
+            prog_bar=description["prog_bar"],
+            logger=description["logger"],
+            on_step=description["on_step"],
+            on_epoch=True,
+            reduce_fx=description["reduction"] if description["reduction"] != "metric" else "mean",
+            sync_dist=description["sync_dist"],
+            sync_dist_fn=sync_dist_fn,
+            add_dataloader_idx=description["add_dataloader_idx"],
+            batch_size=0,
+            metric_attribute=description["metric_attribute"],
+        )
+    finally:
+        results.dataloader_idx = previous_idx
+    return results[description["key"]]
+
+
+def set_computed(result_metric: Any, value: Any) -> None:
+    """Make ``value`` the epoch value Lightning reports for ``result_metric``. Written in place when a value is
+    cached already: the logger's and ``callback_metrics``' copies are views of it."""
+    cached = result_metric._computed
+    if cached is not None and cached.shape == value.shape:
+        cached.copy_(value)
+    else:
+        result_metric._computed = value

@@ -172,6 +172,21 @@ class ExactShardSampler(_ShardSampler):
         return self.stop - self.start
 
 
+class PlaceholderShardSampler(Sampler[int]):
+    """An empty evaluation shard that reports one batch and yields none.
+
+    Lightning skips the evaluation loop on a rank whose loaders have zero length, hooks included; the ranks
+    that do evaluate would then wait forever in the epoch-end reduction. Reporting one batch makes this rank run
+    the loop (no step, since nothing is yielded) and join that reduction.
+    """
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(())
+
+    def __len__(self) -> int:
+        return 1
+
+
 def shard_bounds(length: int, num_replicas: int, rank: int) -> tuple[int, int]:
     """``[start, stop)`` of rank's contiguous block when ``length`` items are split as evenly as possible."""
     base, extra = divmod(length, num_replicas)

@@ -9,10 +9,12 @@ from __future__ import annotations
 import inspect
 import logging
 import os
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable, Literal
+from typing import Any, Literal
 
 import lightning.pytorch as pl
+import torch.distributed
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import _StrategyRegistry
@@ -21,14 +23,21 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler, Sampler
 from typing_extensions import override
 
 from lightning_shardplus import _lightning
+from lightning_shardplus._validation import check_bool, check_choice, check_int, check_positive_number
 from lightning_shardplus.callbacks import VerifySharding
 from lightning_shardplus.datamodule import ShardPlusDataModule, per_device_batch_size
-from lightning_shardplus._validation import check_bool, check_choice, check_int, check_positive_number
-from lightning_shardplus.sharding import PADDING_MODES, ExactShardSampler, PaddedShardSampler, PaddingMode
+from lightning_shardplus.metrics import ExactEvaluation
+from lightning_shardplus.sharding import (
+    PADDING_MODES,
+    ExactShardSampler,
+    PaddedShardSampler,
+    PaddingMode,
+    PlaceholderShardSampler,
+)
 
 log = logging.getLogger(__name__)
 
@@ -139,6 +148,8 @@ class ShardPlusStrategy(DDPStrategy):
         self.exact_evaluation = exact_evaluation
         self.verify_sharding = verify_sharding
         self.tensor_fusion_threshold_mb = float(tensor_fusion_threshold_mb)
+        # Set by ExactEvaluation while an evaluation epoch runs: logged values are reduced at its end instead.
+        self.defer_logging_sync = False
 
     # ------------------------------------------------------------------ registration
 
@@ -205,7 +216,76 @@ class ShardPlusStrategy(DDPStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         if self.verify_sharding and not any(isinstance(cb, VerifySharding) for cb in trainer.callbacks):
             trainer.callbacks.append(VerifySharding())
+        if self._exact_across_ranks and not any(isinstance(cb, ExactEvaluation) for cb in trainer.callbacks):
+            # first, so that the epoch values are exact before any other callback reads them
+            trainer.callbacks.insert(0, ExactEvaluation())
         super().setup(trainer)
+
+    @property
+    def _exact_across_ranks(self) -> bool:
+        return self.exact_evaluation and self.num_replicas > 1
+
+    # ------------------------------------------------------------------ evaluation
+
+    @override
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
+        if self.defer_logging_sync:
+            # Exact evaluation: no per-batch collective (ranks hold different numbers of batches); the logged
+            # values are reduced once at the epoch end by `metrics.ExactEvaluation`.
+            return tensor
+        return super().reduce(tensor, group=group, reduce_op=reduce_op)
+
+    def _share_rank_zero_buffers(self) -> None:
+        """Before evaluating mid-fit, give every rank rank 0's buffers (BatchNorm running statistics), as DDP's
+        next forward would: each rank's last training step updated its own copy, and evaluation skips DDP."""
+        if not (self._exact_across_ranks and self._ddp_kwargs.get("broadcast_buffers", True)):
+            return
+        if not isinstance(self.model, DistributedDataParallel):
+            return  # validate/test/predict outside fit: DDPStrategy.setup synchronized the module already
+        for buffer in self.lightning_module.buffers():
+            torch.distributed.broadcast(buffer, src=0)
+
+    @override
+    def on_validation_start(self) -> None:
+        super().on_validation_start()
+        self._share_rank_zero_buffers()
+
+    # Evaluation runs the LightningModule directly, not through the DDP forward: there are no gradients to
+    # reduce, and DDP's forward may broadcast buffers (BatchNorm statistics), a per-batch collective.
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        if not self._exact_across_ranks:
+            return super().validation_step(*args, **kwargs)
+        with self.precision_plugin.val_step_context():
+            return self.lightning_module.validation_step(*args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        if not self._exact_across_ranks:
+            return super().test_step(*args, **kwargs)
+        with self.precision_plugin.test_step_context():
+            return self.lightning_module.test_step(*args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        if not self._exact_across_ranks:
+            return super().predict_step(*args, **kwargs)
+        with self.precision_plugin.predict_step_context():
+            return self.lightning_module.predict_step(*args, **kwargs)
+
+    @override
+    def on_predict_end(self) -> None:
+        """Where Lightning returns predictions, return every rank's: the exact shards are contiguous blocks in
+        rank order, so concatenating the ranks' batch lists gives every sample once, in dataset order."""
+        super().on_predict_end()
+        loop = self.lightning_module.trainer.predict_loop
+        if not (self._exact_across_ranks and loop.return_predictions):
+            return
+        per_loader = [loop.predictions] if loop.num_dataloaders == 1 else loop.predictions
+        for predictions in per_loader:
+            gathered: list[Any] = [None] * self.num_replicas
+            torch.distributed.all_gather_object(gathered, predictions)
+            predictions[:] = [batch for rank_batches in gathered for batch in rank_batches]
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
@@ -232,7 +312,9 @@ class ShardPlusStrategy(DDPStrategy):
         if stage == RunningStage.TRAINING:
             return _lightning.replace_sampler(dataloader, self._training_sampler(dataloader, sampler), stage)
         if stage in _EVALUATION_STAGES and self.exact_evaluation:
-            exact = ExactShardSampler(dataloader.dataset, self.num_replicas, self.global_rank)
+            exact: Sampler = ExactShardSampler(dataloader.dataset, self.num_replicas, self.global_rank)
+            if len(exact) == 0 and len(dataloader.dataset) > 0:
+                exact = PlaceholderShardSampler()
             return _lightning.replace_sampler(dataloader, exact, stage)
         return dataloader
 
@@ -252,4 +334,3 @@ class ShardPlusStrategy(DDPStrategy):
             padding=self.shard_padding,
             record_indices=self.verify_sharding,
         )
-

@@ -83,7 +83,9 @@ def test_global_batch_below_world_size_fails_before_any_process_starts(tmp_path)
 def test_uneven_global_batch_warns_with_the_effective_batch(tmp_path):
     trainer = cpu_trainer(ShardPlusStrategy(start_method="fork"), 3, max_epochs=1)
     datamodule = ShardPlusDataModule(10, train_dataset=IndexedDataset(8))
-    with pytest.warns(UserWarning, match=r"global_batch_size=10.*\(3\).*3 samples per step.*effective global batch is 9"):
+    with pytest.warns(
+        UserWarning, match=r"global_batch_size=10.*\(3\).*3 samples per step.*effective global batch is 9"
+    ):
         datamodule.trainer = trainer
     assert datamodule.per_device_batch_size == 3
 

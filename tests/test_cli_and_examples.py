@@ -24,7 +24,14 @@ def shardplus(*args, cwd):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("config", ["digits.yaml", "synthetic.yaml", "large_batch.yaml"])
 def test_shipped_configs_fit_on_two_processes(tmp_path, config):
-    shardplus("fit", "--config", str(ROOT / "configs" / config), "--trainer.max_steps=6", "--trainer.log_every_n_steps=1", cwd=tmp_path)
+    shardplus(
+        "fit",
+        "--config",
+        str(ROOT / "configs" / config),
+        "--trainer.max_steps=6",
+        "--trainer.log_every_n_steps=1",
+        cwd=tmp_path,
+    )
     metrics = list(tmp_path.glob("lightning_logs/*/version_0/metrics.csv"))
     assert metrics, "the config's CSVLogger wrote no metrics"
 
@@ -52,9 +59,20 @@ def test_strategy_defaults_to_shardplus_and_strategy_options_parse(tmp_path):
     )
     assert yaml.safe_load(printed.stdout)["trainer"]["strategy"] == "shardplus"
     result = subprocess.run(
-        [sys.executable, "-m", "lightning_shardplus.cli", "fit", "--config", str(ROOT / "configs" / "digits.yaml"),
-         "--trainer.strategy.init_args.shard_padding=zeros", "--print_config"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "lightning_shardplus.cli",
+            "fit",
+            "--config",
+            str(ROOT / "configs" / "digits.yaml"),
+            "--trainer.strategy.init_args.shard_padding=zeros",
+            "--print_config",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode != 0 and "shard_padding" in result.stderr
 
@@ -71,5 +89,7 @@ def test_digits_config_reaches_90_percent_validation_accuracy(tmp_path):
     shardplus("fit", "--config", str(ROOT / "configs" / "digits.yaml"), cwd=tmp_path)
     rows = (tmp_path / "lightning_logs/digits/version_0/metrics.csv").read_text().splitlines()
     header = rows[0].split(",")
-    accuracies = [float(r.split(",")[header.index("val_acc")]) for r in rows[1:] if r.split(",")[header.index("val_acc")]]
+    accuracies = [
+        float(r.split(",")[header.index("val_acc")]) for r in rows[1:] if r.split(",")[header.index("val_acc")]
+    ]
     assert accuracies[-1] >= 0.90

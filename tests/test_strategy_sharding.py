@@ -3,12 +3,11 @@
 from collections import Counter
 
 import pytest
-from _models import IndexedDataset, RecordingModule, cpu_trainer, read_records, in_process_run
+from _models import IndexedDataset, RecordingModule, cpu_trainer, in_process_run, read_records
 from torch.utils.data import DataLoader, DistributedSampler
 
 import lightning_shardplus  # noqa: F401
 from lightning_shardplus import ShardPlusStrategy
-from lightning_shardplus.sharding import ShardingError
 
 
 def by(rows, **match):

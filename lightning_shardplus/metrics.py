@@ -1,0 +1,184 @@
+"""Cross-rank reduction of logged metrics.
+
+Exact evaluation: values logged with ``self.log`` in ``validation_step``/``test_step`` (and the evaluation
+batch hooks) are reduced across ranks once, at the end of the evaluation epoch, from each rank's running sums
+and sample counts, so the epoch values equal those of a single-process run over the same samples. No
+collective runs per batch (ranks may hold different numbers of batches), and a rank that logged nothing, for
+example one with no evaluation sample, still takes part.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
+from torchmetrics import Metric
+
+from lightning_shardplus import _lightning
+
+# Where evaluation values are logged per batch; values logged in epoch-level hooks keep Lightning's handling.
+_PER_BATCH_FX = frozenset(
+    f"{prefix}{fx}"
+    for prefix in ("", "on_")
+    for fx in (
+        "validation_step",
+        "test_step",
+        "validation_batch_start",
+        "validation_batch_end",
+        "test_batch_start",
+        "test_batch_end",
+    )
+)
+
+_IDENTITY = {"mean": 0.0, "sum": 0.0, "max": float("-inf"), "min": float("inf")}
+
+
+def reduction_of(meta: Any, is_tensor: bool) -> str:
+    """``"mean" | "sum" | "max" | "min"`` for a logged tensor, ``"metric"`` for a torchmetrics ``Metric``."""
+    if not is_tensor:
+        return "metric"
+    for kind in ("mean", "sum", "max", "min"):
+        if getattr(meta, f"is_{kind}_reduction"):
+            return kind
+    raise ValueError(f"unsupported reduce_fx {meta.reduce_fx!r} for {meta.name!r}")
+
+
+def combine(reduction: str, values: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """The global epoch value from each rank's running value (a weighted sum for "mean") and sample count."""
+    if reduction == "mean":
+        return values.sum() / counts.sum()
+    if reduction == "sum":
+        return values.sum()
+    if reduction == "max":
+        return values.max()
+    if reduction == "min":
+        return values.min()
+    raise ValueError(f"unknown reduction {reduction!r}")
+
+
+def describe(key: str, result_metric: Any) -> dict[str, Any]:
+    """What another rank needs to register the same logged key (picklable, no tensors)."""
+    meta = result_metric.meta
+    return {
+        "key": key,
+        "fx": meta.fx.split(".")[0],
+        "name": meta.name,
+        "reduction": reduction_of(meta, result_metric.is_tensor),
+        "prog_bar": meta.prog_bar,
+        "logger": meta.logger,
+        "on_step": meta.on_step,
+        "sync_dist": meta.sync.should,
+        "dataloader_idx": meta.dataloader_idx,
+        "add_dataloader_idx": meta.add_dataloader_idx,
+        "metric_attribute": meta.metric_attribute,
+    }
+
+
+def _exactly_reduced(key: str, result_metric: Any) -> bool:
+    return result_metric.meta.fx.split(".")[0] in _PER_BATCH_FX and not result_metric.meta.sync.rank_zero_only
+
+
+class ExactEvaluation(Callback):
+    """Wires exact evaluation into Lightning: added by ``ShardPlusStrategy(exact_evaluation=True)`` when more
+    than one process runs.
+
+    From the start of an evaluation run until its epoch end the strategy's ``reduce`` does not communicate
+    (Lightning's per-value ``sync_dist`` would be a per-batch collective) and torchmetrics ``Metric`` modules do
+    not sync; at the epoch end every rank joins one reduction of all logged values, then the Metrics' own sync.
+    """
+
+    def __init__(self) -> None:
+        self._metric_flags: dict[Metric, tuple[bool, bool]] = {}
+
+    # ------------------------------------------------------------------ window
+
+    def _open(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        trainer.strategy.defer_logging_sync = True
+        for metric in pl_module.modules():
+            if isinstance(metric, Metric):
+                self._metric_flags[metric] = (metric.sync_on_compute, metric.dist_sync_on_step)
+                metric.sync_on_compute = metric.dist_sync_on_step = False
+
+    def _close(self, trainer: pl.Trainer) -> None:
+        trainer.strategy.defer_logging_sync = False
+        for metric, (sync_on_compute, dist_sync_on_step) in self._metric_flags.items():
+            metric.sync_on_compute, metric.dist_sync_on_step = sync_on_compute, dist_sync_on_step
+            # torchmetrics copies `sync_on_compute` into `_to_sync` on each update: a `compute()` the user calls
+            # before the next update must sync again.
+            metric._to_sync = sync_on_compute
+        self._metric_flags.clear()
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._open(trainer, pl_module)
+
+    on_test_start = on_validation_start
+
+    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        try:
+            self.reduce_epoch(trainer, pl_module)
+        finally:
+            self._close(trainer)
+
+    on_test_epoch_end = on_validation_epoch_end
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._close(trainer)
+
+    # ------------------------------------------------------------------ the reduction
+
+    def reduce_epoch(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Every rank: agree on the logged keys, register the ones this rank lacks, then reduce the running
+        values in one all_gather and the torchmetrics Metrics with their own sync, in key order."""
+        results = _lightning.active_results(trainer)
+        local = {
+            key: describe(key, rm)
+            for key, rm in _lightning.epoch_result_metrics(results).items()
+            if _exactly_reduced(key, rm)
+        }
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, local)
+        entries = dict(sorted({k: v for rank_entries in gathered for k, v in rank_entries.items()}.items()))
+        if not entries:
+            return
+        device = trainer.strategy.root_device
+        result_metrics = {}
+        for key, entry in entries.items():
+            result_metrics[key] = results[key] if key in local else self._register(results, entry, pl_module, trainer)
+
+        tensor_keys = [key for key, entry in entries.items() if entry["reduction"] != "metric"]
+        if tensor_keys:
+            local_values = torch.stack(
+                [
+                    torch.stack(
+                        [
+                            result_metrics[key].value.double(),
+                            getattr(result_metrics[key], "cumulated_batch_size", torch.tensor(0)).double(),
+                        ]
+                    )
+                    for key in tensor_keys
+                ]
+            ).to(device)
+            everyone = [torch.empty_like(local_values) for _ in range(dist.get_world_size())]
+            dist.all_gather(everyone, local_values)
+            stacked = torch.stack(everyone).cpu()  # ranks x keys x (value, count)
+            for i, key in enumerate(tensor_keys):
+                exact = combine(entries[key]["reduction"], stacked[:, i, 0], stacked[:, i, 1])
+                rm = result_metrics[key]
+                _lightning.set_computed(rm, exact.to(dtype=rm.value.dtype, device=rm.value.device))
+
+        for key, entry in entries.items():
+            if entry["reduction"] == "metric":
+                metric = result_metrics[key].value
+                with metric.sync_context(should_sync=True, should_unsync=True):
+                    value = type(metric).compute(metric)
+                _lightning.set_computed(result_metrics[key], torch.as_tensor(value))
+
+    def _register(self, results: Any, entry: dict[str, Any], pl_module: pl.LightningModule, trainer: pl.Trainer) -> Any:
+        if entry["reduction"] == "metric":
+            value: Any = pl_module.get_submodule(entry["metric_attribute"])
+        else:
+            value = torch.tensor(_IDENTITY[entry["reduction"]], device=trainer.strategy.root_device)
+        return _lightning.log_placeholder(results, entry, value, trainer.strategy.reduce)

@@ -1,0 +1,145 @@
+"""Evaluation across ranks gives the single-process values, evaluates every sample once, and never hangs."""
+
+import json
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from _models import IndexedDataset, RecordingModule, cpu_trainer, read_records
+from torch import nn
+from torch.utils.data import DataLoader
+from torchmetrics import MeanMetric
+from torchmetrics.classification import MulticlassAccuracy
+
+from lightning_shardplus import ShardPlusStrategy
+
+
+class EvalModule(RecordingModule):
+    """Logs partition-invariant epoch values from validation_step (weighted mean, sum, max, min) and two
+    torchmetrics objects; optionally with BatchNorm and per-step synced logging."""
+
+    def __init__(self, record_dir, sync_dist=False, batch_norm=False, step_sync=False):
+        super().__init__(record_dir)
+        torch.manual_seed(0)
+        self.layer = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8) if batch_norm else nn.Identity(), nn.Linear(8, 3))
+        self.sync_dist, self.step_sync = sync_dist, step_sync
+        self.accuracy = MulticlassAccuracy(3, average="micro")
+        self.mean_loss = MeanMetric()
+
+    def validation_step(self, batch, batch_idx):
+        inputs, labels, indices = batch
+        self.record("sanity" if self.trainer.sanity_checking else "val", indices)
+        logits = self(inputs)
+        losses = F.cross_entropy(logits, labels, reduction="none")
+        n = len(labels)
+        self.log("loss", losses.mean(), batch_size=n, sync_dist=self.sync_dist)
+        self.log("acc", (logits.argmax(1) == labels).float().mean(), batch_size=n, sync_dist=self.sync_dist)
+        self.log("loss_sum", losses.sum(), reduce_fx="sum", sync_dist=self.sync_dist)
+        self.log("loss_max", losses.max(), reduce_fx="max", sync_dist=self.sync_dist)
+        self.log("loss_min", losses.min(), reduce_fx="min", sync_dist=self.sync_dist)
+        if self.step_sync:
+            self.log("loss_step", losses.mean(), on_step=True, on_epoch=True, sync_dist=True, batch_size=n)
+        self.accuracy(logits, labels)
+        self.log("tm_acc", self.accuracy)
+        self.mean_loss(losses)
+        self.log("tm_loss", self.mean_loss)
+
+
+NAMES = ["loss", "acc", "loss_sum", "loss_max", "loss_min", "tm_acc", "tm_loss"]
+
+
+def validate(tmp_path, world_size, n, batch_size, **module_kwargs):
+    trainer = cpu_trainer(ShardPlusStrategy(start_method="fork"), world_size)
+    (results,) = trainer.validate(
+        EvalModule(tmp_path, **module_kwargs), DataLoader(IndexedDataset(n), batch_size=batch_size)
+    )
+    return results, read_records(tmp_path)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("n", [1, 2, 5, 97, 100, 103])
+@pytest.mark.parametrize("batch_size", [1, 4, 7])
+def test_validation_values_equal_the_single_process_run(tmp_path, n, batch_size):
+    reference, _ = validate(tmp_path / "ref", 1, n, batch_size)
+    for world_size in (2, 3):
+        for sync_dist in (False, True):
+            directory = tmp_path / f"w{world_size}-{sync_dist}"
+            results, rows = validate(directory, world_size, n, batch_size, sync_dist=sync_dist)
+            for name in NAMES:
+                assert results[name] == pytest.approx(reference[name], abs=1e-6, rel=1e-6), (name, world_size)
+            seen = Counter(i for r in rows if r["stage"] == "val" for i in r["indices"])
+            assert seen == Counter(range(n))  # every sample evaluated exactly once
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_batchnorm_and_per_step_sync_with_uneven_shards_complete_with_exact_epoch_values(tmp_path, world_size):
+    # 7 samples in shards of 4/3 (batch 3) or 3/2/2 (batch 2): the ranks hold different numbers of batches
+    n, batch = 7, (3 if world_size == 2 else 2)
+    trainer = cpu_trainer(ShardPlusStrategy(start_method="fork"), world_size, max_epochs=2, num_sanity_val_steps=0)
+    module = EvalModule(tmp_path / "fit", batch_norm=True, step_sync=True)
+    trainer.fit(module, DataLoader(IndexedDataset(18), batch_size=3), DataLoader(IndexedDataset(n), batch_size=batch))
+    batches = Counter(r["rank"] for r in read_records(tmp_path / "fit") if r["stage"] == "val" and r["epoch"] == 1)
+    assert len(set(batches.values())) > 1  # the ranks really had different numbers of batches
+    fitted = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    # the last validation ran on the final weights (sent back to this process): one rank must agree with it
+    module.record_dir = tmp_path / "one"
+    module.record_dir.mkdir()
+    (one,) = cpu_trainer(ShardPlusStrategy(start_method="fork"), 1).validate(
+        module, DataLoader(IndexedDataset(n), batch_size=batch)
+    )
+    for name in NAMES + ["loss_step_epoch"]:
+        assert fitted[name] == pytest.approx(one[name], abs=1e-6), name
+
+
+@pytest.mark.timeout(120)
+def test_ranks_without_any_evaluation_sample_join_the_reduction(tmp_path):
+    # 2 samples on 3 ranks: rank 2 has none, in validation during fit and in test
+    trainer = cpu_trainer(ShardPlusStrategy(start_method="fork"), 3, max_epochs=2)
+    module = EvalModule(tmp_path)
+    trainer.fit(module, DataLoader(IndexedDataset(6), batch_size=2), DataLoader(IndexedDataset(2), batch_size=1))
+    assert {"loss", "tm_acc"} <= set(trainer.callback_metrics)
+    rows = read_records(tmp_path)
+    assert Counter(i for r in rows if r["stage"] == "val" and r["epoch"] == 1 for i in r["indices"]) == Counter([0, 1])
+    assert not [r for r in rows if r["stage"] == "val" and r["rank"] == 2]
+
+
+@pytest.mark.timeout(120)
+def test_exact_evaluation_false_keeps_lightnings_padded_sampler(tmp_path):
+    trainer = cpu_trainer(ShardPlusStrategy(start_method="fork", exact_evaluation=False), 2)
+    trainer.validate(RecordingModule(tmp_path), DataLoader(IndexedDataset(5), batch_size=2))
+    seen = Counter(i for r in read_records(tmp_path) if r["stage"] == "val" for i in r["indices"])
+    assert sum(seen.values()) == 6 and seen[0] == 2  # padded with a duplicate, as DistributedSampler does
+
+
+PREDICT_SCRIPT = """
+import json, sys
+sys.path.insert(0, {tests!r})
+import lightning.pytorch as pl
+from torch.utils.data import DataLoader
+import lightning_shardplus
+from _models import IndexedDataset, RecordingModule
+
+if __name__ == "__main__":
+    trainer = pl.Trainer(accelerator="cpu", devices=3, strategy="shardplus", logger=False, enable_progress_bar=False)
+    predictions = trainer.predict(RecordingModule({out!r}), DataLoader(IndexedDataset(100), batch_size=7))
+    flat = [int(i) for batch in predictions for i in batch]
+    with open({out!r} + f"/returned{{trainer.global_rank}}.json", "w") as f:
+        json.dump(flat, f)
+"""
+
+
+@pytest.mark.timeout(240)
+def test_predict_returns_every_sample_once_in_dataset_order(tmp_path):
+    script = tmp_path / "predict.py"
+    script.write_text(PREDICT_SCRIPT.format(tests=str(Path(__file__).parent), out=str(tmp_path)))
+    result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=200)
+    assert result.returncode == 0, result.stderr[-4000:]
+    for rank in range(3):  # Lightning returns predictions on every rank under the popen launcher
+        assert json.loads((tmp_path / f"returned{rank}.json").read_text()) == list(range(100))
+    per_rank = Counter(r["rank"] for r in read_records(tmp_path) for _ in r["indices"])
+    assert sorted(per_rank.values()) == [33, 33, 34]
