@@ -421,13 +421,18 @@ class ShardPlusStrategy(DDPStrategy):
             ) from err
         model._shardplus_hook_registered = True
 
+    def compression_state_dict(self) -> dict[str, Any] | None:
+        """This rank's gradient-compression state (PowerSGD: per-parameter error feedback and warm-start P/Q,
+        step counter, random generator); None for stateless compression or outside fit."""
+        return None if self._compression is None else self._compression.state_dict()
+
     @override
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
     ) -> None:
         """Add every rank's compression state (PowerSGD's error feedback is per rank) to the checkpoint that
         rank 0 writes: a gather on all ranks, which Lightning's ``Trainer.save_checkpoint`` calls together."""
-        state = self._compression.state_dict() if self._compression is not None else None
+        state = self.compression_state_dict()
         if state is not None and "loops" in checkpoint:  # not for weights-only checkpoints
             if torch.distributed.is_available() and torch.distributed.is_initialized():
                 gathered: list[Any] | None = [None] * self.world_size if self.is_global_zero else None
