@@ -422,6 +422,15 @@ class CommunicationCounter(Callback):
         self._step_at_batch_start = 0
         self._installed = False
 
+    def __getstate__(self) -> dict[str, Any]:  # the spawn launcher pickles the Trainer's callbacks
+        state = self.__dict__.copy()
+        state["_lock"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
     # ------------------------------------------------------------------ the hook wrapper
 
     def wrap(self, hook: Callable) -> Callable:

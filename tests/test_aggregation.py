@@ -12,6 +12,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from _models import IndexedDataset, RecordingModule, cpu_trainer
 from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler
+from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 from torch.utils.data import DataLoader
@@ -61,11 +62,14 @@ class AggregationModule(pl.LightningModule):
         (self.out_dir / f"rank{self.global_rank}.json").write_text(json.dumps(record))
 
 
-def fit(out_dir, world_size, batch_size, dataset_size, epochs, module_kwargs=None, callbacks=(), **strategy_kwargs):
+def fit(
+    out_dir, world_size, batch_size, dataset_size, epochs, module_kwargs=None, callbacks=(), plugins=None,
+    **strategy_kwargs,
+):
     module = AggregationModule(out_dir, **(module_kwargs or {}))
     trainer = cpu_trainer(
         ShardPlusStrategy(start_method="fork", **strategy_kwargs), world_size, max_epochs=epochs,
-        callbacks=list(callbacks), gradient_clip_val=(module_kwargs or {}).get("clip"),
+        callbacks=list(callbacks), gradient_clip_val=(module_kwargs or {}).get("clip"), plugins=plugins,
     )
     dim, classes = module.net[0].in_features, module.net[-1].out_features
     dataset = IndexedDataset(dataset_size, dim=dim, num_classes=classes)
@@ -118,6 +122,21 @@ def test_gradient_clipping_clips_the_corrected_gradient(tmp_path):
     assert reference["global_step"] == runs[0]["global_step"] == 2
     assert reference["steps"][1]["grad_norm"] > clip > reference["steps"][1]["grad_norm"] / 3
     assert torch.allclose(flat(runs[0]["weights"]), flat(reference["weights"]), atol=1e-5, rtol=0)
+
+
+@pytest.mark.timeout(120)
+def test_aggregation_with_amp_and_a_grad_scaler(tmp_path):
+    # 16-bit AMP with a GradScaler (on CPU here): the correction runs on the scaled gradient, before the precision
+    # plugin unscales it; the optimizer sees the same gradients as the one-process reference.
+    def amp():
+        return [MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu", init_scale=1024.0))]
+
+    runs = fit(tmp_path / "agg", 2, 2, 20, 2, plugins=amp(), aggregation_frequency=3)
+    [reference] = fit(tmp_path / "ref", 1, 12, 20, 2, plugins=amp())
+    assert [s["grad_norm"] for s in runs[0]["steps"]] == pytest.approx(
+        [s["grad_norm"] for s in reference["steps"]], rel=1e-3
+    )
+    assert torch.allclose(flat(runs[0]["weights"]), flat(reference["weights"]), atol=1e-3, rtol=0)
 
 
 @pytest.mark.timeout(120)

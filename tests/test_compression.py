@@ -261,3 +261,12 @@ def test_digits_config_reaches_the_same_accuracy_with_compression(tmp_path, monk
     assert baseline >= 0.9
     for compression in ("fp16", "bf16", "powersgd"):
         assert abs(_digits_accuracy(tmp_path, compression) - baseline) <= 0.01, compression
+
+
+def test_the_counter_survives_pickling_for_the_spawn_launcher():
+    import pickle
+
+    counter = pickle.loads(pickle.dumps(CommunicationCounter("somewhere")))
+    assert counter.output_dir == Path("somewhere") and counter.summary()["optimizer_steps"] == 0
+    with counter._lock:
+        pass
