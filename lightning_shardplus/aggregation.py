@@ -1,4 +1,4 @@
-"""Gradient aggregation: several micro-batches per optimizer step, with gradient communication on the last only.
+"""Gradient aggregation: several micro-batches per optimizer step, gradient communication on the last only.
 
 ``ShardPlusStrategy(aggregation_frequency=N)`` builds on Lightning's own accumulation loop by setting
 ``trainer.accumulate_grad_batches = N``. Lightning then, for each window of ``N`` micro-batches of an epoch
@@ -17,8 +17,8 @@ by ``N`` (Lightning#19987). The strategy therefore corrects the gradient once pe
 the backward of the window's last micro-batch (so after the all-reduce) and before anything else sees it, by
 :func:`gradient_correction`:
 
-- ``average_aggregated_gradients=True``: ``N / k``, so the optimizer sees the mean over the ``k`` micro-batches
-  actually aggregated (1 for full windows);
+- ``average_aggregated_gradients=True``: ``N / k``, so the optimizer sees the mean over the ``k``
+  micro-batches actually aggregated (1 for full windows);
 - ``average_aggregated_gradients=False``: ``N``, so the optimizer sees their sum (Horovod's
   ``average_aggregated_gradients=False``): summed over micro-batches, still averaged over ranks.
 
@@ -41,11 +41,12 @@ from torch.utils.data import DataLoader
 
 
 def window_length(micro_batches_done: int, frequency: int) -> int:
-    """The number of micro-batches in the window whose last micro-batch is number ``micro_batches_done`` of the
-    epoch (counted from 1): ``frequency`` for full windows, fewer for the short last window of an epoch.
+    """The number of micro-batches in the window whose last micro-batch is number ``micro_batches_done`` of
+    the epoch (counted from 1): ``frequency`` for full windows, fewer for the short last window of an epoch.
 
     Lightning starts a window at every ``frequency``-th micro-batch of an epoch (it zeroes the gradients when
-    ``batch_idx % frequency == 0``), so the window ending here began at ``frequency * floor((done - 1) / frequency)``.
+    ``batch_idx % frequency == 0``), so the window ending here began at micro-batch
+    ``frequency * floor((done - 1) / frequency) + 1``.
     """
     if micro_batches_done < 1 or frequency < 1:
         raise ValueError(f"window_length({micro_batches_done}, {frequency}): both must be >= 1")
@@ -53,8 +54,8 @@ def window_length(micro_batches_done: int, frequency: int) -> int:
 
 
 def gradient_correction(frequency: int, aggregated: int, average: bool) -> float:
-    """The factor that turns Lightning's accumulated gradient (the sum of ``aggregated`` micro-batch gradients of
-    ``loss / frequency``) into their mean (``average``) or their sum."""
+    """The factor that turns Lightning's accumulated gradient (the sum of ``aggregated`` micro-batch gradients
+    of ``loss / frequency``) into their mean (``average``) or their sum."""
     if not 1 <= aggregated <= frequency:
         raise ValueError(f"gradient_correction: `aggregated`={aggregated} must be in [1, {frequency}]")
     return frequency / aggregated if average else float(frequency)
@@ -75,9 +76,9 @@ def check_accumulation(aggregation_frequency: int, accumulate_grad_batches: Any)
     if aggregation_frequency > 1 and accumulate_grad_batches not in (1, aggregation_frequency):
         raise ValueError(
             f"ShardPlusStrategy(aggregation_frequency={aggregation_frequency}) and "
-            f"Trainer(accumulate_grad_batches={accumulate_grad_batches}) set two different numbers of micro-batches "
-            f"per optimizer step. Use `aggregation_frequency` only (it also normalizes the short last window of an "
-            f"epoch correctly): remove `accumulate_grad_batches` from the Trainer."
+            f"Trainer(accumulate_grad_batches={accumulate_grad_batches}) set two different numbers of "
+            "micro-batches per optimizer step. Use `aggregation_frequency` only (it also normalizes the "
+            "short last window of an epoch correctly): remove `accumulate_grad_batches` from the Trainer."
         )
 
 

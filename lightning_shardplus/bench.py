@@ -1,9 +1,9 @@
-"""``python -m lightning_shardplus.bench``: the same synthetic workload under plain ``strategy="ddp"`` and under
-shardplus configurations, run alternately and repeated, reported as samples/s (median) and ratio to ddp.
+"""``python -m lightning_shardplus.bench``: the same synthetic workload under plain ``strategy="ddp"`` and
+under shardplus configurations, run alternately and repeated, reported as samples/s (median) and ratio to ddp.
 
 Each run is a fresh ``Trainer.fit`` on CPU processes (fork launcher) over the same number of micro-batches
-(``--warmup`` untimed, then ``--steps`` timed), so a row with ``aggregation_frequency=A`` takes ``1/A`` as many
-optimizer steps. Alternating the configurations spreads the machine's drift over all of them.
+(``--warmup`` untimed, then ``--steps`` timed), so a row with ``aggregation_frequency=A`` takes ``1/A`` as
+many optimizer steps. Alternating the configurations spreads the machine's drift over all of them.
 
 Beside samples/s, shardplus rows report what the gradient communication hook sent on rank 0 per optimizer step
 during the timed steps (median), *counted* by :class:`~lightning_shardplus.compression.CommunicationCounter`
@@ -52,7 +52,9 @@ def default_configs() -> list[BenchConfig]:
         BenchConfig("agg8", lambda: ShardPlusStrategy(start_method="fork", aggregation_frequency=8)),
         BenchConfig("fp16", lambda: ShardPlusStrategy(start_method="fork", gradient_compression="fp16")),
         BenchConfig("bf16", lambda: ShardPlusStrategy(start_method="fork", gradient_compression="bf16")),
-        BenchConfig("powersgd", lambda: ShardPlusStrategy(start_method="fork", gradient_compression="powersgd")),
+        BenchConfig(
+            "powersgd", lambda: ShardPlusStrategy(start_method="fork", gradient_compression="powersgd")
+        ),
     ]
 
 
@@ -95,7 +97,8 @@ def run_once(config: BenchConfig, args: argparse.Namespace) -> dict[str, Any]:
             input_shape=(args.input_dim,),
         )
         model = ClassifierModule(input_dim=args.input_dim, hidden_dims=[args.hidden_dim] * args.layers)
-        counter = CommunicationCounter(Path(tmp) / "counts") if isinstance(strategy, ShardPlusStrategy) else None
+        counted = isinstance(strategy, ShardPlusStrategy)
+        counter = CommunicationCounter(Path(tmp) / "counts") if counted else None
         trainer = pl.Trainer(
             accelerator="cpu",
             devices=args.devices,
@@ -160,7 +163,8 @@ def format_table(report: dict[str, Any]) -> str:
     for name, row in report["results"].items():
         lines.append(
             f"| {name} | {row['median_samples_per_s']:.0f} | {row['min_samples_per_s']:.0f} - "
-            f"{row['max_samples_per_s']:.0f} | {row['ratio_to_ddp']:.3f} | {_count(row['bytes_per_step'], 'bytes')} | "
+            f"{row['max_samples_per_s']:.0f} | {row['ratio_to_ddp']:.3f} | "
+            f"{_count(row['bytes_per_step'], 'bytes')} | "
             f"{_count(row['rounds_per_step'])} | {_count(row['collectives_per_step'])} |"
         )
     return "\n".join(lines)
@@ -169,12 +173,16 @@ def format_table(report: dict[str, Any]) -> str:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m lightning_shardplus.bench", description=__doc__)
     parser.add_argument("--devices", type=int, default=2, help="CPU processes (default 2)")
-    parser.add_argument("--repeats", type=int, default=5, help="runs per configuration, alternating (default 5)")
+    parser.add_argument(
+        "--repeats", type=int, default=5, help="runs per configuration, alternating (default 5)"
+    )
     parser.add_argument(
         "--steps", type=int, default=100,
         help="timed micro-batches per run: optimizer steps without aggregation (default 100)",
     )
-    parser.add_argument("--warmup", type=int, default=10, help="untimed micro-batches at the start of each run")
+    parser.add_argument(
+        "--warmup", type=int, default=10, help="untimed micro-batches at the start of each run"
+    )
     parser.add_argument(
         "--configs", default=None,
         help=f"comma-separated rows to run, ddp first as the baseline (default all: "

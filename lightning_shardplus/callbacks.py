@@ -27,7 +27,9 @@ class VerifySharding(Callback):
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         samplers = [
-            dl.sampler for dl in _dataloaders(trainer.train_dataloader) if isinstance(dl.sampler, PaddedShardSampler)
+            dl.sampler
+            for dl in _dataloaders(trainer.train_dataloader)
+            if isinstance(dl.sampler, PaddedShardSampler)
         ]
         for sampler in samplers:
             local = (sampler.yielded_indices[: sampler.num_real_samples], sampler.completed_epoch)
@@ -209,8 +211,8 @@ class ScaleLearningRate(Callback):
         batch = "unknown" if self.effective_batch_size is None else self.effective_batch_size
         reference = self.reference_batch_size or "the per-device batch"
         rank_zero_info(
-            f"ScaleLearningRate: effective batch {batch} ({world_size} processes x {aggregation_steps} aggregated "
-            f"micro-batches), reference {reference}: {self.rule} factor {self.factor:g}, warmup "
+            f"ScaleLearningRate: effective batch {batch} ({world_size} processes x {aggregation_steps} "
+            f"aggregated micro-batches), reference {reference}: {self.rule} factor {self.factor:g}, warmup "
             f"{self.resolved_warmup_steps} optimizer steps, starting at step {min(self._steps, default=0)}"
         )
 

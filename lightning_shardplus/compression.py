@@ -1,14 +1,16 @@
-"""Gradient compression: a name -> a DDP communication hook (+ its state, checkpointable), on every device type.
+"""Gradient compression: a name -> a DDP communication hook (+ its state, checkpointable), on every device.
 
 ``ShardPlusStrategy(gradient_compression=...)`` picks one of:
 
 - ``"none"``: DDP's own all-reduce (no hook; float32 gradients on the wire).
-- ``"fp16"``: torch's ``fp16_compress_hook``: the bucket is cast to float16 (divided by the world size first),
-  all-reduced, and cast back. Half the bytes; float16's range and 11-bit mantissa apply to the summed gradient.
+- ``"fp16"``: torch's ``fp16_compress_hook``: the bucket is cast to float16 (divided by the world size
+  first), all-reduced, and cast back. Half the bytes; float16's range and 11-bit mantissa apply to the summed
+  gradient.
 - ``"bf16"``: the same in bfloat16 (float32's range, 8-bit mantissa). torch's DDP refuses its
-  ``bf16_compress_hook`` *by name* unless torch was built with CUDA and NCCL >= 2.10, although gloo all-reduces
-  bfloat16 (checked with a one-element all-reduce when the hook is registered): on other backends than NCCL the
-  strategy registers the same hook under another name. On NCCL torch's hook and its check are used as they are.
+  ``bf16_compress_hook`` *by name* unless torch was built with CUDA and NCCL >= 2.10, although gloo
+  all-reduces bfloat16 (checked with a one-element all-reduce when the hook is registered): on other backends
+  than NCCL the strategy registers the same hook under another name. On NCCL torch's hook and its check are
+  used as they are.
 - ``"powersgd"``: torch's ``powerSGD_hook`` (Vogels et al., 2019): each gradient matrix is all-reduced as a
   rank-r approximation ``P Q^T``, with error feedback (what compression dropped is added to the next step's
   gradient, kept per rank) and warm start (``Q`` of the previous step starts the next power iteration). The
@@ -18,16 +20,17 @@
 The hook runs only on the steps that communicate: with aggregation, on the last micro-batch of each window.
 
 PowerSGD on gloo with several buckets hung in torch's hook: its continuations block a gloo worker thread each
-(``all_reduce(...).wait()`` inside ``Future.then`` callbacks), and with several buckets in flight they block all
-worker threads while the collectives they wait for queue behind them; the callbacks also issue collectives from
-different threads in an order that may differ between ranks. :class:`PowerSGDCompression` therefore runs the
-buckets one after the other on every backend but NCCL (each bucket waits for the previous bucket's future before
-it starts), which removes both problems at the cost of overlap between buckets.
+(``all_reduce(...).wait()`` inside ``Future.then`` callbacks), and with several buckets in flight they block
+all worker threads while the collectives they wait for queue behind them; the callbacks also issue collectives
+from different threads in an order that may differ between ranks. :class:`PowerSGDCompression` therefore runs
+the buckets one after the other on every backend but NCCL (each bucket waits for the previous bucket's future
+before it starts), which removes both problems at the cost of overlap between buckets.
 
-PowerSGD's state is keyed by DDP bucket index, but DDP re-cuts its buckets after the first iteration and a fresh
-DDP wrapper (a resumed run, or a re-wrap during fit) starts with one bucket again. :class:`PowerSGDCompression`
-keeps the state per *parameter* across such changes, which is also the form saved in checkpoints (see
-:meth:`PowerSGDCompression.state_dict`), so a resumed run continues with the same error feedback and warm start.
+PowerSGD's state is keyed by DDP bucket index, but DDP re-cuts its buckets after the first iteration and a
+fresh DDP wrapper (a resumed run, or a re-wrap during fit) starts with one bucket again.
+:class:`PowerSGDCompression` keeps the state per *parameter* across such changes, which is also the form saved
+in checkpoints (see :meth:`PowerSGDCompression.state_dict`), so a resumed run continues with the same error
+feedback and warm start.
 """
 
 from __future__ import annotations
@@ -60,8 +63,8 @@ _STATE_FORMAT = 1
 
 
 def default_powersgd_state() -> PowerSGDState:
-    """The PowerSGD configuration of ``gradient_compression="powersgd"``: rank 1, error feedback and warm start
-    on, compression from the 10th communicating step on (the first ones use a plain all-reduce, as torch
+    """The PowerSGD configuration of ``gradient_compression="powersgd"``: rank 1, error feedback and warm
+    start on, compression from the 10th communicating step on (the first ones use a plain all-reduce, as torch
     recommends), seed 0."""
     return PowerSGDState(
         process_group=None,
@@ -80,7 +83,9 @@ def shardplus_bf16_compress_hook(process_group, bucket):  # no annotations: DDP 
     return default_hooks.bf16_compress_hook(process_group, bucket)
 
 
-def build_compression(name: str, ddp_comm_state: object | None = None) -> CastCompression | PowerSGDCompression | None:
+def build_compression(
+    name: str, ddp_comm_state: object | None = None
+) -> CastCompression | PowerSGDCompression | None:
     """The compression object for ``name`` (None for ``"none"``), with fresh state for one fit."""
     if name == "none":
         return None
@@ -90,7 +95,9 @@ def build_compression(name: str, ddp_comm_state: object | None = None) -> CastCo
         return CastCompression("bf16", torch.bfloat16)
     if name == "powersgd":
         return PowerSGDCompression(ddp_comm_state if isinstance(ddp_comm_state, PowerSGDState) else None)
-    raise ValueError(f"`gradient_compression`={name!r} is not valid: expected one of {GRADIENT_COMPRESSIONS}.")
+    raise ValueError(
+        f"`gradient_compression`={name!r} is not valid: expected one of {GRADIENT_COMPRESSIONS}."
+    )
 
 
 class CastCompression:
@@ -109,9 +116,9 @@ class CastCompression:
             dist.all_reduce(torch.zeros(1, dtype=self.dtype, device=device))
         except Exception as err:  # the backend's own error is quoted in ours
             raise ValueError(
-                f"`gradient_compression`={self.name!r} cannot work on the {backend!r} process-group backend: it "
-                f"cannot all-reduce {self.dtype} tensors ({type(err).__name__}: {err}). Use 'fp16' (or 'none', "
-                f"'powersgd'), or a backend that supports it."
+                f"`gradient_compression`={self.name!r} cannot work on the {backend!r} process-group backend: "
+                f"it cannot all-reduce {self.dtype} tensors ({type(err).__name__}: {err}). Use 'fp16' (or "
+                "'none', 'powersgd'), or a backend that supports it."
             ) from err
 
     def hook_for(self, model: DistributedDataParallel, backend: str) -> tuple[Callable, object]:
@@ -154,7 +161,9 @@ class PowerSGDCompression:
         self._names: dict[int, str] = {}  # id(parameter) -> name, for the registered DDP wrapper
         self._shapes: dict[str, torch.Size] = {}
         self._layout: dict[int, tuple[str, ...]] = {}  # bucket index -> its parameter names, as last seen
-        self._loose: dict[str, dict[str, torch.Tensor]] = {}  # name -> {"error"|"p"|"q": piece} not in a bucket
+        self._loose: dict[
+            str, dict[str, torch.Tensor]
+        ] = {}  # name -> {"error"|"p"|"q": piece} not in a bucket
         self._serialize = True
         self._previous: torch.futures.Future | None = None
         self._round: list[torch.futures.Future] = []
@@ -163,7 +172,7 @@ class PowerSGDCompression:
         pass
 
     def hook_for(self, model: DistributedDataParallel, backend: str) -> tuple[Callable, object]:
-        """Start following ``model`` (a new DDP wrapper: its bucket layout is found again at the first backward)."""
+        """Start following ``model``, a new DDP wrapper (its bucket layout is found at its first backward)."""
         named = [(name, p) for name, p in model.module.named_parameters() if p.requires_grad]
         self._names = {id(p): name for name, p in named}
         self._shapes = {name: p.shape for name, p in named}
@@ -175,8 +184,8 @@ class PowerSGDCompression:
     # ------------------------------------------------------------------ the hook
 
     def hook(self, state, bucket):  # no annotations: DDP checks them against its types
-        """``powerSGD_hook`` after (1) waiting for the previous bucket (not on NCCL) and (2) re-cutting the state
-        when DDP's bucket layout changed."""
+        """``powerSGD_hook`` after (1) waiting for the previous bucket (not on NCCL) and (2) re-cutting the
+        state when DDP's bucket layout changed."""
         if self._serialize and self._previous is not None:
             previous, self._previous = self._previous, None
             _quiet_wait(previous)
@@ -247,7 +256,7 @@ class PowerSGDCompression:
         self._layout.clear()
 
     def _assemble(self, index: int, names: tuple[str, ...], buffer: torch.Tensor) -> None:
-        """Put the loose pieces of ``names`` together as bucket ``index``'s state, where all of them are there."""
+        """Put the loose pieces of ``names`` together as bucket ``index``'s state, where all are there."""
         parts = [self._loose.pop(name, {}) for name in names]
         if not any(parts) or not all(name in self._shapes for name in names):
             return
@@ -272,8 +281,8 @@ class PowerSGDCompression:
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's PowerSGD state, independent of DDP's bucket layout: per-parameter error feedback and
-        warm-start P/Q pieces (CPU tensors), the step counter and the random generator (plain types and tensors
-        only, so ``torch.load(weights_only=True)`` reads it)."""
+        warm-start P/Q pieces (CPU tensors), the step counter and the random generator (plain types and
+        tensors only, so ``torch.load(weights_only=True)`` reads it)."""
         params: dict[str, dict[str, torch.Tensor]] = {
             name: {key: piece.detach().cpu().clone() for key, piece in parts.items()}
             for name, parts in self._loose.items()
@@ -301,15 +310,23 @@ class PowerSGDCompression:
         }
 
     def load_state_dict(self, saved: dict[str, Any], keep_error_feedback: bool = True) -> None:
-        """Continue from ``saved`` (from :meth:`state_dict`). The pieces are put into DDP's buckets at the first
-        backward; pieces whose size no longer fits (another rank of approximation, another model) are dropped
-        and PowerSGD starts those buckets afresh."""
+        """Continue from ``saved`` (from :meth:`state_dict`). The pieces are put into DDP's buckets at the
+        first backward; pieces whose size no longer fits (another rank of approximation, another model) are
+        dropped and PowerSGD starts those buckets afresh."""
         if saved.get("format") != _STATE_FORMAT:
-            raise ValueError(f"unknown PowerSGD state format {saved.get('format')!r} (expected {_STATE_FORMAT})")
+            raise ValueError(
+                f"unknown PowerSGD state format {saved.get('format')!r} (expected {_STATE_FORMAT})"
+            )
         self.state.iter = int(saved["iter"])
         rng = saved["rng"]
         self.state.rng.set_state(
-            ("MT19937", rng["keys"].numpy().astype(np.uint32), rng["pos"], rng["has_gauss"], rng["cached_gaussian"])
+            (
+                "MT19937",
+                rng["keys"].numpy().astype(np.uint32),
+                rng["pos"],
+                rng["has_gauss"],
+                rng["cached_gaussian"],
+            )
         )
         before, after, next_report = saved["stats"]
         self.state.total_numel_before_compression = before
@@ -331,9 +348,9 @@ class PowerSGDCompression:
             self.load_state_dict(per_rank[rank])
             return
         rank_zero_warn(
-            f"shardplus: the checkpoint's PowerSGD state is from {entry.get('world_size')} processes, this run has "
-            f"{world_size}: the step counter and warm-start P/Q (the same on every rank) are restored, the per-rank "
-            "error feedback starts again from zero."
+            f"shardplus: the checkpoint's PowerSGD state is from {entry.get('world_size')} processes, this "
+            f"run has {world_size}: the step counter and warm-start P/Q (the same on every rank) are "
+            "restored, the per-rank error feedback starts again from zero."
         )
         self.load_state_dict(per_rank[0], keep_error_feedback=False)
 
@@ -397,19 +414,19 @@ class CommunicationCounter(Callback):
     """Counts what the gradient communication hook sends, per training micro-batch and per optimizer step.
 
     Add it to the Trainer's callbacks: ``ShardPlusStrategy`` wraps its communication hook with :meth:`wrap`
-    (with ``gradient_compression="none"`` it then registers torch's ``allreduce_hook``, the Python equivalent of
-    DDP's built-in all-reduce, so that there is a hook to count). Counted, on each rank:
+    (with ``gradient_compression="none"`` it then registers torch's ``allreduce_hook``, the Python equivalent
+    of DDP's built-in all-reduce, so that there is a hook to count). Counted, on each rank:
 
-    - ``rounds``: gradient synchronizations, i.e. backward passes whose buckets went through the hook (the hook
-      call of DDP's last bucket closes one);
+    - ``rounds``: gradient synchronizations, i.e. backward passes whose buckets went through the hook (the
+      hook call of DDP's last bucket closes one);
     - ``buckets``: hook calls (one per DDP bucket and round);
     - ``collectives`` and ``bytes``: ``torch.distributed`` collectives issued while a hook call is in flight
-      (until its future completes, continuations included) and the bytes of the tensors this rank passed to them
-      (the payload: a ring all-reduce moves about ``2 (n-1)/n`` times that over each rank's link).
+      (until its future completes, continuations included) and the bytes of the tensors this rank passed to
+      them (the payload: a ring all-reduce moves about ``2 (n-1)/n`` times that over each rank's link).
 
     ``records`` holds one row per training micro-batch; :meth:`steps` groups them into optimizer steps and
-    :meth:`summary` gives the per-step medians. With ``output_dir``, each rank writes ``rank{r}.json`` there when
-    training ends (fork workers cannot hand objects back).
+    :meth:`summary` gives the per-step medians. With ``output_dir``, each rank writes ``rank{r}.json`` there
+    when training ends (fork workers cannot hand objects back).
     """
 
     def __init__(self, output_dir: str | os.PathLike | None = None) -> None:
@@ -497,7 +514,9 @@ class CommunicationCounter(Callback):
         if not self._installed:
             self._install()
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         with self._lock:
             self._at_batch_start = dict(self._totals)
         self._step_at_batch_start = trainer.global_step
@@ -508,7 +527,9 @@ class CommunicationCounter(Callback):
         with self._lock:
             delta = {key: value - self._at_batch_start.get(key, 0) for key, value in self._totals.items()}
         stepped = trainer.global_step > self._step_at_batch_start
-        self.records.append({"epoch": trainer.current_epoch, "batch_idx": batch_idx, "stepped": stepped, **delta})
+        self.records.append(
+            {"epoch": trainer.current_epoch, "batch_idx": batch_idx, "stepped": stepped, **delta}
+        )
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._uninstall()
@@ -520,7 +541,9 @@ class CommunicationCounter(Callback):
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._uninstall()
 
-    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
         self._uninstall()
 
     # ------------------------------------------------------------------ results
@@ -557,5 +580,7 @@ class CommunicationCounter(Callback):
             "buckets_per_step": median("buckets"),
             "collectives_per_step": median("collectives"),
             "bytes_per_step": median("bytes"),
-            "rounds_on_non_stepping_micro_batches": sum(r["rounds"] for r in self.records if not r["stepped"]),
+            "rounds_on_non_stepping_micro_batches": sum(
+                r["rounds"] for r in self.records if not r["stepped"]
+            ),
         }

@@ -1,5 +1,5 @@
-"""``ShardPlusStrategy``: DDP with padded equal training shards, exact evaluation shards, gradient aggregation,
-gradient compression and tuned fusion.
+"""``ShardPlusStrategy``: DDP with padded equal training shards, exact evaluation shards, gradient
+aggregation, gradient compression and tuned fusion.
 
 The strategy validates its arguments and wires the algorithm modules into Lightning's hooks; the algorithms
 themselves live in :mod:`lightning_shardplus.sharding`, :mod:`lightning_shardplus.aggregation`,
@@ -11,8 +11,9 @@ from __future__ import annotations
 import inspect
 import logging
 import os
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable, Literal
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
@@ -48,6 +49,9 @@ _DDP_KWARGS = frozenset(inspect.signature(DistributedDataParallel.__init__).para
     "bucket_cap_mb",  # set through `tensor_fusion_threshold_mb`
 }
 
+# Set on a DistributedDataParallel wrapper once `register_communication_hook` has given it its hook.
+_HOOK_REGISTERED = "_shardplus_hook_registered"
+
 _EVALUATION_STAGES = (
     RunningStage.VALIDATING,
     RunningStage.SANITY_CHECKING,
@@ -62,23 +66,23 @@ class ShardPlusStrategy(DDPStrategy):
 
     Args:
         aggregation_frequency: micro-batches per optimizer step (Determined's name; Horovod's
-            ``backward_passes_per_step``). The gradients of all but the last micro-batch of a window stay local
-            (DDP ``no_sync`` over forward and backward); the last one all-reduces the window's gradient once.
-            The effective batch is ``per-device batch x world size x aggregation_frequency``
+            ``backward_passes_per_step``). The gradients of all but the last micro-batch of a window stay
+            local (DDP ``no_sync`` over forward and backward); the last one all-reduces the window's gradient
+            once. The effective batch is ``per-device batch x world size x aggregation_frequency``
             (:attr:`effective_batch_size`, reported when training starts). Built on Lightning's accumulation
-            loop (``trainer.accumulate_grad_batches`` is set to it, so do not also give the Trainer a different
-            ``accumulate_grad_batches``), with the normalization of a short last window of an epoch corrected:
+            loop (``trainer.accumulate_grad_batches`` is set to it, so do not also give the Trainer a
+            different ``accumulate_grad_batches``), with the normalization of a short last window corrected:
             see :mod:`lightning_shardplus.aggregation`. LR schedulers with ``interval="step"`` step once per
             optimizer step. Needs automatic optimization.
-        average_aggregated_gradients: True: the optimizer sees the mean gradient over the micro-batches actually
-            aggregated (also in a short last window); False: their sum (Horovod's semantics; the gradient is
+        average_aggregated_gradients: True: the optimizer sees the mean gradient over the micro-batches
+            actually aggregated (also in a short last window); False: their sum (Horovod's semantics; it is
             still averaged over processes). The correction is applied after the all-reduce and before AMP
             unscaling, ``on_before_optimizer_step`` and gradient clipping. With ShardPlusStrategy a plain
             ``Trainer(accumulate_grad_batches=N)`` gets the same treatment.
         gradient_compression: the DDP communication hook, registered on every device type (CPU/gloo included)
             and again whenever DDP is re-wrapped: ``"none"`` (DDP's all-reduce), ``"fp16"`` or ``"bf16"`` (the
-            bucket all-reduced in 16 bits: half the bytes), ``"powersgd"`` (low-rank PowerSGD with error feedback
-            and warm start; its state is saved per rank in checkpoints; pass a ``PowerSGDState`` as
+            bucket all-reduced in 16 bits: half the bytes), ``"powersgd"`` (low-rank PowerSGD with error
+            feedback and warm start; its state is saved per rank in checkpoints; pass a ``PowerSGDState`` as
             ``ddp_comm_state`` to configure it). It runs only on the micro-batches that communicate. A backend
             that cannot run it fails at setup. See :mod:`lightning_shardplus.compression`. Give either this or
             ``ddp_comm_hook``, not both.
@@ -136,8 +140,8 @@ class ShardPlusStrategy(DDPStrategy):
         check_choice("gradient_compression", gradient_compression, GRADIENT_COMPRESSIONS)
         if gradient_compression != "none" and ddp_comm_hook is not None:
             raise ValueError(
-                f"`gradient_compression`={gradient_compression!r} and `ddp_comm_hook`={ddp_comm_hook!r} both choose "
-                "DDP's communication hook: give one of them (gradient_compression='none' to use your hook)."
+                f"`gradient_compression`={gradient_compression!r} and `ddp_comm_hook`={ddp_comm_hook!r} both "
+                "choose DDP's communication hook: give one of them (gradient_compression='none' for yours)."
             )
         if gradient_compression != "none" and ddp_comm_state is not None and not (
             gradient_compression == "powersgd" and isinstance(ddp_comm_state, PowerSGDState)
@@ -159,9 +163,10 @@ class ShardPlusStrategy(DDPStrategy):
             )
         unknown = sorted(set(ddp_kwargs) - _DDP_KWARGS)
         if unknown:
+            given = ", ".join(f"`{k}`={ddp_kwargs[k]!r}" for k in unknown)
             raise TypeError(
-                f"ShardPlusStrategy got unknown option(s) {', '.join(f'`{k}`={ddp_kwargs[k]!r}' for k in unknown)}: "
-                f"valid are its own arguments and DistributedDataParallel's ({', '.join(sorted(_DDP_KWARGS))})."
+                f"ShardPlusStrategy got unknown option(s) {given}: valid are its own arguments and "
+                f"DistributedDataParallel's ({', '.join(sorted(_DDP_KWARGS))})."
             )
         super().__init__(
             accelerator=accelerator,
@@ -192,7 +197,7 @@ class ShardPlusStrategy(DDPStrategy):
         self.verify_sharding = verify_sharding
         self.tensor_fusion_threshold_mb = float(tensor_fusion_threshold_mb)
         self._compression: compression.CastCompression | compression.PowerSGDCompression | None = None
-        self._compression_checkpoint: dict[str, Any] | None = None  # from a checkpoint, until hooks are registered
+        self._compression_checkpoint: dict[str, Any] | None = None  # from a checkpoint, until registered
         self._user_accumulate_grad_batches: int | None = None
 
     # ------------------------------------------------------------------ registration
@@ -237,15 +242,17 @@ class ShardPlusStrategy(DDPStrategy):
         # or process group starts (the launcher keeps its type: Lightning checks it with isinstance).
         launch = self._launcher.launch
 
-        def launch_after_preflight(function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any):
+        def launch_after_preflight(
+            function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any
+        ) -> Any:
             self.preflight(*args, *kwargs.values(), trainer=trainer)
             return launch(function, *args, trainer=trainer, **kwargs)
 
         self._launcher.launch = launch_after_preflight
 
     def preflight(self, *call_args: Any, trainer: pl.Trainer | None = None) -> None:
-        """Refuse, before any process starts, the arguments of a Trainer call that cannot work at this world size
-        or with this strategy's options."""
+        """Refuse, before any process starts, the arguments of a Trainer call that cannot work at this world
+        size or with this strategy's options."""
         for arg in call_args:
             if isinstance(arg, ShardPlusDataModule):
                 per_device_batch_size(arg.global_batch_size, self.num_replicas)
@@ -261,14 +268,16 @@ class ShardPlusStrategy(DDPStrategy):
             return
         if model is not None and not model.automatic_optimization:
             raise ValueError(
-                f"`aggregation_frequency`={frequency} needs automatic optimization, but {type(model).__name__} "
-                "sets `automatic_optimization = False`: use aggregation_frequency=1 and aggregate yourself "
-                "(manual_backward inside `self.trainer.strategy.model.no_sync()` on all but the last micro-batch)."
+                f"`aggregation_frequency`={frequency} needs automatic optimization, but "
+                f"{type(model).__name__} sets `automatic_optimization = False`: use aggregation_frequency=1 "
+                "and aggregate yourself (manual_backward inside `self.trainer.strategy.model.no_sync()` on "
+                "all but the last micro-batch)."
             )
         if any(isinstance(cb, GradientAccumulationScheduler) for cb in trainer.callbacks):
             raise ValueError(
-                f"`aggregation_frequency`={frequency} and a GradientAccumulationScheduler callback both set the "
-                "micro-batches per optimizer step: use one of them (aggregation_frequency=1 to keep the scheduler)."
+                f"`aggregation_frequency`={frequency} and a GradientAccumulationScheduler callback both set "
+                "the micro-batches per optimizer step: use one of them (aggregation_frequency=1 to keep the "
+                "scheduler)."
             )
 
     @override
@@ -351,12 +360,13 @@ class ShardPlusStrategy(DDPStrategy):
         model: pl.LightningModule | torch.nn.Module | None = None,
         **kwargs: Any,
     ) -> Any:
-        return super().optimizer_step(optimizer, self._normalizing_closure(optimizer, closure), model, **kwargs)
+        closure = self._normalizing_closure(optimizer, closure)
+        return super().optimizer_step(optimizer, closure, model, **kwargs)
 
     def _normalizing_closure(self, optimizer: Optimizer, closure: Callable[[], Any]) -> Callable[[], Any]:
         """``closure`` (forward + backward of the window's last micro-batch, whose backward all-reduced the
-        window's gradient), then the gradient corrected from Lightning's ``sum(loss / N)`` to the mean over the
-        micro-batches actually aggregated (or their sum). Runs before unscaling, hooks and clipping."""
+        window's gradient), then the gradient corrected from Lightning's ``sum(loss / N)`` to the mean over
+        the micro-batches actually aggregated (or their sum). Runs before unscaling, hooks and clipping."""
         module = self.lightning_module
         trainer = module._trainer if module is not None else None
         if trainer is None or not module.automatic_optimization or not trainer.training:
@@ -369,7 +379,8 @@ class ShardPlusStrategy(DDPStrategy):
             result = closure()
             aggregated = aggregation.window_length(_lightning.micro_batches_done_in_epoch(trainer), frequency)
             factor = aggregation.gradient_correction(frequency, aggregated, self.average_aggregated_gradients)
-            aggregation.scale_gradients((p for group in optimizer.param_groups for p in group["params"]), factor)
+            parameters = (p for group in optimizer.param_groups for p in group["params"])
+            aggregation.scale_gradients(parameters, factor)
             return result
 
         return closure_then_normalize
@@ -392,10 +403,10 @@ class ShardPlusStrategy(DDPStrategy):
         :class:`~lightning_shardplus.compression.CommunicationCounter` among the Trainer's callbacks.
 
         Call it again after re-wrapping DDP (``self.model = self._setup_model(self.lightning_module)``): the
-        compression state (PowerSGD's error feedback and warm start) carries over to the new wrapper. A wrapper
-        that already has the hook is left alone."""
+        compression state (PowerSGD's error feedback and warm start) carries over to the new wrapper. A
+        wrapper that already has the hook is left alone."""
         model = self.model
-        if not isinstance(model, DistributedDataParallel) or getattr(model, "_shardplus_hook_registered", False):
+        if not isinstance(model, DistributedDataParallel) or getattr(model, _HOOK_REGISTERED, False):
             return
         backend = self._backend()
         hook: Callable | None = self._ddp_comm_hook
@@ -405,7 +416,8 @@ class ShardPlusStrategy(DDPStrategy):
         trainer = self.lightning_module._trainer if self.lightning_module is not None else None
         counters = [cb for cb in trainer.callbacks if isinstance(cb, CommunicationCounter)] if trainer else []
         if hook is None and (self._ddp_comm_wrapper is not None or counters):
-            hook, state = default_hooks.allreduce_hook, None  # DDP's all-reduce, as a hook that can be wrapped
+            # DDP's all-reduce, as a hook that can be wrapped
+            hook, state = default_hooks.allreduce_hook, None
         if hook is None:
             return
         if self._ddp_comm_wrapper is not None:
@@ -419,7 +431,7 @@ class ShardPlusStrategy(DDPStrategy):
                 f"DDP refused the communication hook {getattr(hook, '__qualname__', hook)!r} "
                 f"(`gradient_compression`={self.gradient_compression!r}) on the {backend!r} backend: {err}"
             ) from err
-        model._shardplus_hook_registered = True
+        setattr(model, _HOOK_REGISTERED, True)
 
     def compression_state_dict(self) -> dict[str, Any] | None:
         """This rank's gradient-compression state (PowerSGD: per-parameter error feedback and warm-start P/Q,
@@ -459,8 +471,8 @@ class ShardPlusStrategy(DDPStrategy):
         assert self._compression is not None
         if entry.get("name") != self.gradient_compression:
             rank_zero_warn(
-                f"shardplus: the checkpoint holds {entry.get('name')!r} gradient-compression state, this run uses "
-                f"`gradient_compression`={self.gradient_compression!r}: it starts without it."
+                f"shardplus: the checkpoint holds {entry.get('name')!r} gradient-compression state, this run "
+                f"uses `gradient_compression`={self.gradient_compression!r}: it starts without it."
             )
         else:
             self._compression.load_checkpoint_entry(entry, self.global_rank, self.world_size)
@@ -468,8 +480,9 @@ class ShardPlusStrategy(DDPStrategy):
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
-        """Put shardplus samplers into the loaders Lightning prepared: padded shards for training, exact shards
-        for evaluation. Loaders the user sharded, or that Lightning left alone, pass through unchanged."""
+        """Put shardplus samplers into the loaders Lightning prepared: padded shards for training, exact
+        shards for evaluation. Loaders the user sharded, or that Lightning left alone, pass through
+        unchanged."""
         dataloader = super().process_dataloader(dataloader)
         if not isinstance(dataloader, DataLoader):
             return dataloader
@@ -477,14 +490,15 @@ class ShardPlusStrategy(DDPStrategy):
         if not _lightning.is_injected(sampler):
             if isinstance(sampler, DistributedSampler):
                 rank_zero_warn(
-                    "shardplus: a DataLoader already has a DistributedSampler; it is left alone, so padded equal "
-                    "shards and exact evaluation do not apply to it. Pass a plain DataLoader to get them."
+                    "shardplus: a DataLoader already has a DistributedSampler; it is left alone, so padded "
+                    "equal shards and exact evaluation do not apply to it. Pass a plain DataLoader to get "
+                    "them."
                 )
             return dataloader
         if not _lightning.injected_over_dataset_order(sampler):
             rank_zero_warn(
-                "shardplus: a DataLoader has a custom sampler; Lightning's DistributedSamplerWrapper shards it, and "
-                "padded equal shards and exact evaluation do not apply to it."
+                "shardplus: a DataLoader has a custom sampler; Lightning's DistributedSamplerWrapper shards "
+                "it, and padded equal shards and exact evaluation do not apply to it."
             )
             return dataloader
         stage = self.lightning_module.trainer.state.stage
@@ -501,7 +515,9 @@ class ShardPlusStrategy(DDPStrategy):
 
     def _training_sampler(self, dataloader: DataLoader, injected: Any) -> PaddedShardSampler:
         if len(dataloader.dataset) == 0:
-            raise ValueError("The training dataset is empty (len(train dataset) == 0): give it at least one sample.")
+            raise ValueError(
+                "The training dataset is empty (len(train dataset) == 0): give it at least one sample."
+            )
         return PaddedShardSampler(
             dataloader.dataset,
             self.num_replicas,

@@ -27,8 +27,8 @@ class AggregationModule(pl.LightningModule):
     """An MLP (no dropout, no BatchNorm) trained with plain SGD and a per-step LR schedule; on the last train
     batch each rank saves its weights, and it records the LR and the gradient it stepped with.
 
-    ``loss_divisor``: None for the mean loss over the batch; else the summed per-sample loss divided by it (the
-    single-process reference of ``average_aggregated_gradients=False``)."""
+    ``loss_divisor``: None for the mean loss over the batch; else the summed per-sample loss divided by it
+    (the single-process reference of ``average_aggregated_gradients=False``)."""
 
     def __init__(self, out_dir, dim=4, hidden=6, classes=3, lr=0.2, loss_divisor=None, clip=None):
         super().__init__()
@@ -63,13 +63,24 @@ class AggregationModule(pl.LightningModule):
 
 
 def fit(
-    out_dir, world_size, batch_size, dataset_size, epochs, module_kwargs=None, callbacks=(), plugins=None,
+    out_dir,
+    world_size,
+    batch_size,
+    dataset_size,
+    epochs,
+    module_kwargs=None,
+    callbacks=(),
+    plugins=None,
     **strategy_kwargs,
 ):
     module = AggregationModule(out_dir, **(module_kwargs or {}))
     trainer = cpu_trainer(
-        ShardPlusStrategy(start_method="fork", **strategy_kwargs), world_size, max_epochs=epochs,
-        callbacks=list(callbacks), gradient_clip_val=(module_kwargs or {}).get("clip"), plugins=plugins,
+        ShardPlusStrategy(start_method="fork", **strategy_kwargs),
+        world_size,
+        max_epochs=epochs,
+        callbacks=list(callbacks),
+        gradient_clip_val=(module_kwargs or {}).get("clip"),
+        plugins=plugins,
     )
     dim, classes = module.net[0].in_features, module.net[-1].out_features
     dataset = IndexedDataset(dataset_size, dim=dim, num_classes=classes)
@@ -93,10 +104,17 @@ def test_aggregated_training_equals_one_process_with_the_large_batch(tmp_path, w
     #      sum over the window's samples / (W*b) = one process, summed loss / (W*b), batch W*b*A.
     reference_kwargs = None if average else {"loss_divisor": world_size * b}
     runs = fit(
-        tmp_path / "agg", world_size, b, size, epochs,
-        aggregation_frequency=frequency, average_aggregated_gradients=average,
+        tmp_path / "agg",
+        world_size,
+        b,
+        size,
+        epochs,
+        aggregation_frequency=frequency,
+        average_aggregated_gradients=average,
     )
-    [reference] = fit(tmp_path / "ref", 1, world_size * b * frequency, size, epochs, module_kwargs=reference_kwargs)
+    [reference] = fit(
+        tmp_path / "ref", 1, world_size * b * frequency, size, epochs, module_kwargs=reference_kwargs
+    )
 
     assert reference["global_step"] == runs[0]["global_step"] == 4  # 2 optimizer steps per epoch
     for run in runs:
@@ -126,8 +144,8 @@ def test_gradient_clipping_clips_the_corrected_gradient(tmp_path):
 
 @pytest.mark.timeout(120)
 def test_aggregation_with_amp_and_a_grad_scaler(tmp_path):
-    # 16-bit AMP with a GradScaler (on CPU here): the correction runs on the scaled gradient, before the precision
-    # plugin unscales it; the optimizer sees the same gradients as the one-process reference.
+    # 16-bit AMP with a GradScaler (on CPU here): the correction runs on the scaled gradient, before the
+    # precision plugin unscales it; the optimizer sees the same gradients as the one-process reference.
     def amp():
         return [MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu", init_scale=1024.0))]
 
@@ -141,8 +159,8 @@ def test_aggregation_with_amp_and_a_grad_scaler(tmp_path):
 
 @pytest.mark.timeout(120)
 def test_stock_accumulation_misnormalizes_the_short_window_and_shardplus_does_not(tmp_path):
-    # The same 2-rank run with Lightning's accumulate_grad_batches=3 under the stock DDPStrategy (same data order:
-    # DistributedSampler and the shard sampler share the permutation): only the short last window differs.
+    # The same 2-rank run with Lightning's accumulate_grad_batches=3 under the stock DDPStrategy (same data
+    # order: DistributedSampler and the shard sampler share the permutation): only the short window differs.
     [reference] = fit(tmp_path / "ref", 1, 12, 20, 1)
     module = AggregationModule(tmp_path / "ddp")
     trainer = cpu_trainer(DDPStrategy(start_method="fork"), 2, max_epochs=1, accumulate_grad_batches=3)
@@ -158,11 +176,18 @@ def test_stock_accumulation_misnormalizes_the_short_window_and_shardplus_does_no
 
 @pytest.mark.timeout(120)
 def test_one_all_reduce_round_per_optimizer_step(tmp_path):
-    # 5 micro-batches per rank and epoch, A=3: windows of 3 and 2; a small bucket cap gives DDP several buckets
+    # 5 micro-batches per rank and epoch, A=3: windows of 3 and 2; a small bucket cap makes several buckets
     counter = CommunicationCounter(tmp_path / "counts")
     fit(
-        tmp_path / "agg", 2, 2, 20, 2, module_kwargs={"dim": 64, "hidden": 256, "classes": 64},
-        callbacks=[counter], aggregation_frequency=3, tensor_fusion_threshold_mb=0.05,
+        tmp_path / "agg",
+        2,
+        2,
+        20,
+        2,
+        module_kwargs={"dim": 64, "hidden": 256, "classes": 64},
+        callbacks=[counter],
+        aggregation_frequency=3,
+        tensor_fusion_threshold_mb=0.05,
     )
     for rank in range(2):
         report = json.loads((tmp_path / "counts" / f"rank{rank}.json").read_text())
@@ -206,10 +231,17 @@ def test_bad_aggregation_arguments_raise_before_any_process_group(kwargs, error,
 
 
 def test_different_accumulate_grad_batches_is_refused_before_launch(tmp_path):
-    trainer = cpu_trainer(ShardPlusStrategy(start_method="fork", aggregation_frequency=4), 2,
-                          accumulate_grad_batches=2, max_epochs=1)
-    with pytest.raises(ValueError, match=r"aggregation_frequency=4\).*accumulate_grad_batches=2\).*Use "
-                                         r"`aggregation_frequency` only.*remove `accumulate_grad_batches`"):
+    trainer = cpu_trainer(
+        ShardPlusStrategy(start_method="fork", aggregation_frequency=4),
+        2,
+        accumulate_grad_batches=2,
+        max_epochs=1,
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"aggregation_frequency=4\).*accumulate_grad_batches=2\).*Use "
+        r"`aggregation_frequency` only.*remove `accumulate_grad_batches`",
+    ):
         trainer.fit(RecordingModule(tmp_path), DataLoader(IndexedDataset(8), batch_size=2))
     assert not dist.is_initialized()
 
@@ -223,8 +255,12 @@ def test_aggregation_with_manual_optimization_or_an_accumulation_scheduler_is_re
     trainer = cpu_trainer(ShardPlusStrategy(start_method="fork", aggregation_frequency=2), 2, max_epochs=1)
     with pytest.raises(ValueError, match=r"`aggregation_frequency`=2 needs automatic optimization"):
         trainer.fit(Manual(tmp_path), DataLoader(IndexedDataset(8), batch_size=2))
-    trainer = cpu_trainer(ShardPlusStrategy(start_method="fork", aggregation_frequency=2), 2, max_epochs=1,
-                          callbacks=[GradientAccumulationScheduler({0: 2})])
+    trainer = cpu_trainer(
+        ShardPlusStrategy(start_method="fork", aggregation_frequency=2),
+        2,
+        max_epochs=1,
+        callbacks=[GradientAccumulationScheduler({0: 2})],
+    )
     with pytest.raises(ValueError, match=r"GradientAccumulationScheduler"):
         trainer.fit(RecordingModule(tmp_path), DataLoader(IndexedDataset(8), batch_size=2))
     assert not dist.is_initialized()
@@ -256,13 +292,19 @@ class _ReportBatch(Callback):
 @pytest.mark.timeout(120)
 def test_effective_batch_is_reported_and_available_to_callbacks(tmp_path):
     out = tmp_path / "batch.json"
-    trainer = cpu_trainer(ShardPlusStrategy(start_method="fork", aggregation_frequency=4), 2, max_steps=1,
-                          callbacks=[_ReportBatch(out)])
+    trainer = cpu_trainer(
+        ShardPlusStrategy(start_method="fork", aggregation_frequency=4),
+        2,
+        max_steps=1,
+        callbacks=[_ReportBatch(out)],
+    )
     trainer.fit(RecordingModule(tmp_path / "r"), DataLoader(IndexedDataset(40), batch_size=3))
     report = json.loads(out.read_text())
     assert (report["effective"], report["micro_batches"], report["accumulate"]) == (24, 4, 4)
     assert any(
-        m.startswith("shardplus: effective batch 24 = 3 per device x 2 processes x 4 micro-batches per optimizer")
+        m.startswith(
+            "shardplus: effective batch 24 = 3 per device x 2 processes x 4 micro-batches per optimizer"
+        )
         for m in report["messages"]
     )
     assert trainer.accumulate_grad_batches == 1  # the user's Trainer is left as it was

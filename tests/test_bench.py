@@ -8,10 +8,19 @@ from lightning_shardplus import bench
 
 @pytest.mark.timeout(180)
 def test_bench_rows_count_bytes_and_rounds_per_optimizer_step(tmp_path, capsys):
-    report = bench.main([
-        "--repeats=1", "--steps=8", "--warmup=8", "--global-batch-size=8", "--input-dim=8", "--hidden-dim=16",
-        "--layers=1", "--configs=ddp,shardplus,agg4,fp16,powersgd", f"--json={tmp_path / 'report.json'}",
-    ])
+    report = bench.main(
+        [
+            "--repeats=1",
+            "--steps=8",
+            "--warmup=8",
+            "--global-batch-size=8",
+            "--input-dim=8",
+            "--hidden-dim=16",
+            "--layers=1",
+            "--configs=ddp,shardplus,agg4,fp16,powersgd",
+            f"--json={tmp_path / 'report.json'}",
+        ]
+    )
     rows = report["results"]
     assert list(rows) == ["ddp", "shardplus", "agg4", "fp16", "powersgd"]
     parameters = 8 * 16 + 16 + 16 * 10 + 10

@@ -1,5 +1,5 @@
-"""Gradient compression: hooks registered on CPU/gloo and counted, composed with aggregation, PowerSGD on several
-buckets, across DDP re-wraps and across a stop-and-resume, bf16's backend check, argument checks."""
+"""Gradient compression: hooks registered on CPU/gloo and counted, composed with aggregation, PowerSGD on
+several buckets, across DDP re-wraps and across a stop-and-resume, bf16's backend check, argument checks."""
 
 import json
 from pathlib import Path
@@ -55,10 +55,15 @@ def loader(size=48, batch_size=4):
     return DataLoader(IndexedDataset(size, dim=DIM, num_classes=CLASSES), batch_size=batch_size, shuffle=True)
 
 
-def fit(out_dir, world_size=2, epochs=2, callbacks=(), ckpt_path=None, trainer_kwargs=None, **strategy_kwargs):
+def fit(
+    out_dir, world_size=2, epochs=2, callbacks=(), ckpt_path=None, trainer_kwargs=None, **strategy_kwargs
+):
     trainer = cpu_trainer(
-        ShardPlusStrategy(start_method="fork", **strategy_kwargs), world_size, max_epochs=epochs,
-        callbacks=list(callbacks), **(trainer_kwargs or {}),
+        ShardPlusStrategy(start_method="fork", **strategy_kwargs),
+        world_size,
+        max_epochs=epochs,
+        callbacks=list(callbacks),
+        **(trainer_kwargs or {}),
     )
     trainer.fit(MLP(out_dir), loader(), ckpt_path=ckpt_path)
     return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
@@ -100,8 +105,13 @@ def test_fp16_and_bf16_send_half_the_bytes_of_none_on_gloo(tmp_path):
 def test_compression_runs_only_on_the_communicating_micro_batch(tmp_path, name):
     counter = CommunicationCounter(tmp_path / "counts")
     state = powersgd_state() if name == "powersgd" else None
-    fit(tmp_path / "run", callbacks=[counter], gradient_compression=name, ddp_comm_state=state,
-        aggregation_frequency=4)  # 6 micro-batches per epoch: windows of 4 and 2
+    fit(
+        tmp_path / "run",
+        callbacks=[counter],
+        gradient_compression=name,
+        ddp_comm_state=state,
+        aggregation_frequency=4,
+    )  # 6 micro-batches per epoch: windows of 4 and 2
     records = counts(tmp_path / "counts")["records"]
     assert [r["rounds"] for r in records] == [0, 0, 0, 1, 0, 1] * 2
     assert all(r["collectives"] == 0 for r in records if not r["stepped"])
@@ -118,13 +128,18 @@ def test_a_user_comm_hook_is_registered_on_cpu_too(tmp_path):
 def test_powersgd_with_several_buckets_on_gloo_does_not_hang_and_compresses(tmp_path):
     counter = CommunicationCounter(tmp_path / "counts")
     runs = fit(
-        tmp_path / "run", callbacks=[counter], gradient_compression="powersgd", ddp_comm_state=powersgd_state(),
+        tmp_path / "run",
+        callbacks=[counter],
+        gradient_compression="powersgd",
+        ddp_comm_state=powersgd_state(),
         tensor_fusion_threshold_mb=0.0001,  # several buckets
     )
     steps = counts(tmp_path / "counts")["steps"]
     assert steps[0]["buckets"] == 1  # DDP starts with one bucket and re-cuts them after the first step
     assert all(step["buckets"] == steps[1]["buckets"] > 1 for step in steps[1:])
-    assert steps[0]["bytes"] == steps[1]["bytes"] == 4 * PARAMETERS  # plain all-reduce before start_powerSGD_iter
+    assert (
+        steps[0]["bytes"] == steps[1]["bytes"] == 4 * PARAMETERS
+    )  # plain all-reduce before start_powerSGD_iter
     # rank 1: P and Q of both matrices, the biases uncompressed
     compressed = 4 * (DIM + HIDDEN + HIDDEN + CLASSES + HIDDEN + CLASSES)
     assert all(step["bytes"] == compressed for step in steps[2:])
@@ -135,7 +150,7 @@ def test_powersgd_with_several_buckets_on_gloo_does_not_hang_and_compresses(tmp_
 
 
 class Rewrap(Callback):
-    """Re-wraps DDP after ``at`` optimizer steps (what the fusion autotuner does): a new wrapper, a new hook."""
+    """Re-wraps DDP after ``at`` optimizer steps (as the fusion autotuner does): a new wrapper, a new hook."""
 
     def __init__(self, at: int, bucket_cap_mb: float) -> None:
         self.at, self.bucket_cap_mb = at, bucket_cap_mb
@@ -153,10 +168,15 @@ class Rewrap(Callback):
 def test_hook_and_state_carry_over_when_ddp_is_rewrapped(tmp_path, name):
     state = powersgd_state() if name == "powersgd" else None
     counter = CommunicationCounter(tmp_path / "counts")
-    plain = fit(tmp_path / "plain", gradient_compression=name, ddp_comm_state=state, tensor_fusion_threshold_mb=0.0001)
+    plain = fit(
+        tmp_path / "plain", gradient_compression=name, ddp_comm_state=state, tensor_fusion_threshold_mb=0.0001
+    )
     rewrapped = fit(
-        tmp_path / "rewrapped", callbacks=[Rewrap(at=5, bucket_cap_mb=0.003), counter], gradient_compression=name,
-        ddp_comm_state=state, tensor_fusion_threshold_mb=0.0001,
+        tmp_path / "rewrapped",
+        callbacks=[Rewrap(at=5, bucket_cap_mb=0.003), counter],
+        gradient_compression=name,
+        ddp_comm_state=state,
+        tensor_fusion_threshold_mb=0.0001,
     )
     steps = counts(tmp_path / "counts")["steps"]
     assert all(step["rounds"] == 1 for step in steps)  # the new wrapper has the (counted) hook as well
@@ -168,15 +188,23 @@ def test_hook_and_state_carry_over_when_ddp_is_rewrapped(tmp_path, name):
 
 
 def _error_feedback(run):
-    return torch.cat([run["compression"]["params"][name]["error"] for name in sorted(run["compression"]["params"])])
+    return torch.cat(
+        [run["compression"]["params"][name]["error"] for name in sorted(run["compression"]["params"])]
+    )
 
 
 @pytest.mark.timeout(180)
 def test_powersgd_resumed_from_a_checkpoint_continues_like_an_uninterrupted_run(tmp_path):
-    kwargs = dict(gradient_compression="powersgd", ddp_comm_state=powersgd_state(), tensor_fusion_threshold_mb=0.0001)
+    kwargs = dict(
+        gradient_compression="powersgd", ddp_comm_state=powersgd_state(), tensor_fusion_threshold_mb=0.0001
+    )
     checkpoints = ModelCheckpoint(dirpath=tmp_path / "ckpt", filename="{epoch}", save_top_k=-1)
     uninterrupted = fit(
-        tmp_path / "full", epochs=4, callbacks=[checkpoints], trainer_kwargs={"enable_checkpointing": True}, **kwargs
+        tmp_path / "full",
+        epochs=4,
+        callbacks=[checkpoints],
+        trainer_kwargs={"enable_checkpointing": True},
+        **kwargs,
     )
     checkpoint = torch.load(tmp_path / "ckpt" / "epoch=1.ckpt", weights_only=True)  # plain types and tensors
     entry = checkpoint[CHECKPOINT_KEY]
@@ -200,7 +228,7 @@ def test_powersgd_resumed_from_a_checkpoint_continues_like_an_uninterrupted_run(
 
 @pytest.mark.timeout(120)
 def test_bf16_on_a_backend_that_cannot_all_reduce_it_fails_at_setup(tmp_path, monkeypatch):
-    # gloo all-reduces bfloat16 in torch 2.13; a backend that cannot is simulated (the fork workers inherit it)
+    # gloo all-reduces bfloat16 in torch 2.13; a backend that cannot is simulated (fork workers inherit it)
     original = dist.all_reduce
 
     def all_reduce(tensor, *args, **kwargs):
@@ -209,9 +237,14 @@ def test_bf16_on_a_backend_that_cannot_all_reduce_it_fails_at_setup(tmp_path, mo
         return original(tensor, *args, **kwargs)
 
     monkeypatch.setattr(dist, "all_reduce", all_reduce)
-    trainer = cpu_trainer(ShardPlusStrategy(start_method="fork", gradient_compression="bf16"), 2, max_epochs=1)
-    with pytest.raises(Exception, match=r"`gradient_compression`='bf16' cannot work on the 'gloo' process-group "
-                                        r"backend: it cannot all-reduce torch.bfloat16 tensors.*Use 'fp16'"):
+    trainer = cpu_trainer(
+        ShardPlusStrategy(start_method="fork", gradient_compression="bf16"), 2, max_epochs=1
+    )
+    with pytest.raises(
+        Exception,
+        match=r"`gradient_compression`='bf16' cannot work on the 'gloo' process-group "
+        r"backend: it cannot all-reduce torch.bfloat16 tensors.*Use 'fp16'",
+    ):
         trainer.fit(RecordingModule(tmp_path), DataLoader(IndexedDataset(8), batch_size=2))
     assert not [row for row in read_records(tmp_path) if row["stage"] == "train"]  # before any training step
 
@@ -219,13 +252,22 @@ def test_bf16_on_a_backend_that_cannot_all_reduce_it_fails_at_setup(tmp_path, mo
 @pytest.mark.parametrize(
     ("kwargs", "error", "message"),
     [
-        ({"gradient_compression": "int8"}, ValueError,
-         r"`gradient_compression`='int8' is not valid: expected one of 'none', 'fp16', 'bf16', 'powersgd'"),
+        (
+            {"gradient_compression": "int8"},
+            ValueError,
+            r"`gradient_compression`='int8' is not valid: expected one of 'none', 'fp16', 'bf16', 'powersgd'",
+        ),
         ({"gradient_compression": None}, ValueError, r"`gradient_compression`=None"),
-        ({"gradient_compression": "fp16", "ddp_comm_hook": default_hooks.fp16_compress_hook}, ValueError,
-         r"`gradient_compression`='fp16' and `ddp_comm_hook`=.*both choose DDP's communication hook"),
-        ({"gradient_compression": "fp16", "ddp_comm_state": powersgd_state()}, ValueError,
-         r"`ddp_comm_state`=.*does not go with `gradient_compression`='fp16'"),
+        (
+            {"gradient_compression": "fp16", "ddp_comm_hook": default_hooks.fp16_compress_hook},
+            ValueError,
+            r"`gradient_compression`='fp16' and `ddp_comm_hook`=.*both choose DDP's communication hook",
+        ),
+        (
+            {"gradient_compression": "fp16", "ddp_comm_state": powersgd_state()},
+            ValueError,
+            r"`ddp_comm_state`=.*does not go with `gradient_compression`='fp16'",
+        ),
     ],
 )
 def test_bad_compression_arguments_raise_before_any_process_group(kwargs, error, message):
@@ -240,7 +282,8 @@ def _digits_accuracy(tmp_path, compression):
     config = Path(__file__).resolve().parents[1] / "configs" / "digits.yaml"
     cli = ShardPlusCLI(
         args=[
-            "--config", str(config),
+            "--config",
+            str(config),
             "--trainer.strategy.init_args.start_method=fork",
             f"--trainer.strategy.init_args.gradient_compression={compression}",
             "--trainer.logger=false",

@@ -407,7 +407,8 @@ def _fit_aggregated(directory: Path, scale: ScaleLearningRate) -> dict[str, Any]
     class Report(Callback):
         def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
             if trainer.is_global_zero:
-                figures = {"callback": scale.effective_batch_size, "strategy": trainer.strategy.effective_batch_size}
+                strategy_figure = trainer.strategy.effective_batch_size
+                figures = {"callback": scale.effective_batch_size, "strategy": strategy_figure}
                 (directory / "figures.json").write_text(json.dumps(figures))
 
     trainer = pl.Trainer(
