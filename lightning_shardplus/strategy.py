@@ -81,11 +81,13 @@ class ShardPlusStrategy(DDPStrategy):
             ``Trainer(accumulate_grad_batches=N)`` gets the same treatment.
         gradient_compression: the DDP communication hook, registered on every device type (CPU/gloo included)
             and again whenever DDP is re-wrapped: ``"none"`` (DDP's all-reduce), ``"fp16"`` or ``"bf16"`` (the
-            bucket all-reduced in 16 bits: half the bytes), ``"powersgd"`` (low-rank PowerSGD with error
-            feedback and warm start; its state is saved per rank in checkpoints; pass a ``PowerSGDState`` as
-            ``ddp_comm_state`` to configure it). It runs only on the micro-batches that communicate. A backend
-            that cannot run it fails at setup. See :mod:`lightning_shardplus.compression`. Give either this or
-            ``ddp_comm_hook``, not both.
+            bucket all-reduced in 16 bits: half the bytes; bf16 works on gloo too), ``"powersgd"`` (low-rank
+            PowerSGD with error feedback and warm start, by default rank 1 from the 10th communicating step;
+            pass a ``PowerSGDState`` as ``ddp_comm_state`` to configure it; on backends other than NCCL its
+            buckets are reduced one after the other, which avoids the hang of torch's hook with several
+            buckets on gloo; its per-rank state is saved in checkpoints). It runs only on the micro-batches
+            that communicate. A backend that cannot run it fails at setup. See
+            :mod:`lightning_shardplus.compression`. Give either this or ``ddp_comm_hook``, not both.
         shard_padding: how short training shards are filled: ``"first"`` (the dataset's first element, as
             Clara Train) or ``"wrap"`` (the epoch order's first indices, as torch's ``DistributedSampler``).
         shuffle_seed: seed of the training epoch permutation; None takes the seed given to
@@ -261,6 +263,8 @@ class ShardPlusStrategy(DDPStrategy):
             self._check_aggregation(trainer, model)
 
     def _check_aggregation(self, trainer: pl.Trainer, model: pl.LightningModule | None) -> None:
+        if trainer.state.fn != TrainerFn.FITTING:
+            return
         frequency = self.aggregation_frequency
         accumulate = self._user_accumulate_grad_batches or trainer.accumulate_grad_batches
         aggregation.check_accumulation(frequency, accumulate)
@@ -289,7 +293,8 @@ class ShardPlusStrategy(DDPStrategy):
         trainer = model._trainer
         if trainer is not None:
             self._check_aggregation(trainer, model)
-            if self.aggregation_frequency > 1 and self._user_accumulate_grad_batches is None:
+            fitting = trainer.state.fn == TrainerFn.FITTING
+            if fitting and self.aggregation_frequency > 1 and self._user_accumulate_grad_batches is None:
                 # Lightning's accumulation loop does the windows (no_sync, zero_grad, step, schedulers); the
                 # user's value is put back in teardown.
                 self._user_accumulate_grad_batches = trainer.accumulate_grad_batches
