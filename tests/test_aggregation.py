@@ -308,3 +308,28 @@ def test_effective_batch_is_reported_and_available_to_callbacks(tmp_path):
         for m in report["messages"]
     )
     assert trainer.accumulate_grad_batches == 1  # the user's Trainer is left as it was
+
+
+def test_the_new_arguments_parse_from_the_cli(monkeypatch):
+    from lightning_shardplus.cli import ShardPlusCLI
+
+    monkeypatch.setattr("sys.argv", ["shardplus"])
+    config = Path(__file__).resolve().parents[1] / "configs" / "digits.yaml"
+    cli = ShardPlusCLI(
+        args=[
+            "--config",
+            str(config),
+            "--trainer.strategy.init_args.aggregation_frequency=4",
+            "--trainer.strategy.init_args.average_aggregated_gradients=false",
+            "--trainer.strategy.init_args.gradient_compression=fp16",
+            "--trainer.logger=false",
+        ],
+        run=False,
+    )
+    strategy = cli.trainer.strategy
+    assert (strategy.aggregation_frequency, strategy.average_aggregated_gradients) == (4, False)
+    assert strategy.gradient_compression == "fp16"
+    with pytest.raises(ValueError, match=r"`aggregation_frequency`=0 is not valid: expected an integer >= 1"):
+        ShardPlusCLI(
+            args=["--config", str(config), "--trainer.strategy.init_args.aggregation_frequency=0"], run=False
+        )

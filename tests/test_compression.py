@@ -125,10 +125,13 @@ def test_a_user_comm_hook_is_registered_on_cpu_too(tmp_path):
 
 
 @pytest.mark.timeout(120)
-def test_powersgd_with_several_buckets_on_gloo_does_not_hang_and_compresses(tmp_path):
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_powersgd_with_several_buckets_on_gloo_does_not_hang_and_compresses(tmp_path, world_size):
+    # torch's powerSGD_hook alone hangs here (from the first compressed step on): see compression.py
     counter = CommunicationCounter(tmp_path / "counts")
     runs = fit(
         tmp_path / "run",
+        world_size=world_size,
         callbacks=[counter],
         gradient_compression="powersgd",
         ddp_comm_state=powersgd_state(),
@@ -137,13 +140,13 @@ def test_powersgd_with_several_buckets_on_gloo_does_not_hang_and_compresses(tmp_
     steps = counts(tmp_path / "counts")["steps"]
     assert steps[0]["buckets"] == 1  # DDP starts with one bucket and re-cuts them after the first step
     assert all(step["buckets"] == steps[1]["buckets"] > 1 for step in steps[1:])
-    assert (
-        steps[0]["bytes"] == steps[1]["bytes"] == 4 * PARAMETERS
-    )  # plain all-reduce before start_powerSGD_iter
+    # a plain all-reduce before start_powerSGD_iter
+    assert steps[0]["bytes"] == steps[1]["bytes"] == 4 * PARAMETERS
     # rank 1: P and Q of both matrices, the biases uncompressed
     compressed = 4 * (DIM + HIDDEN + HIDDEN + CLASSES + HIDDEN + CLASSES)
     assert all(step["bytes"] == compressed for step in steps[2:])
-    assert torch.equal(flat(runs[0]["weights"]), flat(runs[1]["weights"]))
+    for run in runs[1:]:
+        assert torch.equal(flat(runs[0]["weights"]), flat(run["weights"]))
     assert torch.isfinite(flat(runs[0]["weights"])).all()
     errors = [run["compression"]["params"]["net.0.weight"]["error"] for run in runs]
     assert not torch.equal(errors[0], errors[1])  # error feedback is per rank
