@@ -308,8 +308,8 @@ class ShardPlusStrategy(DDPStrategy):
             self._compression = compression.build_compression(self.gradient_compression, self._ddp_comm_state)
             if self._compression is not None:
                 self._compression.check_backend(self._backend(), self.root_device)
-                if self._compression_checkpoint is not None:
-                    self._restore_compression(self._compression_checkpoint)
+            if self._compression_checkpoint is not None:
+                self._restore_compression(self._compression_checkpoint)
         super().setup(trainer)
 
     @override
@@ -466,15 +466,12 @@ class ShardPlusStrategy(DDPStrategy):
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        entry = checkpoint.get(compression.CHECKPOINT_KEY)
-        self._compression_checkpoint = entry
-        if entry is not None and self._compression is not None:
-            self._restore_compression(entry)
+        # DDP restores checkpoints before `setup`, which builds this fit's compression state and restores this
+        self._compression_checkpoint = checkpoint.get(compression.CHECKPOINT_KEY)
         return checkpoint
 
     def _restore_compression(self, entry: dict[str, Any]) -> None:
-        assert self._compression is not None
-        if entry.get("name") != self.gradient_compression:
+        if self._compression is None or entry.get("name") != self.gradient_compression:
             rank_zero_warn(
                 f"shardplus: the checkpoint holds {entry.get('name')!r} gradient-compression state, this run "
                 f"uses `gradient_compression`={self.gradient_compression!r}: it starts without it."

@@ -316,3 +316,29 @@ def test_the_counter_survives_pickling_for_the_spawn_launcher():
     assert counter.output_dir == Path("somewhere") and counter.summary()["optimizer_steps"] == 0
     with counter._lock:
         pass
+
+
+def test_compression_state_from_another_setting_or_world_size_warns_and_keeps_what_fits():
+    from lightning_shardplus.compression import PowerSGDCompression, build_compression, checkpoint_entry
+
+    saved = PowerSGDCompression()
+    saved.state.iter = 7
+    saved._loose = {"w": {"error": torch.ones(6), "p": torch.ones(2), "q": torch.ones(3)}}
+    entry = checkpoint_entry("powersgd", [saved.state_dict(), saved.state_dict()])
+
+    strategy = ShardPlusStrategy(gradient_compression="fp16")
+    strategy._compression = build_compression("fp16")
+    with pytest.warns(
+        UserWarning,
+        match=r"holds 'powersgd' gradient-compression state, this run uses "
+        r"`gradient_compression`='fp16': it starts without it",
+    ):
+        strategy._restore_compression(entry)
+
+    restored = PowerSGDCompression()
+    with pytest.warns(UserWarning, match=r"from 2 processes, this run has 3.*error feedback starts again"):
+        restored.load_checkpoint_entry(entry, rank=2, world_size=3)
+    assert restored.state.iter == 7 and set(restored._loose["w"]) == {"p", "q"}
+    again = PowerSGDCompression()
+    again.load_checkpoint_entry(entry, rank=1, world_size=2)
+    assert set(again._loose["w"]) == {"error", "p", "q"}
