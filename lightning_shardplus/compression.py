@@ -8,7 +8,7 @@
   gradient.
 - ``"bf16"``: the same in bfloat16 (float32's range, 8-bit mantissa). torch's DDP refuses its
   ``bf16_compress_hook`` *by name* unless torch was built with CUDA and NCCL >= 2.10, although gloo
-  all-reduces bfloat16 (checked with a one-element all-reduce when the hook is registered): on other backends
+  all-reduces bfloat16 (checked with a one-element all-reduce at setup): on other backends
   than NCCL the strategy registers the same hook under another name. On NCCL torch's hook and its check are
   used as they are.
 - ``"powersgd"``: torch's ``powerSGD_hook`` (Vogels et al., 2019): each gradient matrix is all-reduced as a
@@ -115,10 +115,11 @@ class CastCompression:
         try:
             dist.all_reduce(torch.zeros(1, dtype=self.dtype, device=device))
         except Exception as err:  # the backend's own error is quoted in ours
+            others = "'fp16', 'none' or 'powersgd'" if self.name == "bf16" else "'none' or 'powersgd'"
             raise ValueError(
                 f"`gradient_compression`={self.name!r} cannot work on the {backend!r} process-group backend: "
-                f"it cannot all-reduce {self.dtype} tensors ({type(err).__name__}: {err}). Use 'fp16' (or "
-                "'none', 'powersgd'), or a backend that supports it."
+                f"it cannot all-reduce {self.dtype} tensors ({type(err).__name__}: {err}). Use {others}, or "
+                "a backend that supports it."
             ) from err
 
     def hook_for(self, model: DistributedDataParallel, backend: str) -> tuple[Callable, object]:
