@@ -1,15 +1,19 @@
 """Every use of a private Lightning name, in one place.
 
-Lightning has no public hook to choose the *class* of the distributed sampler it injects, nor a public function
-to rebuild a user's DataLoader around another sampler. The names below are what its own data connector uses;
-``tests/test_lightning_private.py`` fails if any of them moves.
+Lightning has no public hook to choose the *class* of the distributed sampler it injects, nor a public
+function to rebuild a user's DataLoader around another sampler, nor does it tell a strategy how many
+micro-batches the current accumulation window holds. The names below are what its own data connector and
+training loop use; ``tests/test_lightning_private.py`` fails if any of them moves.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSamplerWrapper, _IndexBatchSamplerWrapper
+from lightning.pytorch.overrides.distributed import (
+    UnrepeatedDistributedSamplerWrapper,
+    _IndexBatchSamplerWrapper,
+)
 from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.data import _update_dataloader
 from torch.utils.data import DataLoader, DistributedSampler, Sampler, SequentialSampler
@@ -43,6 +47,18 @@ def injected_over_dataset_order(sampler: DistributedSampler) -> bool:
     if isinstance(sampler, UnrepeatedDistributedSamplerWrapper):  # predict: wraps the loader's own sampler
         return isinstance(sampler.dataset._sampler, SequentialSampler)  # private: `_DatasetSamplerWrapper`
     return False
+
+
+def micro_batches_done_in_epoch(trainer: Any) -> int:
+    """Training micro-batches started so far in the current epoch, the running one included.
+
+    It is the counter Lightning's accumulation decides with
+    (``_TrainingEpochLoop._accumulated_batches_reached``:
+    ``batch_progress.current.ready % accumulate_grad_batches == 0``; gradients are zeroed when
+    ``batch_idx % accumulate_grad_batches == 0`` with ``batch_idx == ready - 1``), restored on resume.
+    Internal: ``trainer.fit_loop.epoch_loop.batch_progress`` is not public API.
+    """
+    return int(trainer.fit_loop.epoch_loop.batch_progress.current.ready)
 
 
 def replace_sampler(dataloader: DataLoader, sampler: Sampler, stage: RunningStage) -> DataLoader:

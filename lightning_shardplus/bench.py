@@ -1,14 +1,22 @@
-"""``python -m lightning_shardplus.bench``: the same synthetic workload under plain ``strategy="ddp"`` and under
-shardplus configurations, run alternately and repeated, reported as samples/s (median) and ratio to ddp.
+"""``python -m lightning_shardplus.bench``: the same synthetic workload under plain ``strategy="ddp"`` and
+under shardplus configurations, run alternately and repeated, reported as samples/s (median) and ratio to ddp.
 
-Each run is a fresh ``Trainer.fit`` on CPU processes (fork launcher); the first ``--warmup`` steps are not
-timed. Alternating the configurations spreads the machine's drift over all of them.
+Each run is a fresh ``Trainer.fit`` on CPU processes (fork launcher) over the same number of micro-batches
+(``--warmup`` untimed, then ``--steps`` timed), so a row with ``aggregation_frequency=A`` takes ``1/A`` as
+many optimizer steps. Alternating the configurations spreads the machine's drift over all of them.
+
+Beside samples/s, shardplus rows report what the gradient communication hook sent on rank 0 per optimizer step
+during the timed steps (median), *counted* by :class:`~lightning_shardplus.compression.CommunicationCounter`
+(not estimated): bytes handed to collectives, all-reduce rounds (gradient synchronizations) and collectives.
+Counting needs a hook, so the ``shardplus`` row (``gradient_compression="none"``) runs torch's Python
+``allreduce_hook``, the equivalent of DDP's built-in all-reduce that the ``ddp`` row uses (not counted).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import tempfile
 import time
@@ -21,6 +29,8 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy, Strategy
 
+from lightning_shardplus.aggregation import effective_batch_size
+from lightning_shardplus.compression import CommunicationCounter
 from lightning_shardplus.datamodule import SyntheticDataModule
 from lightning_shardplus.demo import ClassifierModule
 from lightning_shardplus.strategy import ShardPlusStrategy
@@ -38,86 +48,124 @@ def default_configs() -> list[BenchConfig]:
     return [
         BenchConfig("ddp", lambda: DDPStrategy(start_method="fork")),
         BenchConfig("shardplus", lambda: ShardPlusStrategy(start_method="fork")),
+        BenchConfig("agg4", lambda: ShardPlusStrategy(start_method="fork", aggregation_frequency=4)),
+        BenchConfig("agg8", lambda: ShardPlusStrategy(start_method="fork", aggregation_frequency=8)),
+        BenchConfig("fp16", lambda: ShardPlusStrategy(start_method="fork", gradient_compression="fp16")),
+        BenchConfig("bf16", lambda: ShardPlusStrategy(start_method="fork", gradient_compression="bf16")),
+        BenchConfig(
+            "powersgd", lambda: ShardPlusStrategy(start_method="fork", gradient_compression="powersgd")
+        ),
     ]
 
 
 class _Throughput(Callback):
-    """Times the training steps after ``warmup`` on rank 0 and writes samples/s to ``out``."""
+    """Times the optimizer steps after ``warmup`` on rank 0 and writes samples/s to ``out``."""
 
     def __init__(self, warmup: int, out: Path) -> None:
         self.warmup, self.out, self.start = warmup, out, 0.0
 
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
-        if trainer.global_step == self.warmup:
+        if trainer.global_step == self.warmup and not self.start:
             self.start = time.perf_counter()
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.is_global_zero:
             seconds = time.perf_counter() - self.start
             steps = trainer.global_step - self.warmup
-            samples = steps * trainer.datamodule.effective_global_batch_size
+            samples = steps * effective_batch_size(trainer)
             self.out.write_text(json.dumps({"samples_per_s": samples / seconds, "steps": steps}))
 
 
-def run_once(config: BenchConfig, args: argparse.Namespace) -> float:
-    """One ``fit`` of the workload under ``config``; returns rank 0's samples/s."""
+def _median_per_step(steps: list[dict[str, int]], key: str) -> float | None:
+    return statistics.median(step[key] for step in steps) if steps else None
+
+
+def run_once(config: BenchConfig, args: argparse.Namespace) -> dict[str, Any]:
+    """One ``fit`` of the workload under ``config``; returns rank 0's samples/s and, for shardplus rows, the
+    counted communication per timed optimizer step."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
         pl.seed_everything(0, verbose=False)
+        strategy = config.make_strategy()
+        frequency = getattr(strategy, "aggregation_frequency", 1)
+        warmup_steps = math.ceil(args.warmup / frequency)
+        timed_steps = max(1, args.steps // frequency)
         datamodule = SyntheticDataModule(
             global_batch_size=args.global_batch_size,
-            num_samples=args.global_batch_size * (args.steps + args.warmup),
+            num_samples=args.global_batch_size * frequency * (timed_steps + warmup_steps),
             val_samples=0,
             input_shape=(args.input_dim,),
         )
         model = ClassifierModule(input_dim=args.input_dim, hidden_dims=[args.hidden_dim] * args.layers)
+        counted = isinstance(strategy, ShardPlusStrategy)
+        counter = CommunicationCounter(Path(tmp) / "counts") if counted else None
         trainer = pl.Trainer(
             accelerator="cpu",
             devices=args.devices,
-            strategy=config.make_strategy(),
-            max_steps=args.steps + args.warmup,
+            strategy=strategy,
+            max_steps=timed_steps + warmup_steps,
             logger=False,
             enable_checkpointing=False,
             enable_progress_bar=False,
             enable_model_summary=False,
             limit_val_batches=0,
-            callbacks=[_Throughput(args.warmup, out)],
+            callbacks=[_Throughput(warmup_steps, out), *([counter] if counter else [])],
         )
         trainer.fit(model, datamodule)
-        return json.loads(out.read_text())["samples_per_s"]
+        result: dict[str, Any] = json.loads(out.read_text())
+        steps = json.loads((Path(tmp) / "counts" / "rank0.json").read_text())["steps"] if counter else []
+        timed = steps[warmup_steps:]
+        for key in ("bytes", "rounds", "collectives"):
+            result[f"{key}_per_step"] = _median_per_step(timed, key)
+        return result
 
 
 def run(configs: list[BenchConfig], args: argparse.Namespace) -> dict[str, Any]:
-    """Run every config ``args.repeats`` times, alternating; return per-config samples/s and ratios to ddp."""
-    samples: dict[str, list[float]] = {c.name: [] for c in configs}
+    """Run every config ``args.repeats`` times, alternating; return per-config samples/s, ratios to the first
+    config (ddp) and counted communication per optimizer step."""
+    results: dict[str, list[dict[str, Any]]] = {c.name: [] for c in configs}
     for repeat in range(args.repeats):
         order = configs if repeat % 2 == 0 else list(reversed(configs))
         for config in order:
-            samples[config.name].append(run_once(config, args))
-    baseline = statistics.median(samples[configs[0].name])
-    rows = {
-        name: {
+            results[config.name].append(run_once(config, args))
+    baseline = statistics.median(r["samples_per_s"] for r in results[configs[0].name])
+    rows = {}
+    for name, runs in results.items():
+        values = [r["samples_per_s"] for r in runs]
+        rows[name] = {
             "median_samples_per_s": statistics.median(values),
             "min_samples_per_s": min(values),
             "max_samples_per_s": max(values),
-            "ratio_to_ddp": statistics.median(values) / baseline,
+            "ratio_to_ddp": statistics.median(values) / baseline,  # to the first config: ddp by default
             "runs": values,
+            # the same in every run of a config (the counts do not depend on timing); the first run's
+            **{key: runs[0][key] for key in ("bytes_per_step", "rounds_per_step", "collectives_per_step")},
         }
-        for name, values in samples.items()
-    }
     settings = {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()}
-    return {"settings": settings, "results": rows}
+    return {"settings": settings, "baseline": configs[0].name, "results": rows}
+
+
+def _count(value: float | None, unit: str = "") -> str:
+    if value is None:
+        return "-"
+    if unit == "bytes":
+        return f"{value / 1e6:.3f} MB" if value >= 1e5 else f"{value / 1e3:.1f} kB"
+    return f"{value:g}"
 
 
 def format_table(report: dict[str, Any]) -> str:
     lines = [
-        "| configuration | samples/s (median) | min - max | ratio to ddp |",
-        "|---|---:|---:|---:|",
+        f"| configuration | samples/s (median) | min - max | ratio to {report.get('baseline', 'ddp')} | "
+        "gradient bytes / step | "
+        "all-reduce rounds / step | collectives / step |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for name, row in report["results"].items():
         lines.append(
             f"| {name} | {row['median_samples_per_s']:.0f} | {row['min_samples_per_s']:.0f} - "
-            f"{row['max_samples_per_s']:.0f} | {row['ratio_to_ddp']:.3f} |"
+            f"{row['max_samples_per_s']:.0f} | {row['ratio_to_ddp']:.3f} | "
+            f"{_count(row['bytes_per_step'], 'bytes')} | "
+            f"{_count(row['rounds_per_step'])} | {_count(row['collectives_per_step'])} |"
         )
     return "\n".join(lines)
 
@@ -125,9 +173,21 @@ def format_table(report: dict[str, Any]) -> str:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m lightning_shardplus.bench", description=__doc__)
     parser.add_argument("--devices", type=int, default=2, help="CPU processes (default 2)")
-    parser.add_argument("--repeats", type=int, default=5, help="runs per configuration, alternating (default 5)")
-    parser.add_argument("--steps", type=int, default=100, help="timed optimizer steps per run (default 100)")
-    parser.add_argument("--warmup", type=int, default=10, help="untimed steps at the start of each run")
+    parser.add_argument(
+        "--repeats", type=int, default=5, help="runs per configuration, alternating (default 5)"
+    )
+    parser.add_argument(
+        "--steps", type=int, default=100,
+        help="timed micro-batches per run: optimizer steps without aggregation (default 100)",
+    )
+    parser.add_argument(
+        "--warmup", type=int, default=10, help="untimed micro-batches at the start of each run"
+    )
+    parser.add_argument(
+        "--configs", default=None,
+        help=f"comma-separated rows to run, ddp first as the baseline (default all: "
+        f"{','.join(c.name for c in default_configs())})",
+    )
     parser.add_argument("--global-batch-size", type=int, default=256)
     parser.add_argument("--input-dim", type=int, default=256)
     parser.add_argument("--hidden-dim", type=int, default=512)
@@ -139,12 +199,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(f"--{name.replace('_', '-')}={getattr(args, name)} is not valid: expected >= 1")
     if args.warmup < 0:
         parser.error(f"--warmup={args.warmup} is not valid: expected >= 0")
+    if args.configs is not None:
+        known = [c.name for c in default_configs()]
+        chosen = [name.strip() for name in args.configs.split(",") if name.strip()]
+        unknown = [name for name in chosen if name not in known]
+        if unknown or not chosen:
+            parser.error(f"--configs={args.configs!r} is not valid: expected names among {', '.join(known)}")
+        args.configs = chosen
     return args
+
+
+def select_configs(names: list[str] | None) -> list[BenchConfig]:
+    """The default configs named in ``names`` (all if None), in the default order."""
+    configs = default_configs()
+    return configs if names is None else [c for c in configs if c.name in names]
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    report = run(default_configs(), args)
+    report = run(select_configs(args.configs), args)
     print(format_table(report))
     if args.json is not None:
         args.json.write_text(json.dumps(report, indent=2))

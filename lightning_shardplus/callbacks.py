@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -12,23 +11,14 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.optim import Optimizer
-from torch.utils.data import DataLoader
 from torch.utils.hooks import RemovableHandle
 
+from lightning_shardplus import aggregation
 from lightning_shardplus._validation import check_bool, check_choice, check_int
+from lightning_shardplus.aggregation import effective_batch_size
 from lightning_shardplus.sharding import PaddedShardSampler, check_epoch_shards
 
-
-def _dataloaders(loaders: Any) -> Iterator[DataLoader]:
-    """The DataLoaders inside what ``trainer.train_dataloader`` returns (a loader, or a list/dict of them)."""
-    if isinstance(loaders, DataLoader):
-        yield loaders
-    elif isinstance(loaders, dict):
-        for value in loaders.values():
-            yield from _dataloaders(value)
-    elif isinstance(loaders, (list, tuple)):
-        for value in loaders:
-            yield from _dataloaders(value)
+_dataloaders = aggregation.dataloaders
 
 
 class VerifySharding(Callback):
@@ -37,7 +27,9 @@ class VerifySharding(Callback):
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         samplers = [
-            dl.sampler for dl in _dataloaders(trainer.train_dataloader) if isinstance(dl.sampler, PaddedShardSampler)
+            dl.sampler
+            for dl in _dataloaders(trainer.train_dataloader)
+            if isinstance(dl.sampler, PaddedShardSampler)
         ]
         for sampler in samplers:
             local = (sampler.yielded_indices[: sampler.num_real_samples], sampler.completed_epoch)
@@ -86,27 +78,13 @@ def _check_warmup_epochs(value: Any) -> None:
 
 
 def _aggregation(trainer: pl.Trainer) -> int:
-    """Micro-batches per optimizer step: the strategy's ``aggregation_frequency`` times Lightning's
-    ``accumulate_grad_batches``."""
-    frequency = getattr(trainer.strategy, "aggregation_frequency", 1)
-    if isinstance(frequency, bool) or not isinstance(frequency, int) or frequency < 1:
-        frequency = 1
-    return frequency * trainer.accumulate_grad_batches
+    """Micro-batches per optimizer step: the strategy's ``aggregation_frequency`` or Lightning's
+    ``accumulate_grad_batches`` (ShardPlusStrategy sets the latter to the former: they are one count, never
+    multiplied)."""
+    return aggregation.micro_batches_per_step(trainer)
 
 
-def _per_device_batch_size(trainer: pl.Trainer) -> int | None:
-    """The datamodule's ``per_device_batch_size`` if it has one, else the (first) training DataLoader's batch
-    size; None when neither is known."""
-    size = getattr(trainer.datamodule, "per_device_batch_size", None)
-    if isinstance(size, int) and not isinstance(size, bool) and size >= 1:
-        return size
-    for loader in _dataloaders(trainer.train_dataloader):
-        size = loader.batch_size
-        if size is None:  # a custom batch sampler
-            size = getattr(loader.batch_sampler, "batch_size", None)
-        if isinstance(size, int) and size >= 1:
-            return size
-    return None
+_per_device_batch_size = aggregation.micro_batch_size
 
 
 class ScaleLearningRate(Callback):
@@ -117,12 +95,14 @@ class ScaleLearningRate(Callback):
     (its square root) or none (1), and::
 
         effective_batch = per_device_batch * world_size * aggregation
-        aggregation     = strategy.aggregation_frequency (1 if it has none) * trainer.accumulate_grad_batches
+        aggregation     = micro-batches per optimizer step: the strategy's aggregation_frequency, or
+                          trainer.accumulate_grad_batches (ShardPlusStrategy makes them the same count)
 
-    ``per_device_batch`` is the datamodule's ``per_device_batch_size`` (``ShardPlusDataModule``), else the
-    training DataLoader's ``batch_size``. By default ``reference_batch_size`` is the per-device batch, i.e.
-    the learning rates in the optimizer were tuned on one device without accumulation: the ratio is then
-    ``world_size * aggregation``.
+    which is the figure ``ShardPlusStrategy.effective_batch_size`` reports (both use
+    :func:`lightning_shardplus.aggregation.effective_batch_size`). ``per_device_batch`` is the datamodule's
+    ``per_device_batch_size`` (``ShardPlusDataModule``), else the training DataLoader's ``batch_size``. By
+    default ``reference_batch_size`` is the per-device batch, i.e. the learning rates in the optimizer were
+    tuned on one device without accumulation: the ratio is then ``world_size * aggregation``.
 
     During the first ``warmup_steps`` optimizer steps the factor goes linearly from 1 (step 0) to its full
     value (reached at step ``warmup_steps``); ``warmup_epochs`` (fractions allowed) is converted to optimizer
@@ -199,12 +179,11 @@ class ScaleLearningRate(Callback):
             self._restored_steps = None  # a checkpoint's state, if any, is loaded after this hook
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        aggregation = _aggregation(trainer)
-        per_device = _per_device_batch_size(trainer)
+        aggregation_steps = _aggregation(trainer)
         world_size = trainer.world_size
-        self.effective_batch_size = None if per_device is None else per_device * world_size * aggregation
+        self.effective_batch_size = effective_batch_size(trainer)
         if self.reference_batch_size is None:
-            ratio = float(world_size * aggregation)
+            ratio = float(world_size * aggregation_steps)
         elif self.effective_batch_size is None:
             raise ValueError(
                 f"ScaleLearningRate got `reference_batch_size`={self.reference_batch_size} but cannot find "
@@ -215,7 +194,7 @@ class ScaleLearningRate(Callback):
         else:
             ratio = self.effective_batch_size / self.reference_batch_size
         self.factor = scaling_factor(self.rule, ratio)
-        self.resolved_warmup_steps = self._resolve_warmup_steps(trainer, aggregation)
+        self.resolved_warmup_steps = self._resolve_warmup_steps(trainer, aggregation_steps)
 
         self._remove_hooks()
         self._optimizers = list(trainer.optimizers)
@@ -232,8 +211,8 @@ class ScaleLearningRate(Callback):
         batch = "unknown" if self.effective_batch_size is None else self.effective_batch_size
         reference = self.reference_batch_size or "the per-device batch"
         rank_zero_info(
-            f"ScaleLearningRate: effective batch {batch} ({world_size} processes x {aggregation} aggregated "
-            f"micro-batches), reference {reference}: {self.rule} factor {self.factor:g}, warmup "
+            f"ScaleLearningRate: effective batch {batch} ({world_size} processes x {aggregation_steps} "
+            f"aggregated micro-batches), reference {reference}: {self.rule} factor {self.factor:g}, warmup "
             f"{self.resolved_warmup_steps} optimizer steps, starting at step {min(self._steps, default=0)}"
         )
 
@@ -290,7 +269,7 @@ class ScaleLearningRate(Callback):
 
     # ------------------------------------------------------------------ internals
 
-    def _resolve_warmup_steps(self, trainer: pl.Trainer, aggregation: int) -> int:
+    def _resolve_warmup_steps(self, trainer: pl.Trainer, micro_batches: int) -> int:
         if self.warmup_steps is not None:
             return self.warmup_steps
         if not self.warmup_epochs:
@@ -301,7 +280,7 @@ class ScaleLearningRate(Callback):
                 f"`warmup_epochs`={self.warmup_epochs!r} needs the number of training batches per epoch, but "
                 "the training dataloader has no length: give `warmup_steps` instead."
             )
-        steps_per_epoch = math.ceil(batches / aggregation)
+        steps_per_epoch = math.ceil(batches / micro_batches)
         return math.floor(self.warmup_epochs * steps_per_epoch + 0.5)
 
     def _make_pre_hook(self, index: int) -> Any:

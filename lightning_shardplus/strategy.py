@@ -1,7 +1,9 @@
-"""``ShardPlusStrategy``: DDP with padded equal training shards, exact evaluation shards and tuned fusion.
+"""``ShardPlusStrategy``: DDP with padded equal training shards, exact evaluation shards, gradient
+aggregation, gradient compression and tuned fusion.
 
 The strategy validates its arguments and wires the algorithm modules into Lightning's hooks; the algorithms
-themselves live in :mod:`lightning_shardplus.sharding` (and, later, aggregation, compression, fusion, metrics).
+themselves live in :mod:`lightning_shardplus.sharding`, :mod:`lightning_shardplus.aggregation`,
+:mod:`lightning_shardplus.compression` (and, later, fusion, metrics).
 """
 
 from __future__ import annotations
@@ -14,21 +16,27 @@ from datetime import timedelta
 from typing import Any, Literal
 
 import lightning.pytorch as pl
+import torch
 import torch.distributed
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import _StrategyRegistry
+from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.trainer.states import RunningStage
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
 from torch.nn.parallel import DistributedDataParallel
+from torch.optim import Optimizer
 from torch.utils.data import DataLoader, DistributedSampler, Sampler
 from typing_extensions import override
 
-from lightning_shardplus import _lightning
+from lightning_shardplus import _lightning, aggregation, compression
 from lightning_shardplus._validation import check_bool, check_choice, check_int, check_positive_number
 from lightning_shardplus.callbacks import VerifySharding
+from lightning_shardplus.compression import GRADIENT_COMPRESSIONS, CommunicationCounter, GradientCompression
 from lightning_shardplus.datamodule import ShardPlusDataModule, per_device_batch_size
 from lightning_shardplus.metrics import ExactEvaluation
 from lightning_shardplus.sharding import (
@@ -49,6 +57,9 @@ _DDP_KWARGS = frozenset(inspect.signature(DistributedDataParallel.__init__).para
     "bucket_cap_mb",  # set through `tensor_fusion_threshold_mb`
 }
 
+# Set on a DistributedDataParallel wrapper once `register_communication_hook` has given it its hook.
+_HOOK_REGISTERED = "_shardplus_hook_registered"
+
 _EVALUATION_STAGES = (
     RunningStage.VALIDATING,
     RunningStage.SANITY_CHECKING,
@@ -62,6 +73,29 @@ class ShardPlusStrategy(DDPStrategy):
     NVIDIA Clara Train.
 
     Args:
+        aggregation_frequency: micro-batches per optimizer step (Determined's name; Horovod's
+            ``backward_passes_per_step``). The gradients of all but the last micro-batch of a window stay
+            local (DDP ``no_sync`` over forward and backward); the last one all-reduces the window's gradient
+            once. The effective batch is ``per-device batch x world size x aggregation_frequency``
+            (:attr:`effective_batch_size`, reported when training starts). Built on Lightning's accumulation
+            loop (``trainer.accumulate_grad_batches`` is set to it, so do not also give the Trainer a
+            different ``accumulate_grad_batches``), with the normalization of a short last window corrected:
+            see :mod:`lightning_shardplus.aggregation`. LR schedulers with ``interval="step"`` step once per
+            optimizer step. Needs automatic optimization.
+        average_aggregated_gradients: True: the optimizer sees the mean gradient over the micro-batches
+            actually aggregated (also in a short last window); False: their sum (Horovod's semantics; it is
+            still averaged over processes). The correction is applied after the all-reduce and before AMP
+            unscaling, ``on_before_optimizer_step`` and gradient clipping. With ShardPlusStrategy a plain
+            ``Trainer(accumulate_grad_batches=N)`` gets the same treatment.
+        gradient_compression: the DDP communication hook, registered on every device type (CPU/gloo included)
+            and again whenever DDP is re-wrapped: ``"none"`` (DDP's all-reduce), ``"fp16"`` or ``"bf16"`` (the
+            bucket all-reduced in 16 bits: half the bytes; bf16 works on gloo too), ``"powersgd"`` (low-rank
+            PowerSGD with error feedback and warm start, by default rank 1 from the 10th communicating step;
+            pass a ``PowerSGDState`` as ``ddp_comm_state`` to configure it; on backends other than NCCL its
+            buckets are reduced one after the other, which avoids the hang of torch's hook with several
+            buckets on gloo; its per-rank state is saved in checkpoints). It runs only on the micro-batches
+            that communicate. A backend that cannot run it fails at setup. See
+            :mod:`lightning_shardplus.compression`. Give either this or ``ddp_comm_hook``, not both.
         shard_padding: how short training shards are filled: ``"first"`` (the dataset's first element, as
             Clara Train) or ``"wrap"`` (the epoch order's first indices, as torch's ``DistributedSampler``).
         shuffle_seed: seed of the training epoch permutation; None takes the seed given to
@@ -74,7 +108,9 @@ class ShardPlusStrategy(DDPStrategy):
         find_unused_parameters, static_graph, gradient_as_bucket_view, broadcast_buffers: passed to
             ``DistributedDataParallel``, as are other keyword arguments it accepts.
 
-    The remaining arguments are ``DDPStrategy``'s.
+    The remaining arguments are ``DDPStrategy``'s; unlike ``DDPStrategy``, a ``ddp_comm_hook`` (and
+    ``ddp_comm_wrapper``, which also wraps the hook of ``gradient_compression``) is registered on every device
+    type, not only on CUDA.
     """
 
     strategy_name = "shardplus"
@@ -94,6 +130,9 @@ class ShardPlusStrategy(DDPStrategy):
         timeout: timedelta | None = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         *,
+        aggregation_frequency: int = 1,
+        average_aggregated_gradients: bool = True,
+        gradient_compression: GradientCompression = "none",
         shard_padding: PaddingMode = "first",
         shuffle_seed: int | None = None,
         exact_evaluation: bool = True,
@@ -106,6 +145,21 @@ class ShardPlusStrategy(DDPStrategy):
         **ddp_kwargs: Any,
     ) -> None:
         check_choice("start_method", start_method, ("popen", "spawn", "fork", "forkserver"))
+        check_int("aggregation_frequency", aggregation_frequency, minimum=1)
+        check_bool("average_aggregated_gradients", average_aggregated_gradients)
+        check_choice("gradient_compression", gradient_compression, GRADIENT_COMPRESSIONS)
+        if gradient_compression != "none" and ddp_comm_hook is not None:
+            raise ValueError(
+                f"`gradient_compression`={gradient_compression!r} and `ddp_comm_hook`={ddp_comm_hook!r} both "
+                "choose DDP's communication hook: give one of them (gradient_compression='none' for yours)."
+            )
+        if gradient_compression != "none" and ddp_comm_state is not None and not (
+            gradient_compression == "powersgd" and isinstance(ddp_comm_state, PowerSGDState)
+        ):
+            raise ValueError(
+                f"`ddp_comm_state`={ddp_comm_state!r} does not go with `gradient_compression`="
+                f"{gradient_compression!r}: only 'powersgd' takes a state (a PowerSGDState)."
+            )
         check_choice("shard_padding", shard_padding, PADDING_MODES)
         if shuffle_seed is not None:
             check_int("shuffle_seed", shuffle_seed, minimum=0)
@@ -119,9 +173,10 @@ class ShardPlusStrategy(DDPStrategy):
             )
         unknown = sorted(set(ddp_kwargs) - _DDP_KWARGS)
         if unknown:
+            given = ", ".join(f"`{k}`={ddp_kwargs[k]!r}" for k in unknown)
             raise TypeError(
-                f"ShardPlusStrategy got unknown option(s) {', '.join(f'`{k}`={ddp_kwargs[k]!r}' for k in unknown)}: "
-                f"valid are its own arguments and DistributedDataParallel's ({', '.join(sorted(_DDP_KWARGS))})."
+                f"ShardPlusStrategy got unknown option(s) {given}: valid are its own arguments and "
+                f"DistributedDataParallel's ({', '.join(sorted(_DDP_KWARGS))})."
             )
         super().__init__(
             accelerator=accelerator,
@@ -143,6 +198,9 @@ class ShardPlusStrategy(DDPStrategy):
             bucket_cap_mb=float(tensor_fusion_threshold_mb),
             **ddp_kwargs,
         )
+        self.aggregation_frequency = aggregation_frequency
+        self.average_aggregated_gradients = average_aggregated_gradients
+        self.gradient_compression: GradientCompression = gradient_compression
         self.shard_padding: PaddingMode = shard_padding
         self.shuffle_seed = shuffle_seed
         self.exact_evaluation = exact_evaluation
@@ -150,6 +208,9 @@ class ShardPlusStrategy(DDPStrategy):
         self.tensor_fusion_threshold_mb = float(tensor_fusion_threshold_mb)
         # Set by ExactEvaluation while an evaluation epoch runs: logged values are reduced at its end instead.
         self.defer_logging_sync = False
+        self._compression: compression.CastCompression | compression.PowerSGDCompression | None = None
+        self._compression_checkpoint: dict[str, Any] | None = None  # from a checkpoint, until registered
+        self._user_accumulate_grad_batches: int | None = None
 
     # ------------------------------------------------------------------ registration
 
@@ -193,17 +254,45 @@ class ShardPlusStrategy(DDPStrategy):
         # or process group starts (the launcher keeps its type: Lightning checks it with isinstance).
         launch = self._launcher.launch
 
-        def launch_after_preflight(function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any):
-            self.preflight(*args, *kwargs.values())
+        def launch_after_preflight(
+            function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any
+        ) -> Any:
+            self.preflight(*args, *kwargs.values(), trainer=trainer)
             return launch(function, *args, trainer=trainer, **kwargs)
 
         self._launcher.launch = launch_after_preflight
 
-    def preflight(self, *call_args: Any) -> None:
-        """Refuse, before any process starts, the arguments of a Trainer call that cannot work at this world size."""
+    def preflight(self, *call_args: Any, trainer: pl.Trainer | None = None) -> None:
+        """Refuse, before any process starts, the arguments of a Trainer call that cannot work at this world
+        size or with this strategy's options."""
         for arg in call_args:
             if isinstance(arg, ShardPlusDataModule):
                 per_device_batch_size(arg.global_batch_size, self.num_replicas)
+        if trainer is not None:
+            model = next((arg for arg in call_args if isinstance(arg, pl.LightningModule)), None)
+            self._check_aggregation(trainer, model)
+
+    def _check_aggregation(self, trainer: pl.Trainer, model: pl.LightningModule | None) -> None:
+        if trainer.state.fn != TrainerFn.FITTING:
+            return
+        frequency = self.aggregation_frequency
+        accumulate = self._user_accumulate_grad_batches or trainer.accumulate_grad_batches
+        aggregation.check_accumulation(frequency, accumulate)
+        if frequency == 1:
+            return
+        if model is not None and not model.automatic_optimization:
+            raise ValueError(
+                f"`aggregation_frequency`={frequency} needs automatic optimization, but "
+                f"{type(model).__name__} sets `automatic_optimization = False`: use aggregation_frequency=1 "
+                "and aggregate yourself (manual_backward inside `self.trainer.strategy.model.no_sync()` on "
+                "all but the last micro-batch)."
+            )
+        if any(isinstance(cb, GradientAccumulationScheduler) for cb in trainer.callbacks):
+            raise ValueError(
+                f"`aggregation_frequency`={frequency} and a GradientAccumulationScheduler callback both set "
+                "the micro-batches per optimizer step: use one of them (aggregation_frequency=1 to keep the "
+                "scheduler)."
+            )
 
     @override
     def connect(self, model: pl.LightningModule) -> None:
@@ -211,6 +300,15 @@ class ShardPlusStrategy(DDPStrategy):
         if self.exact_evaluation:
             # Exact evaluation shards are empty on some ranks when the dataset is smaller than the world size.
             model.allow_zero_length_dataloader_with_multiple_devices = True
+        trainer = model._trainer
+        if trainer is not None:
+            self._check_aggregation(trainer, model)
+            fitting = trainer.state.fn == TrainerFn.FITTING
+            if fitting and self.aggregation_frequency > 1 and self._user_accumulate_grad_batches is None:
+                # Lightning's accumulation loop does the windows (no_sync, zero_grad, step, schedulers); the
+                # user's value is put back in teardown.
+                self._user_accumulate_grad_batches = trainer.accumulate_grad_batches
+                trainer.accumulate_grad_batches = self.aggregation_frequency
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -219,6 +317,12 @@ class ShardPlusStrategy(DDPStrategy):
         if self._exact_across_ranks and not any(isinstance(cb, ExactEvaluation) for cb in trainer.callbacks):
             # first, so that the epoch values are exact before any other callback reads them
             trainer.callbacks.insert(0, ExactEvaluation())
+        if trainer.state.fn == TrainerFn.FITTING:
+            self._compression = compression.build_compression(self.gradient_compression, self._ddp_comm_state)
+            if self._compression is not None:
+                self._compression.check_backend(self._backend(), self.root_device)
+            if self._compression_checkpoint is not None:
+                self._restore_compression(self._compression_checkpoint)
         super().setup(trainer)
 
     @property
@@ -288,9 +392,178 @@ class ShardPlusStrategy(DDPStrategy):
             predictions[:] = [batch for rank_batches in gathered for batch in rank_batches]
 
     @override
+    def teardown(self) -> None:
+        module = self.lightning_module
+        trainer = module._trainer if module is not None else None
+        if trainer is not None and self._user_accumulate_grad_batches is not None:
+            trainer.accumulate_grad_batches = self._user_accumulate_grad_batches
+        self._user_accumulate_grad_batches = None
+        self._compression_checkpoint = None
+        super().teardown()
+
+    # ------------------------------------------------------------------ aggregation
+
+    @property
+    def micro_batches_per_step(self) -> int:
+        """Micro-batches per optimizer step: ``aggregation_frequency`` (or, with it left at 1, the Trainer's
+        ``accumulate_grad_batches``)."""
+        module = self.lightning_module
+        trainer = module._trainer if module is not None else None
+        if trainer is None:
+            return self.aggregation_frequency
+        return aggregation.micro_batches_per_step(trainer)
+
+    @property
+    def effective_batch_size(self) -> int | None:
+        """Samples per optimizer step over all processes: ``per-device batch x world size x micro-batches per
+        step``, once the training data is known (None before, or when the batch size cannot be found).
+        ``ScaleLearningRate`` scales with the same figure."""
+        module = self.lightning_module
+        trainer = module._trainer if module is not None else None
+        return None if trainer is None else aggregation.effective_batch_size(trainer)
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        trainer = self.lightning_module.trainer
+        per_device = aggregation.micro_batch_size(trainer)
+        micro_batches = self.micro_batches_per_step
+        batch = "unknown" if per_device is None else str(self.effective_batch_size)
+        rank_zero_info(
+            f"shardplus: effective batch {batch} = {per_device or '?'} per device x {trainer.world_size} "
+            f"processes x {micro_batches} micro-batches per optimizer step "
+            f"({'mean' if self.average_aggregated_gradients else 'sum'} of aggregated gradients); "
+            f"gradient compression {self.gradient_compression!r}"
+        )
+
+    @override
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: pl.LightningModule | torch.nn.Module | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        closure = self._normalizing_closure(optimizer, closure)
+        return super().optimizer_step(optimizer, closure, model, **kwargs)
+
+    def _normalizing_closure(self, optimizer: Optimizer, closure: Callable[[], Any]) -> Callable[[], Any]:
+        """``closure`` (forward + backward of the window's last micro-batch, whose backward all-reduced the
+        window's gradient), then the gradient corrected from Lightning's ``sum(loss / N)`` to the mean over
+        the micro-batches actually aggregated (or their sum). Runs before unscaling, hooks and clipping."""
+        module = self.lightning_module
+        trainer = module._trainer if module is not None else None
+        if trainer is None or not module.automatic_optimization or not trainer.training:
+            return closure
+        frequency = trainer.accumulate_grad_batches
+        if frequency == 1:
+            return closure
+
+        def closure_then_normalize() -> Any:
+            result = closure()
+            aggregated = aggregation.window_length(_lightning.micro_batches_done_in_epoch(trainer), frequency)
+            factor = aggregation.gradient_correction(frequency, aggregated, self.average_aggregated_gradients)
+            parameters = (p for group in optimizer.param_groups for p in group["params"])
+            aggregation.scale_gradients(parameters, factor)
+            return result
+
+        return closure_then_normalize
+
+    # ------------------------------------------------------------------ compression
+
+    def _backend(self) -> str:
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            return str(torch.distributed.get_backend())
+        return self._get_process_group_backend()
+
+    @override
+    def _register_ddp_hooks(self) -> None:
+        # The stock implementation registers hooks on CUDA only; ours on every device type.
+        self.register_communication_hook()
+
+    def register_communication_hook(self) -> None:
+        """Register the gradient communication hook on the current DDP wrapper (``self.model``): the hook of
+        ``gradient_compression`` or the user's ``ddp_comm_hook``, wrapped by ``ddp_comm_wrapper`` and by any
+        :class:`~lightning_shardplus.compression.CommunicationCounter` among the Trainer's callbacks.
+
+        Call it again after re-wrapping DDP (``self.model = self._setup_model(self.lightning_module)``): the
+        compression state (PowerSGD's error feedback and warm start) carries over to the new wrapper. A
+        wrapper that already has the hook is left alone."""
+        model = self.model
+        if not isinstance(model, DistributedDataParallel) or getattr(model, _HOOK_REGISTERED, False):
+            return
+        backend = self._backend()
+        hook: Callable | None = self._ddp_comm_hook
+        state = self._ddp_comm_state
+        if self._compression is not None:
+            hook, state = self._compression.hook_for(model, backend)
+        trainer = self.lightning_module._trainer if self.lightning_module is not None else None
+        counters = [cb for cb in trainer.callbacks if isinstance(cb, CommunicationCounter)] if trainer else []
+        if hook is None and (self._ddp_comm_wrapper is not None or counters):
+            # DDP's all-reduce, as a hook that can be wrapped
+            hook, state = default_hooks.allreduce_hook, None
+        if hook is None:
+            return
+        if self._ddp_comm_wrapper is not None:
+            hook = self._ddp_comm_wrapper(hook)
+        for counter in counters:
+            hook = counter.wrap(hook)
+        try:
+            model.register_comm_hook(state, hook)
+        except Exception as err:
+            raise RuntimeError(
+                f"DDP refused the communication hook {getattr(hook, '__qualname__', hook)!r} "
+                f"(`gradient_compression`={self.gradient_compression!r}) on the {backend!r} backend: {err}"
+            ) from err
+        setattr(model, _HOOK_REGISTERED, True)
+
+    def compression_state_dict(self) -> dict[str, Any] | None:
+        """This rank's gradient-compression state (PowerSGD: per-parameter error feedback and warm-start P/Q,
+        step counter, random generator); None for stateless compression or outside fit."""
+        return None if self._compression is None else self._compression.state_dict()
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
+    ) -> None:
+        """Add every rank's compression state (PowerSGD's error feedback is per rank) to the checkpoint that
+        rank 0 writes: a gather on all ranks, which Lightning's ``Trainer.save_checkpoint`` calls together."""
+        state = self.compression_state_dict()
+        if state is not None and "loops" in checkpoint:  # not for weights-only checkpoints
+            if torch.distributed.is_available() and torch.distributed.is_initialized():
+                gathered: list[Any] | None = [None] * self.world_size if self.is_global_zero else None
+                torch.distributed.gather_object(state, gathered, dst=0)
+            else:
+                gathered = [state]
+            if self.is_global_zero:
+                assert gathered is not None
+                checkpoint[compression.CHECKPOINT_KEY] = compression.checkpoint_entry(
+                    self.gradient_compression, gathered
+                )
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        # DDP restores checkpoints before `setup`, which builds this fit's compression state and restores this
+        self._compression_checkpoint = checkpoint.get(compression.CHECKPOINT_KEY)
+        return checkpoint
+
+    def _restore_compression(self, entry: dict[str, Any]) -> None:
+        if self._compression is None or entry.get("name") != self.gradient_compression:
+            rank_zero_warn(
+                f"shardplus: the checkpoint holds {entry.get('name')!r} gradient-compression state, this run "
+                f"uses `gradient_compression`={self.gradient_compression!r}: it starts without it."
+            )
+        else:
+            self._compression.load_checkpoint_entry(entry, self.global_rank, self.world_size)
+        self._compression_checkpoint = None
+
+    @override
     def process_dataloader(self, dataloader: object) -> object:
-        """Put shardplus samplers into the loaders Lightning prepared: padded shards for training, exact shards
-        for evaluation. Loaders the user sharded, or that Lightning left alone, pass through unchanged."""
+        """Put shardplus samplers into the loaders Lightning prepared: padded shards for training, exact
+        shards for evaluation. Loaders the user sharded, or that Lightning left alone, pass through
+        unchanged."""
         dataloader = super().process_dataloader(dataloader)
         if not isinstance(dataloader, DataLoader):
             return dataloader
@@ -298,14 +571,15 @@ class ShardPlusStrategy(DDPStrategy):
         if not _lightning.is_injected(sampler):
             if isinstance(sampler, DistributedSampler):
                 rank_zero_warn(
-                    "shardplus: a DataLoader already has a DistributedSampler; it is left alone, so padded equal "
-                    "shards and exact evaluation do not apply to it. Pass a plain DataLoader to get them."
+                    "shardplus: a DataLoader already has a DistributedSampler; it is left alone, so padded "
+                    "equal shards and exact evaluation do not apply to it. Pass a plain DataLoader to get "
+                    "them."
                 )
             return dataloader
         if not _lightning.injected_over_dataset_order(sampler):
             rank_zero_warn(
-                "shardplus: a DataLoader has a custom sampler; Lightning's DistributedSamplerWrapper shards it, and "
-                "padded equal shards and exact evaluation do not apply to it."
+                "shardplus: a DataLoader has a custom sampler; Lightning's DistributedSamplerWrapper shards "
+                "it, and padded equal shards and exact evaluation do not apply to it."
             )
             return dataloader
         stage = self.lightning_module.trainer.state.stage
@@ -324,7 +598,9 @@ class ShardPlusStrategy(DDPStrategy):
 
     def _training_sampler(self, dataloader: DataLoader, injected: Any) -> PaddedShardSampler:
         if len(dataloader.dataset) == 0:
-            raise ValueError("The training dataset is empty (len(train dataset) == 0): give it at least one sample.")
+            raise ValueError(
+                "The training dataset is empty (len(train dataset) == 0): give it at least one sample."
+            )
         return PaddedShardSampler(
             dataloader.dataset,
             self.num_replicas,

@@ -379,17 +379,51 @@ def test_errors_found_when_training_starts(
         _fit(tmp_path, 1, 1, ScaleLearningRate(**kwargs), 2, module=module_class())
 
 
-def test_aggregation_counts_the_strategy_frequency_and_accumulation() -> None:
+def test_aggregation_counts_the_strategy_frequency_or_accumulation_once() -> None:
     from types import SimpleNamespace
 
     from lightning_shardplus.callbacks import _aggregation
 
+    # ShardPlusStrategy sets accumulate_grad_batches to its aggregation_frequency: one count, not a product
     trainer: Any = SimpleNamespace(
-        strategy=SimpleNamespace(aggregation_frequency=3), accumulate_grad_batches=2
+        strategy=SimpleNamespace(aggregation_frequency=3), accumulate_grad_batches=3
     )
-    assert _aggregation(trainer) == 6
+    assert _aggregation(trainer) == 3
+    trainer.accumulate_grad_batches = 1  # before the strategy has set it
+    assert _aggregation(trainer) == 3
     trainer.strategy = SimpleNamespace()  # a strategy without the attribute
+    trainer.accumulate_grad_batches = 2
     assert _aggregation(trainer) == 2
+
+
+@pytest.mark.timeout(120)
+def test_effective_batch_is_the_strategy_figure_with_aggregation(tmp_path: Path) -> None:
+    scale = ScaleLearningRate(rule="linear")
+    records = _fit_aggregated(tmp_path, scale)
+    assert records["callback"] == records["strategy"] == 4 * 2 * 3
+
+
+def _fit_aggregated(directory: Path, scale: ScaleLearningRate) -> dict[str, Any]:
+    class Report(Callback):
+        def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            if trainer.is_global_zero:
+                strategy_figure = trainer.strategy.effective_batch_size
+                figures = {"callback": scale.effective_batch_size, "strategy": strategy_figure}
+                (directory / "figures.json").write_text(json.dumps(figures))
+
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=ShardPlusStrategy(start_method="fork", aggregation_frequency=3),
+        max_steps=2,
+        callbacks=[scale, Report()],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(TinyModule(), datamodule=ShardPlusDataModule(8, train_dataset=_dataset()))
+    return json.loads((directory / "figures.json").read_text())
 
 
 def test_large_batch_config_parses(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,0 +1,587 @@
+"""Gradient compression: a name -> a DDP communication hook (+ its state, checkpointable), on every device.
+
+``ShardPlusStrategy(gradient_compression=...)`` picks one of:
+
+- ``"none"``: DDP's own all-reduce (no hook; float32 gradients on the wire).
+- ``"fp16"``: torch's ``fp16_compress_hook``: the bucket is cast to float16 (divided by the world size
+  first), all-reduced, and cast back. Half the bytes; float16's range and 11-bit mantissa apply to the summed
+  gradient.
+- ``"bf16"``: the same in bfloat16 (float32's range, 8-bit mantissa). torch's DDP refuses its
+  ``bf16_compress_hook`` *by name* unless torch was built with CUDA and NCCL >= 2.10, although gloo
+  all-reduces bfloat16 (checked with a one-element all-reduce at setup): on other backends
+  than NCCL the strategy registers the same hook under another name. On NCCL torch's hook and its check are
+  used as they are.
+- ``"powersgd"``: torch's ``powerSGD_hook`` (Vogels et al., 2019): each gradient matrix is all-reduced as a
+  rank-r approximation ``P Q^T``, with error feedback (what compression dropped is added to the next step's
+  gradient, kept per rank) and warm start (``Q`` of the previous step starts the next power iteration). The
+  default state is :func:`default_powersgd_state`; pass a ``PowerSGDState`` as the strategy's
+  ``ddp_comm_state`` to choose the rank, the first compressed step, and so on.
+
+The hook runs only on the steps that communicate: with aggregation, on the last micro-batch of each window.
+
+PowerSGD on gloo with several buckets hung in torch's hook: its continuations block a gloo worker thread each
+(``all_reduce(...).wait()`` inside ``Future.then`` callbacks), and with several buckets in flight they block
+all worker threads while the collectives they wait for queue behind them; the callbacks also issue collectives
+from different threads in an order that may differ between ranks. :class:`PowerSGDCompression` therefore runs
+the buckets one after the other on every backend but NCCL (each bucket waits for the previous bucket's future
+before it starts), which removes both problems at the cost of overlap between buckets.
+
+PowerSGD's state is keyed by DDP bucket index, but DDP re-cuts its buckets after the first iteration and a
+fresh DDP wrapper (a resumed run, or a re-wrap during fit) starts with one bucket again.
+:class:`PowerSGDCompression` keeps the state per *parameter* across such changes, which is also the form saved
+in checkpoints (see :meth:`PowerSGDCompression.state_dict`), so a resumed run continues with the same error
+feedback and warm start.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import numpy as np
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
+from torch.nn.parallel import DistributedDataParallel
+
+GradientCompression = Literal["none", "fp16", "bf16", "powersgd"]
+GRADIENT_COMPRESSIONS: tuple[str, ...] = ("none", "fp16", "bf16", "powersgd")
+
+# Steps of plain all-reduce before PowerSGD starts compressing (torch's default is 1000; it must be >= 2).
+DEFAULT_POWERSGD_START_ITER = 10
+
+_STATE_FORMAT = 1
+
+
+def default_powersgd_state() -> PowerSGDState:
+    """The PowerSGD configuration of ``gradient_compression="powersgd"``: rank 1, error feedback and warm
+    start on, compression from the 10th communicating step on (the first ones use a plain all-reduce, as torch
+    recommends), seed 0."""
+    return PowerSGDState(
+        process_group=None,
+        matrix_approximation_rank=1,
+        start_powerSGD_iter=DEFAULT_POWERSGD_START_ITER,
+        min_compression_rate=2,
+        use_error_feedback=True,
+        warm_start=True,
+        random_seed=0,
+    )
+
+
+def shardplus_bf16_compress_hook(process_group, bucket):  # no annotations: DDP checks them against its types
+    """torch's ``bf16_compress_hook`` under another name (DDP refuses the original by name on builds without
+    CUDA and NCCL, whatever the backend); registered only on backends that all-reduced bfloat16 at setup."""
+    return default_hooks.bf16_compress_hook(process_group, bucket)
+
+
+def build_compression(
+    name: str, ddp_comm_state: object | None = None
+) -> CastCompression | PowerSGDCompression | None:
+    """The compression object for ``name`` (None for ``"none"``), with fresh state for one fit."""
+    if name == "none":
+        return None
+    if name == "fp16":
+        return CastCompression("fp16", torch.float16)
+    if name == "bf16":
+        return CastCompression("bf16", torch.bfloat16)
+    if name == "powersgd":
+        return PowerSGDCompression(ddp_comm_state if isinstance(ddp_comm_state, PowerSGDState) else None)
+    raise ValueError(
+        f"`gradient_compression`={name!r} is not valid: expected one of {GRADIENT_COMPRESSIONS}."
+    )
+
+
+class CastCompression:
+    """``"fp16"`` / ``"bf16"``: all-reduce the gradient bucket in a 16-bit float type. Stateless."""
+
+    def __init__(self, name: str, dtype: torch.dtype) -> None:
+        self.name = name
+        self.dtype = dtype
+
+    def check_backend(self, backend: str, device: torch.device) -> None:
+        """Fail now, on every rank alike, if the backend cannot all-reduce this type (never at the first
+        backward). NCCL is left to torch's own check when the hook is registered."""
+        if backend == "nccl":
+            return
+        try:
+            dist.all_reduce(torch.zeros(1, dtype=self.dtype, device=device))
+        except Exception as err:  # the backend's own error is quoted in ours
+            others = "'fp16', 'none' or 'powersgd'" if self.name == "bf16" else "'none' or 'powersgd'"
+            raise ValueError(
+                f"`gradient_compression`={self.name!r} cannot work on the {backend!r} process-group backend: "
+                f"it cannot all-reduce {self.dtype} tensors ({type(err).__name__}: {err}). Use {others}, or "
+                "a backend that supports it."
+            ) from err
+
+    def hook_for(self, model: DistributedDataParallel, backend: str) -> tuple[Callable, object]:
+        if self.dtype == torch.float16:
+            return default_hooks.fp16_compress_hook, None
+        if backend == "nccl":
+            return default_hooks.bf16_compress_hook, None
+        return shardplus_bf16_compress_hook, None
+
+    def state_dict(self) -> dict[str, Any] | None:
+        return None
+
+    def load_checkpoint_entry(self, entry: dict[str, Any], rank: int, world_size: int) -> None:
+        pass
+
+
+def _quiet_wait(future: torch.futures.Future | None) -> None:
+    """Wait for ``future``; its error, if any, reaches DDP through the future itself."""
+    if future is None:
+        return
+    try:
+        future.wait()
+    except Exception:  # DDP reports it when it waits on the same future
+        pass
+
+
+class PowerSGDCompression:
+    """``"powersgd"``: torch's ``powerSGD_hook`` with its ``PowerSGDState``, made safe on gloo with several
+    buckets, kept across DDP bucket re-cuts and re-wraps, and saved per rank in checkpoints.
+
+    Args:
+        template: a ``PowerSGDState`` whose settings (rank, start iteration, ...) and random generator state
+            to copy; None: :func:`default_powersgd_state`. The state of one fit is always fresh.
+    """
+
+    name = "powersgd"
+
+    def __init__(self, template: PowerSGDState | None = None) -> None:
+        self.state = _fresh_state(template)
+        self._names: dict[int, str] = {}  # id(parameter) -> name, for the registered DDP wrapper
+        self._shapes: dict[str, torch.Size] = {}
+        self._layout: dict[int, tuple[str, ...]] = {}  # bucket index -> its parameter names, as last seen
+        self._loose: dict[
+            str, dict[str, torch.Tensor]
+        ] = {}  # name -> {"error"|"p"|"q": piece} not in a bucket
+        self._serialize = True
+        self._previous: torch.futures.Future | None = None
+        self._round: list[torch.futures.Future] = []
+
+    def check_backend(self, backend: str, device: torch.device) -> None:
+        pass
+
+    def hook_for(self, model: DistributedDataParallel, backend: str) -> tuple[Callable, object]:
+        """Start following ``model``, a new DDP wrapper (its bucket layout is found at its first backward)."""
+        named = [(name, p) for name, p in model.module.named_parameters() if p.requires_grad]
+        self._names = {id(p): name for name, p in named}
+        self._shapes = {name: p.shape for name, p in named}
+        self._serialize = backend != "nccl"
+        self._previous = None
+        self._round = []
+        return self.hook, self.state
+
+    # ------------------------------------------------------------------ the hook
+
+    def hook(self, state, bucket):  # no annotations: DDP checks them against its types
+        """``powerSGD_hook`` after (1) waiting for the previous bucket (not on NCCL) and (2) re-cutting the
+        state when DDP's bucket layout changed."""
+        if self._serialize and self._previous is not None:
+            previous, self._previous = self._previous, None
+            _quiet_wait(previous)
+        index = bucket.index()
+        names = tuple(self._names.get(id(p), f"<unnamed {id(p)}>") for p in bucket.parameters())
+        if self._layout.get(index) != names:
+            if index in self._layout:  # DDP re-cut its buckets (or was re-wrapped): re-cut the state too
+                for future in self._round:
+                    _quiet_wait(future)
+                self._dissolve()
+            self._assemble(index, names, bucket.buffer())
+            self._layout[index] = names
+        future = powerSGD_hook(state, bucket)
+        if bucket.is_last():
+            self._previous, self._round = None, []
+        else:
+            self._previous = future
+            self._round.append(future)
+        return future
+
+    # ------------------------------------------------------------------ per-parameter state
+
+    def _numel(self, name: str) -> int:
+        return int(torch.Size(self._shapes[name]).numel())
+
+    def _compressed(self, names: tuple[str, ...]) -> tuple[list[str], dict[str, tuple[int, int]]]:
+        """The order of the compressed matrices in a bucket's P/Q memory and their P and Q lengths, as
+        ``powerSGD_hook`` lays them out: grouped by matrix shape in order of first appearance."""
+        rank = self.state.matrix_approximation_rank
+        groups: dict[tuple[int, int], list[str]] = {}
+        lengths: dict[str, tuple[int, int]] = {}
+        for name in names:
+            shape = self._shapes.get(name)
+            if shape is None or len(shape) == 0 or shape[0] == 0:
+                continue
+            n = int(shape[0])
+            m = self._numel(name) // n
+            r = min(n, m, rank)
+            if (n + m) * r * self.state.min_compression_rate < n * m:
+                groups.setdefault((n, m), []).append(name)
+                lengths[name] = (n * r, m * r)
+        return [name for group in groups.values() for name in group], lengths
+
+    def _split(self, index: int, names: tuple[str, ...], pop: bool) -> dict[str, dict[str, torch.Tensor]]:
+        """Bucket ``index``'s error, P and Q memory cut into per-parameter pieces (copies)."""
+        take = dict.pop if pop else dict.get
+        error = take(self.state.error_dict, index, None)
+        p_memory = take(self.state.p_memory_dict, index, None)
+        q_memory = take(self.state.q_memory_dict, index, None)
+        pieces: dict[str, dict[str, torch.Tensor]] = {name: {} for name in names}
+        if names and all(name in self._shapes for name in names):
+            sizes = [self._numel(name) for name in names]
+            if error is not None and error.numel() == sum(sizes):
+                for name, piece in zip(names, error.split(sizes), strict=True):
+                    pieces[name]["error"] = piece.detach().clone()
+            order, lengths = self._compressed(names)
+            for key, memory, column in (("p", p_memory, 0), ("q", q_memory, 1)):
+                sizes = [lengths[name][column] for name in order]
+                if order and memory is not None and memory.numel() == sum(sizes):
+                    for name, piece in zip(order, memory.split(sizes), strict=True):
+                        pieces[name][key] = piece.detach().clone()
+        return pieces
+
+    def _dissolve(self) -> None:
+        for index, names in list(self._layout.items()):
+            for name, parts in self._split(index, names, pop=True).items():
+                self._loose.setdefault(name, {}).update(parts)
+        self._layout.clear()
+
+    def _assemble(self, index: int, names: tuple[str, ...], buffer: torch.Tensor) -> None:
+        """Put the loose pieces of ``names`` together as bucket ``index``'s state, where all are there."""
+        parts = [self._loose.pop(name, {}) for name in names]
+        if not any(parts) or not all(name in self._shapes for name in names):
+            return
+        device, dtype = buffer.device, buffer.dtype
+        errors = [part.get("error") for part in parts]
+        if all(e is not None and e.numel() == self._numel(n) for e, n in zip(errors, names, strict=True)):
+            self.state.error_dict[index] = torch.cat([e.reshape(-1) for e in errors]).to(device, dtype)
+        order, lengths = self._compressed(names)
+        by_name = dict(zip(names, parts, strict=True))
+        for key, memory, column in (("p", self.state.p_memory_dict, 0), ("q", self.state.q_memory_dict, 1)):
+            pieces = [by_name[name].get(key) for name in order]
+            if order and all(
+                piece is not None and piece.numel() == lengths[name][column]
+                for piece, name in zip(pieces, order, strict=True)
+            ):
+                memory[index] = torch.cat([piece.reshape(-1) for piece in pieces]).to(device, dtype)
+        if (index in self.state.p_memory_dict) != (index in self.state.q_memory_dict):
+            self.state.p_memory_dict.pop(index, None)  # warm start needs both, else PowerSGD starts afresh
+            self.state.q_memory_dict.pop(index, None)
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's PowerSGD state, independent of DDP's bucket layout: per-parameter error feedback and
+        warm-start P/Q pieces (CPU tensors), the step counter and the random generator (plain types and
+        tensors only, so ``torch.load(weights_only=True)`` reads it)."""
+        params: dict[str, dict[str, torch.Tensor]] = {
+            name: {key: piece.detach().cpu().clone() for key, piece in parts.items()}
+            for name, parts in self._loose.items()
+        }
+        for index, names in self._layout.items():
+            for name, parts in self._split(index, names, pop=False).items():
+                params.setdefault(name, {}).update({key: piece.cpu() for key, piece in parts.items()})
+        _, keys, pos, has_gauss, cached_gaussian = self.state.rng.get_state()
+        return {
+            "format": _STATE_FORMAT,
+            "iter": int(self.state.iter),
+            "rng": {
+                "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
+                "pos": int(pos),
+                "has_gauss": int(has_gauss),
+                "cached_gaussian": float(cached_gaussian),
+            },
+            "stats": [
+                int(self.state.total_numel_before_compression),
+                int(self.state.total_numel_after_compression),
+                int(self.state.next_stats_report),
+            ],
+            "matrix_approximation_rank": int(self.state.matrix_approximation_rank),
+            "params": {name: parts for name, parts in params.items() if parts},
+        }
+
+    def load_state_dict(self, saved: dict[str, Any], keep_error_feedback: bool = True) -> None:
+        """Continue from ``saved`` (from :meth:`state_dict`). The pieces are put into DDP's buckets at the
+        first backward; pieces whose size no longer fits (another rank of approximation, another model) are
+        dropped and PowerSGD starts those buckets afresh."""
+        if saved.get("format") != _STATE_FORMAT:
+            raise ValueError(
+                f"unknown PowerSGD state format {saved.get('format')!r} (expected {_STATE_FORMAT})"
+            )
+        self.state.iter = int(saved["iter"])
+        rng = saved["rng"]
+        self.state.rng.set_state(
+            (
+                "MT19937",
+                rng["keys"].numpy().astype(np.uint32),
+                rng["pos"],
+                rng["has_gauss"],
+                rng["cached_gaussian"],
+            )
+        )
+        before, after, next_report = saved["stats"]
+        self.state.total_numel_before_compression = before
+        self.state.total_numel_after_compression = after
+        self.state.next_stats_report = next_report
+        self.state.error_dict.clear()
+        self.state.p_memory_dict.clear()
+        self.state.q_memory_dict.clear()
+        self._layout.clear()
+        self._loose = {
+            name: {key: piece for key, piece in parts.items() if keep_error_feedback or key != "error"}
+            for name, parts in saved["params"].items()
+        }
+
+    def load_checkpoint_entry(self, entry: dict[str, Any], rank: int, world_size: int) -> None:
+        """Restore this rank's part of a checkpoint entry written by :func:`checkpoint_entry`."""
+        per_rank = entry["per_rank"]
+        if entry.get("world_size") == world_size and len(per_rank) == world_size:
+            self.load_state_dict(per_rank[rank])
+            return
+        rank_zero_warn(
+            f"shardplus: the checkpoint's PowerSGD state is from {entry.get('world_size')} processes, this "
+            f"run has {world_size}: the step counter and warm-start P/Q (the same on every rank) are "
+            "restored, the per-rank error feedback starts again from zero."
+        )
+        self.load_state_dict(per_rank[0], keep_error_feedback=False)
+
+
+def _fresh_state(template: PowerSGDState | None) -> PowerSGDState:
+    if template is None:
+        return default_powersgd_state()
+    state = PowerSGDState(
+        process_group=template.process_group,
+        matrix_approximation_rank=template.matrix_approximation_rank,
+        start_powerSGD_iter=template.start_powerSGD_iter,
+        min_compression_rate=template.min_compression_rate,
+        use_error_feedback=template.use_error_feedback,
+        warm_start=template.warm_start,
+        orthogonalization_epsilon=template.orthogonalization_epsilon,
+        compression_stats_logging_frequency=template.compression_stats_logging_frequency,
+        batch_tensors_with_same_shape=template.batch_tensors_with_same_shape,
+    )
+    state.rng.set_state(template.rng.get_state())
+    return state
+
+
+CHECKPOINT_KEY = "shardplus_gradient_compression"
+
+
+def checkpoint_entry(name: str, per_rank: list[dict[str, Any] | None]) -> dict[str, Any]:
+    """What the strategy stores under ``checkpoint[CHECKPOINT_KEY]``: every rank's state, gathered on rank 0
+    (Lightning writes checkpoints from rank 0 only)."""
+    return {"name": name, "world_size": len(per_rank), "per_rank": per_rank}
+
+
+# ------------------------------------------------------------------------------------------------ counting
+
+
+_COLLECTIVE_PAYLOAD = {  # collective -> (position, keyword) of the tensor this rank contributes
+    "all_reduce": (0, "tensor"),
+    "broadcast": (0, "tensor"),
+    "all_gather": (1, "tensor"),
+    "all_gather_into_tensor": (1, "input_tensor"),
+    "reduce_scatter_tensor": (1, "input"),
+}
+_patch_lock = threading.Lock()
+_active_counters: list[CommunicationCounter] = []
+_original_collectives: dict[str, Callable] = {}
+
+
+def _counting_collective(name: str, original: Callable) -> Callable:
+    position, keyword = _COLLECTIVE_PAYLOAD[name]
+
+    @functools.wraps(original)
+    def collective(*args: Any, **kwargs: Any) -> Any:
+        tensor = args[position] if len(args) > position else kwargs.get(keyword)
+        for counter in list(_active_counters):
+            counter._observe(tensor)
+        return original(*args, **kwargs)
+
+    return collective
+
+
+class CommunicationCounter(Callback):
+    """Counts what the gradient communication hook sends, per training micro-batch and per optimizer step.
+
+    Add it to the Trainer's callbacks: ``ShardPlusStrategy`` wraps its communication hook with :meth:`wrap`
+    (with ``gradient_compression="none"`` it then registers torch's ``allreduce_hook``, the Python equivalent
+    of DDP's built-in all-reduce, so that there is a hook to count). Counted, on each rank:
+
+    - ``rounds``: gradient synchronizations, i.e. backward passes whose buckets went through the hook (the
+      hook call of DDP's last bucket closes one);
+    - ``buckets``: hook calls (one per DDP bucket and round);
+    - ``collectives`` and ``bytes``: ``torch.distributed`` collectives issued while a hook call is in flight
+      (until its future completes, continuations included) and the bytes of the tensors this rank passed to
+      them (the payload: a ring all-reduce moves about ``2 (n-1)/n`` times that over each rank's link).
+
+    ``records`` holds one row per training micro-batch; :meth:`steps` groups them into optimizer steps and
+    :meth:`summary` gives the per-step medians. With ``output_dir``, each rank writes ``rank{r}.json`` there
+    when training ends (fork workers cannot hand objects back).
+    """
+
+    def __init__(self, output_dir: str | os.PathLike | None = None) -> None:
+        self.output_dir = None if output_dir is None else Path(output_dir)
+        self.records: list[dict[str, Any]] = []
+        self._lock = threading.Lock()
+        self._in_flight = 0
+        self._totals = {"rounds": 0, "buckets": 0, "collectives": 0, "bytes": 0}
+        self._at_batch_start: dict[str, int] = {}
+        self._step_at_batch_start = 0
+        self._installed = False
+
+    def __getstate__(self) -> dict[str, Any]:  # the spawn launcher pickles the Trainer's callbacks
+        state = self.__dict__.copy()
+        state["_lock"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ the hook wrapper
+
+    def wrap(self, hook: Callable) -> Callable:
+        """``hook`` counted: its calls, and the collectives issued until the future it returns completes."""
+        counter = self
+
+        def counting_hook(state, bucket):  # no annotations: DDP checks them against its types
+            with counter._lock:
+                counter._in_flight += 1
+                counter._totals["buckets"] += 1
+                if bucket.is_last():
+                    counter._totals["rounds"] += 1
+            try:
+                future = hook(state, bucket)
+            except BaseException:
+                counter._leave()
+                raise
+
+            def done(fut: torch.futures.Future) -> Any:
+                counter._leave()
+                return fut.value()
+
+            return future.then(done)
+
+        counting_hook.__qualname__ = f"counted({getattr(hook, '__qualname__', repr(hook))})"
+        return counting_hook
+
+    def _leave(self) -> None:
+        with self._lock:
+            self._in_flight -= 1
+
+    def _observe(self, tensor: Any) -> None:
+        with self._lock:
+            if self._in_flight <= 0:
+                return
+            self._totals["collectives"] += 1
+            if isinstance(tensor, torch.Tensor):
+                self._totals["bytes"] += tensor.numel() * tensor.element_size()
+
+    def _install(self) -> None:
+        with _patch_lock:
+            if not _active_counters:
+                for name in _COLLECTIVE_PAYLOAD:
+                    original = getattr(dist, name)
+                    _original_collectives[name] = original
+                    setattr(dist, name, _counting_collective(name, original))
+            _active_counters.append(self)
+        self._installed = True
+
+    def _uninstall(self) -> None:
+        if not self._installed:
+            return
+        with _patch_lock:
+            _active_counters.remove(self)
+            if not _active_counters:
+                for name, original in _original_collectives.items():
+                    setattr(dist, name, original)
+                _original_collectives.clear()
+        self._installed = False
+
+    # ------------------------------------------------------------------ Lightning hooks
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not self._installed:
+            self._install()
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        with self._lock:
+            self._at_batch_start = dict(self._totals)
+        self._step_at_batch_start = trainer.global_step
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        with self._lock:
+            delta = {key: value - self._at_batch_start.get(key, 0) for key, value in self._totals.items()}
+        stepped = trainer.global_step > self._step_at_batch_start
+        self.records.append(
+            {"epoch": trainer.current_epoch, "batch_idx": batch_idx, "stepped": stepped, **delta}
+        )
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._uninstall()
+        if self.output_dir is not None:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            report = {"records": self.records, "steps": self.steps(), "summary": self.summary()}
+            (self.output_dir / f"rank{trainer.global_rank}.json").write_text(json.dumps(report))
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._uninstall()
+
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        self._uninstall()
+
+    # ------------------------------------------------------------------ results
+
+    def steps(self) -> list[dict[str, int]]:
+        """The records grouped into optimizer steps: per step, its micro-batches and their summed counts."""
+        steps: list[dict[str, int]] = []
+        current = {"micro_batches": 0, "rounds": 0, "buckets": 0, "collectives": 0, "bytes": 0}
+        for record in self.records:
+            current["micro_batches"] += 1
+            for key in ("rounds", "buckets", "collectives", "bytes"):
+                current[key] += record[key]
+            if record["stepped"]:
+                steps.append(current)
+                current = {key: 0 for key in current}
+        return steps
+
+    def summary(self) -> dict[str, Any]:
+        """Per optimizer step (medians): rounds, hook calls, collectives, bytes; and the rounds counted on
+        micro-batches that did not step the optimizer (0 when aggregation communicates only on the last)."""
+        steps = self.steps()
+
+        def median(key: str) -> float:
+            values = sorted(step[key] for step in steps)
+            if not values:
+                return 0.0
+            middle = len(values) // 2
+            return float(values[middle]) if len(values) % 2 else (values[middle - 1] + values[middle]) / 2
+
+        return {
+            "optimizer_steps": len(steps),
+            "micro_batches": len(self.records),
+            "rounds_per_step": median("rounds"),
+            "buckets_per_step": median("buckets"),
+            "collectives_per_step": median("collectives"),
+            "bytes_per_step": median("bytes"),
+            "rounds_on_non_stepping_micro_batches": sum(
+                r["rounds"] for r in self.records if not r["stepped"]
+            ),
+        }

@@ -1,0 +1,40 @@
+"""The benchmark runs its rows and counts the communication of each (a tiny workload: a smoke test, not a
+measurement)."""
+
+import pytest
+
+from lightning_shardplus import bench
+
+
+@pytest.mark.timeout(180)
+def test_bench_rows_count_bytes_and_rounds_per_optimizer_step(tmp_path, capsys):
+    report = bench.main(
+        [
+            "--repeats=1",
+            "--steps=8",
+            "--warmup=8",
+            "--global-batch-size=8",
+            "--input-dim=8",
+            "--hidden-dim=16",
+            "--layers=1",
+            "--configs=ddp,shardplus,agg4,fp16,powersgd",
+            f"--json={tmp_path / 'report.json'}",
+        ]
+    )
+    rows = report["results"]
+    assert list(rows) == ["ddp", "shardplus", "agg4", "fp16", "powersgd"]
+    parameters = 8 * 16 + 16 + 16 * 10 + 10
+    assert rows["ddp"]["bytes_per_step"] is None  # stock DDP's built-in all-reduce is not instrumented
+    assert rows["shardplus"]["bytes_per_step"] == rows["agg4"]["bytes_per_step"] == 4 * parameters
+    assert rows["fp16"]["bytes_per_step"] == 2 * parameters
+    assert rows["powersgd"]["bytes_per_step"] < 4 * parameters
+    assert all(rows[name]["rounds_per_step"] == 1 for name in ("shardplus", "agg4", "fp16", "powersgd"))
+    assert all(row["median_samples_per_s"] > 0 for row in rows.values())
+    table = capsys.readouterr().out
+    assert "| agg4 |" in table and "gradient bytes / step" in table
+    assert (tmp_path / "report.json").exists()
+
+
+def test_bench_refuses_unknown_rows():
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--configs=ddp,agg3"])
