@@ -27,6 +27,7 @@ from typing_extensions import override
 from lightning_shardplus import _lightning
 from lightning_shardplus.callbacks import VerifySharding
 from lightning_shardplus.datamodule import ShardPlusDataModule, per_device_batch_size
+from lightning_shardplus.metrics import AverageTrainingMetrics
 from lightning_shardplus._validation import check_bool, check_choice, check_int, check_positive_number
 from lightning_shardplus.sharding import PADDING_MODES, ExactShardSampler, PaddedShardSampler, PaddingMode
 
@@ -62,6 +63,12 @@ class ShardPlusStrategy(DDPStrategy):
         verify_sharding: debug aid: at the end of each training epoch the ranks check together that their
             shards were disjoint and covered the dataset.
         tensor_fusion_threshold_mb: DDP's gradient bucket size (``bucket_cap_mb``).
+        average_training_metrics: values logged with ``on_step=True`` from ``training_step`` and the
+            training-batch hooks are replaced by their batch-weighted mean over all ranks (``sync_dist=True``
+            sum/max/min values by that reduction) before loggers, the progress bar or ``callback_metrics`` see
+            them, with one fused all_reduce per optimizer step; False keeps Lightning's behaviour (rank 0's
+            own values, a barrier and an all_reduce per ``sync_dist=True`` value). See
+            :mod:`lightning_shardplus.metrics`.
         find_unused_parameters, static_graph, gradient_as_bucket_view, broadcast_buffers: passed to
             ``DistributedDataParallel``, as are other keyword arguments it accepts.
 
@@ -90,6 +97,7 @@ class ShardPlusStrategy(DDPStrategy):
         exact_evaluation: bool = True,
         verify_sharding: bool = False,
         tensor_fusion_threshold_mb: float = 25.0,
+        average_training_metrics: bool = True,
         find_unused_parameters: bool = False,
         static_graph: bool = False,
         gradient_as_bucket_view: bool = False,
@@ -103,6 +111,7 @@ class ShardPlusStrategy(DDPStrategy):
         check_bool("exact_evaluation", exact_evaluation)
         check_bool("verify_sharding", verify_sharding)
         check_positive_number("tensor_fusion_threshold_mb", tensor_fusion_threshold_mb)
+        check_bool("average_training_metrics", average_training_metrics)
         if "bucket_cap_mb" in ddp_kwargs:
             raise TypeError(
                 f"`bucket_cap_mb`={ddp_kwargs['bucket_cap_mb']!r} is not a ShardPlusStrategy option: "
@@ -139,6 +148,7 @@ class ShardPlusStrategy(DDPStrategy):
         self.exact_evaluation = exact_evaluation
         self.verify_sharding = verify_sharding
         self.tensor_fusion_threshold_mb = float(tensor_fusion_threshold_mb)
+        self.average_training_metrics = average_training_metrics
 
     # ------------------------------------------------------------------ registration
 
@@ -205,6 +215,10 @@ class ShardPlusStrategy(DDPStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         if self.verify_sharding and not any(isinstance(cb, VerifySharding) for cb in trainer.callbacks):
             trainer.callbacks.append(VerifySharding())
+        averaging = any(isinstance(cb, AverageTrainingMetrics) for cb in trainer.callbacks)
+        if self.average_training_metrics and not averaging:
+            # first, so that the metrics are averaged before any other callback's `on_train_batch_end` reads them
+            trainer.callbacks.insert(0, AverageTrainingMetrics())
         super().setup(trainer)
 
     @override

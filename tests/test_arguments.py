@@ -19,6 +19,8 @@ from lightning_shardplus.datamodule import per_device_batch_size
         ({"shuffle_seed": 1.5}, TypeError, r"`shuffle_seed`=1.5.*integer"),
         ({"exact_evaluation": "yes"}, TypeError, r"`exact_evaluation`='yes'.*True or False"),
         ({"verify_sharding": 1}, TypeError, r"`verify_sharding`=1"),
+        ({"average_training_metrics": "yes"}, TypeError, r"`average_training_metrics`='yes'.*True or False"),
+        ({"average_training_metrics": 0}, TypeError, r"`average_training_metrics`=0"),
         ({"tensor_fusion_threshold_mb": 0}, ValueError, r"`tensor_fusion_threshold_mb`=0.*> 0"),
         ({"tensor_fusion_threshold_mb": -5.0}, ValueError, r"`tensor_fusion_threshold_mb`=-5.0"),
         ({"start_method": "thread"}, ValueError, r"`start_method`='thread'.*'popen'"),
