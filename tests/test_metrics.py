@@ -534,3 +534,23 @@ def test_metric_objects_rank_zero_only_and_late_values_are_left_to_lightning(tmp
         assert end["metric_object"] == pytest.approx(
             sum(value(r, i, 1) for r in range(2) for i in range(2)) / 4
         )
+
+
+@pytest.mark.timeout(120)
+def test_bench_counts_the_collectives_of_the_metric_rows():
+    from lightning_shardplus import bench
+
+    args = bench.parse_args(
+        ["--repeats=1", "--steps=3", "--warmup=1", "--global-batch-size=8", "--input-dim=4", "--hidden-dim=8"]
+        + ["--layers=1", "--configs=metrics16-nosync,metrics16-sync_dist,metrics16-averaged"]
+    )
+    configs = {config.name: config for config in bench.default_configs()}
+    report = bench.run([configs[name] for name in args.configs.split(",")], args)
+    results = report["results"]
+    per_step = {name: (r["all_reduce_per_step"], r["barrier_per_step"]) for name, r in results.items()}
+    assert per_step == {
+        "metrics16-nosync": (0, 0),  # (a)
+        "metrics16-sync_dist": (16, 16),  # (b): Lightning syncs each value
+        "metrics16-averaged": (1, 0),  # (c)
+    }
+    assert "| metrics16-averaged |" in bench.format_table(report)
