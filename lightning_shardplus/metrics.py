@@ -78,16 +78,6 @@ class Reduced:
     weight: Tensor | None = None  # mean: sum of the weights
 
 
-@dataclass
-class _Window:
-    """One metric's observations on this rank since the last reduction."""
-
-    reduction: Reduction
-    label: str
-    accumulated: Tensor  # mean: sum of weight * value; sum: sum; max/min: the extreme
-    weight: float = 0.0  # mean: sum of the weights
-
-
 def _slots(reduction: str, world_size: int) -> int:
     # max/min: one slot per rank, this rank's value in its own slot (the SUM all_reduce gathers them)
     return 2 if reduction == "mean" else 1 if reduction == "sum" else world_size
@@ -96,6 +86,34 @@ def _slots(reduction: str, world_size: int) -> int:
 def _digest(signature: Sequence[tuple[str, str]]) -> bytes:
     text = "\n".join(f"{key}\t{reduction}" for key, reduction in signature)
     return hashlib.blake2b(text.encode(), digest_size=_DIGEST_BYTES).digest()
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Where each metric of a signature (sorted keys and their reductions) lives in the collective's body."""
+
+    signature: tuple[tuple[str, str], ...]
+    header: Tensor  # this rank's header: 1, slots, slots^2, then each digest byte and its square
+    slots: int
+    position: dict[str, int]  # first body slot of each key
+    groups: dict[str, tuple[list[str], Tensor]]  # reduction -> its keys (sorted) and their first slots
+
+    @classmethod
+    def of(cls, signature: tuple[tuple[str, str], ...], world_size: int) -> _Layout:
+        position: dict[str, int] = {}
+        members: dict[str, list[str]] = {reduction: [] for reduction in REDUCTIONS}
+        slots = 0
+        for key, reduction in signature:
+            position[key] = slots
+            members[reduction].append(key)
+            slots += _slots(reduction, world_size)
+        numbers = [1, slots, slots * slots] + [x for b in _digest(signature) for x in (b, b * b)]
+        groups = {
+            reduction: (keys, torch.tensor([position[k] for k in keys], dtype=torch.long))
+            for reduction, keys in members.items()
+            if keys
+        }
+        return cls(signature, torch.tensor(numbers, dtype=torch.float64), slots, position, groups)
 
 
 class FusedMetricReducer:
@@ -121,71 +139,95 @@ class FusedMetricReducer:
         self.capacity = capacity
         self._all_reduce = all_reduce
         self._all_gather_object = all_gather_object
-        self._window: dict[str, _Window] = {}
-        self._digest: tuple[tuple[tuple[str, str], ...], bytes] = ((), _digest(()))  # the last one computed
+        # the window: every observation since the last reduction, in order, and each key's reduction and label
+        self._kinds: dict[str, tuple[str, str]] = {}
+        self._keys: list[str] = []
+        self._values: list[Tensor] = []
+        self._weights: list[float] = []
+        self._layout = _Layout.of((), world_size)  # the last one computed
 
     @property
     def pending(self) -> list[str]:
-        return sorted(self._window)
+        return sorted(self._kinds)
 
     def observe(
         self, key: str, reduction: Reduction, value: Tensor, weight: float = 1.0, label: str = ""
     ) -> None:
         """Add one value of ``key`` (a 1-element tensor) with its weight (used by ``"mean"`` only)."""
-        if reduction not in REDUCTIONS:
-            raise ValueError(f"`reduction`={reduction!r} is not valid: expected one of {REDUCTIONS}.")
-        value = value.detach().reshape(()).to(torch.float64)
-        window = self._window.get(key)
-        if window is None:
-            accumulated = value * weight if reduction == "mean" else value
-            self._window[key] = _Window(reduction, label or key, accumulated, float(weight))
-            return
-        if window.reduction != reduction:
-            raise ValueError(f"`{key}` was observed as {window.reduction!r} and now as {reduction!r}.")
-        if reduction == "mean":
-            window.accumulated = window.accumulated + value * weight
-            window.weight += float(weight)
-        elif reduction == "sum":
-            window.accumulated = window.accumulated + value
-        elif reduction == "max":
-            window.accumulated = torch.maximum(window.accumulated, value)
-        else:
-            window.accumulated = torch.minimum(window.accumulated, value)
+        kind = self._kinds.get(key)
+        if kind is None:
+            if reduction not in REDUCTIONS:
+                raise ValueError(f"`reduction`={reduction!r} is not valid: expected one of {REDUCTIONS}.")
+            self._kinds[key] = (reduction, label or key)
+        elif kind[0] != reduction:
+            raise ValueError(f"`{key}` was observed as {kind[0]!r} and now as {reduction!r}.")
+        self._keys.append(key)
+        self._values.append(value.detach() if value.dim() == 0 else value.detach().reshape(()))
+        self._weights.append(float(weight))
+
+    def discard(self) -> None:
+        """Forget what was observed since the last reduction (on every rank at the same point)."""
+        self._kinds.clear()
+        self._keys.clear()
+        self._values.clear()
+        self._weights.clear()
+
+    def entries(self) -> list[tuple[str, str, str]]:
+        """(key, reduction, label) of every metric observed since the last reduction, sorted by key."""
+        return [(key, *self._kinds[key]) for key in sorted(self._kinds)]
 
     # ---------------------------------------------------------------- the collective
 
-    def _signature(self) -> tuple[tuple[str, str], ...]:
-        return tuple((key, self._window[key].reduction) for key in sorted(self._window))
+    def _current_layout(self) -> _Layout:
+        signature = tuple((key, self._kinds[key][0]) for key in sorted(self._kinds))
+        if self._layout.signature != signature:
+            self._layout = _Layout.of(signature, self.world_size)
+        return self._layout
 
     def pack(self, device: torch.device | str = "cpu") -> Tensor:
         """This rank's contribution: header (always) and body (when it fits the agreed capacity)."""
-        signature = self._signature()
-        if self._digest[0] != signature:
-            self._digest = (signature, _digest(signature))
-        digest = self._digest[1]
-        slots = sum(_slots(reduction, self.world_size) for _, reduction in signature)
+        layout = self._current_layout()
         host = torch.zeros(_HEADER + self.capacity, dtype=torch.float64)
-        host[:3] = torch.tensor([1.0, slots, slots * slots], dtype=torch.float64)
-        host[3:_HEADER] = torch.tensor([x for b in digest for x in (b, b * b)], dtype=torch.float64)
-        tensor_slots: list[int] = []
-        tensor_values: list[Tensor] = []
-        if slots <= self.capacity:
-            position = _HEADER
-            for key, reduction in signature:
-                window = self._window[key]
-                if reduction == "mean":
-                    tensor_slots.append(position)
-                    host[position + 1] = window.weight
-                elif reduction == "sum":
-                    tensor_slots.append(position)
-                else:
-                    tensor_slots.append(position + self.rank)
-                tensor_values.append(window.accumulated)
-                position += _slots(reduction, self.world_size)
+        host[:_HEADER] = layout.header
+        if not self._values or layout.slots > self.capacity:
+            return host.to(device)
+        add_slots, add_factors, add_values = [], [], []  # mean (weight * value) and sum: added into a slot
+        weight_slots, weights = [], []
+        extreme_slots: dict[str, list[int]] = {"max": [], "min": []}
+        extreme_values: dict[str, list[Tensor]] = {"max": [], "min": []}
+        for key, value, weight in zip(self._keys, self._values, self._weights, strict=True):
+            reduction = self._kinds[key][0]
+            slot = _HEADER + layout.position[key]
+            if reduction == "mean":
+                add_slots.append(slot)
+                add_factors.append(weight)
+                add_values.append(value)
+                weight_slots.append(slot + 1)
+                weights.append(weight)
+            elif reduction == "sum":
+                add_slots.append(slot)
+                add_factors.append(1.0)
+                add_values.append(value)
+            else:
+                extreme_slots[reduction].append(slot + self.rank)
+                extreme_values[reduction].append(value)
+        if weights:
+            host.index_add_(0, torch.tensor(weight_slots), torch.tensor(weights, dtype=torch.float64))
         buffer = host.to(device)
-        if tensor_values:
-            index = torch.tensor(tensor_slots, device=device)
-            buffer.index_copy_(0, index, torch.stack([v.to(device) for v in tensor_values]))
+        if add_values:
+            products = torch.stack(add_values).to(device=device, dtype=torch.float64)
+            products.mul_(torch.tensor(add_factors, dtype=torch.float64).to(device))
+            buffer.index_add_(0, torch.tensor(add_slots, device=device), products)
+        for reduction, values in extreme_values.items():
+            if values:
+                # include_self=False: the extreme of this rank's values only (other ranks' slots stay 0)
+                buffer.scatter_reduce_(
+                    0,
+                    torch.tensor(extreme_slots[reduction], device=device),
+                    torch.stack(values).to(device=device, dtype=torch.float64),
+                    "amax" if reduction == "max" else "amin",
+                    include_self=False,
+                )
         return buffer
 
     def unpack(self, buffer: Tensor, where: str = "this step") -> dict[str, Reduced] | None:
@@ -206,20 +248,25 @@ class FusedMetricReducer:
         if slots > self.capacity:
             self.capacity = 1 << (slots - 1).bit_length()
             return None
+        layout = self._current_layout()
         body = buffer[_HEADER:]
         reduced: dict[str, Reduced] = {}
-        position = 0
-        for key, reduction in self._signature():
+        for reduction, (keys, positions) in layout.groups.items():
+            positions = positions.to(body.device)
             if reduction == "mean":
-                weighted_sum, weight = body[position], body[position + 1]
-                reduced[key] = Reduced(weighted_sum / weight, weighted_sum, weight)
-            elif reduction == "sum":
-                reduced[key] = Reduced(body[position])
-            else:
-                values = body[position : position + world]
-                reduced[key] = Reduced(values.max() if reduction == "max" else values.min())
-            position += _slots(reduction, world)
-        self._window.clear()
+                weighted_sums, weights = body[positions], body[positions + 1]
+                means = weighted_sums / weights
+                for i, key in enumerate(keys):
+                    reduced[key] = Reduced(means[i], weighted_sums[i], weights[i])
+                continue
+            if reduction == "sum":
+                values = body[positions]
+            else:  # one slot per rank
+                per_rank = body[positions[:, None] + torch.arange(world, device=body.device)]
+                values = per_rank.amax(1) if reduction == "max" else per_rank.amin(1)
+            for i, key in enumerate(keys):
+                reduced[key] = Reduced(values[i])
+        self.discard()
         return reduced
 
     def reduce(self, device: torch.device | str = "cpu", where: str = "this step") -> dict[str, Reduced]:
@@ -232,17 +279,9 @@ class FusedMetricReducer:
             if reduced is not None:
                 return reduced
 
-    def discard(self) -> None:
-        """Forget what was observed since the last reduction (on every rank at the same point)."""
-        self._window.clear()
-
-    def entries(self) -> list[tuple[str, str, str]]:
-        """(key, reduction, label) of every metric observed since the last reduction, sorted by key."""
-        return [(key, reduction, self._window[key].label) for key, reduction in self._signature()]
-
     def _raise_mismatch(self, where: str) -> None:
         gathered = self._all_gather_object(self.entries())  # every rank gets here: the header sums are shared
-        self._window.clear()
+        self.discard()
         raise MetricMismatchError(describe_mismatch(gathered, where))
 
 
