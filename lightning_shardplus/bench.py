@@ -101,6 +101,16 @@ def _counting_collectives() -> Iterator[None]:
             setattr(dist, name, original)
 
 
+class _Threads(Callback):
+    """Sets torch's intra-op threads in every worker (``--threads``)."""
+
+    def __init__(self, threads: int) -> None:
+        self.threads = threads
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        torch.set_num_threads(self.threads)
+
+
 class _Throughput(Callback):
     """Times the training steps after ``warmup`` on rank 0 and writes samples/s, seconds per step and the
     collectives per step (counted from the first timed step to the end of the last one) to ``out``."""
@@ -154,7 +164,7 @@ def run_once(config: BenchConfig, args: argparse.Namespace) -> dict[str, float]:
             enable_progress_bar=False,
             enable_model_summary=False,
             limit_val_batches=0,
-            callbacks=[_Throughput(args.warmup, out)],
+            callbacks=[_Throughput(args.warmup, out)] + ([_Threads(args.threads)] if args.threads else []),
         )
         with _counting_collectives():
             trainer.fit(model, datamodule)
@@ -213,6 +223,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--hidden-dim", type=int, default=512)
     parser.add_argument("--layers", type=int, default=3)
     parser.add_argument("--json", type=Path, default=None, help="also write the report to this JSON file")
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch intra-op threads per process (default: torch's)"
+    )
     names = [config.name for config in default_configs()]
     parser.add_argument(
         "--configs",
@@ -227,6 +240,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("devices", "repeats", "steps", "global_batch_size", "input_dim", "hidden_dim", "layers"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')}={getattr(args, name)} is not valid: expected >= 1")
+    if args.threads is not None and args.threads < 1:
+        parser.error(f"--threads={args.threads} is not valid: expected >= 1")
     if args.warmup < 0:
         parser.error(f"--warmup={args.warmup} is not valid: expected >= 0")
     return args
