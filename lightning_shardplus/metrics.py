@@ -69,13 +69,60 @@ class MetricMismatchError(RuntimeError):
     """Ranks logged different training metrics in the same step; raised on every rank."""
 
 
-@dataclass(frozen=True)
-class Reduced:
-    """One metric after the collective: its step value, and for means the global sums it came from."""
+class _Group:
+    """The reduced values of the metrics sharing a reduction, as one vector (float64, on the collective's
+    device), with the sums means came from; converted to other dtypes once, on demand."""
 
-    value: Tensor  # float64, 0-dim, on the collective's device
-    weighted_sum: Tensor | None = None  # mean: sum over ranks (and micro-batches) of weight * value
-    weight: Tensor | None = None  # mean: sum of the weights
+    __slots__ = ("_converted", "values", "weight", "weighted_sum")
+
+    def __init__(
+        self, values: Tensor, weighted_sum: Tensor | None = None, weight: Tensor | None = None
+    ) -> None:
+        self.values, self.weighted_sum, self.weight = values, weighted_sum, weight
+        self._converted: dict[torch.dtype, Tensor] = {}
+
+    def values_as(self, dtype: torch.dtype) -> Tensor:
+        converted = self._converted.get(dtype)
+        if converted is None:
+            converted = self._converted[dtype] = self.values.to(dtype)
+        return converted
+
+
+class Reduced:
+    """One metric after the collective: its step value, and for means the global sums it came from (the sum
+    over ranks, and micro-batches, of weight * value, and of the weights)."""
+
+    __slots__ = ("_group", "_index")
+
+    def __init__(self, group: _Group, index: int) -> None:
+        self._group, self._index = group, index
+
+    @classmethod
+    def of(cls, value: Tensor, weighted_sum: Tensor | None = None, weight: Tensor | None = None) -> Reduced:
+        def vector(x: Tensor | None) -> Tensor | None:
+            return None if x is None else x.reshape(1)
+
+        return cls(_Group(value.reshape(1), vector(weighted_sum), vector(weight)), 0)
+
+    @property
+    def value(self) -> Tensor:
+        """float64, 0-dim, on the collective's device."""
+        return self._group.values[self._index]
+
+    def value_as(self, dtype: torch.dtype) -> Tensor:
+        return self._group.values_as(dtype)[self._index]
+
+    @property
+    def weighted_sum(self) -> Tensor | None:
+        group = self._group
+        return None if group.weighted_sum is None else group.weighted_sum[self._index]
+
+    @property
+    def weight(self) -> Tensor | None:
+        return None if self._group.weight is None else self._group.weight[self._index]
+
+    def __repr__(self) -> str:
+        return f"Reduced(value={self.value.item()!r}, weight={self.weight})"
 
 
 def _slots(reduction: str, world_size: int) -> int:
@@ -255,17 +302,14 @@ class FusedMetricReducer:
             positions = positions.to(body.device)
             if reduction == "mean":
                 weighted_sums, weights = body[positions], body[positions + 1]
-                means = weighted_sums / weights
-                for i, key in enumerate(keys):
-                    reduced[key] = Reduced(means[i], weighted_sums[i], weights[i])
-                continue
-            if reduction == "sum":
-                values = body[positions]
+                group = _Group(weighted_sums / weights, weighted_sums, weights)
+            elif reduction == "sum":
+                group = _Group(body[positions])
             else:  # one slot per rank
                 per_rank = body[positions[:, None] + torch.arange(world, device=body.device)]
-                values = per_rank.amax(1) if reduction == "max" else per_rank.amin(1)
+                group = _Group(per_rank.amax(1) if reduction == "max" else per_rank.amin(1))
             for i, key in enumerate(keys):
-                reduced[key] = Reduced(values[i])
+                reduced[key] = Reduced(group, i)
         self.discard()
         return reduced
 
@@ -434,8 +478,12 @@ class AverageTrainingMetrics(Callback):
         reduced = self._reducer.reduce(trainer.strategy.root_device, where)
         for key, pending in self._pending.items():
             logged = pending.logged
-            step = reduced[key].value.to(device=logged.value.device, dtype=logged.value.dtype)
-            step = step.reshape(logged.value.shape)
+            local = logged.value
+            step = reduced[key].value_as(local.dtype)
+            if local.dim():
+                step = step.reshape(local.shape)
+            if step.device != local.device:
+                step = step.to(local.device)
             _lightning.set_step_value(logged.metric, step)
             self._last[key] = step
             if pending.epoch_state_before is not None:
