@@ -180,6 +180,8 @@ def intercept_training_logs(
         value = metric._forward_cache  # private: the step value `_ResultMetric.update` stored (float, synced)
         taken(LoggedValue(call, metric, value.detach(), _reduce_name(metric), before))
 
+    # like `_ResultCollection.log` itself: a compiled `training_step` breaks the graph here
+    log = torch.compiler.disable(log)
     results.log = log  # type: ignore[method-assign]
 
     def restore() -> None:

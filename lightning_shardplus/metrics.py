@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -144,6 +144,13 @@ class _Layout:
     slots: int
     position: dict[str, int]  # first body slot of each key
     groups: dict[str, tuple[list[str], Tensor]]  # reduction -> its keys (sorted) and their first slots
+    on_device: dict[tuple[str, torch.device], Tensor] = field(default_factory=dict)  # `groups` slots, moved
+
+    def positions(self, reduction: str, device: torch.device) -> Tensor:
+        moved = self.on_device.get((reduction, device))
+        if moved is None:
+            moved = self.on_device[(reduction, device)] = self.groups[reduction][1].to(device)
+        return moved
 
     @classmethod
     def of(cls, signature: tuple[tuple[str, str], ...], world_size: int) -> _Layout:
@@ -298,8 +305,8 @@ class FusedMetricReducer:
         layout = self._current_layout()
         body = buffer[_HEADER:]
         reduced: dict[str, Reduced] = {}
-        for reduction, (keys, positions) in layout.groups.items():
-            positions = positions.to(body.device)
+        for reduction, (keys, _) in layout.groups.items():
+            positions = layout.positions(reduction, body.device)
             if reduction == "mean":
                 weighted_sums, weights = body[positions], body[positions + 1]
                 group = _Group(weighted_sums / weights, weighted_sums, weights)

@@ -62,8 +62,8 @@ def test_reducer_computes_weighted_means_sums_and_extremes():
         reducer.observe("training_step.twice", "mean", value + 1, 3.0)  # a second value in the same window
     results = simulate(ranks)
     for other in results[1:]:  # the same values on every rank
-        values = {k: r.value.item() for k, r in other.items()}
-        assert values == {k: r.value.item() for k, r in results[0].items()}
+        seen = {k: r.value.item() for k, r in other.items()}
+        assert seen == {k: r.value.item() for k, r in results[0].items()}
     result = results[0]
     expected_mean = sum(v * w for v, w in zip(values, weights, strict=True)) / sum(weights)
     assert result["training_step.loss"].value.item() == pytest.approx(expected_mean, rel=1e-12)
