@@ -1,15 +1,18 @@
 """Every use of a private Lightning name, in one place.
 
-Lightning has no public hook to choose the *class* of the distributed sampler it injects, nor a public function
-to rebuild a user's DataLoader around another sampler. The names below are what its own data connector uses;
-``tests/test_lightning_private.py`` fails if any of them moves.
+Lightning has no public hook to choose the *class* of the distributed sampler it injects, nor a public
+function to rebuild a user's DataLoader around another sampler. The names below are what its own data
+connector uses; ``tests/test_lightning_private.py`` fails if any of them moves.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSamplerWrapper, _IndexBatchSamplerWrapper
+from lightning.pytorch.overrides.distributed import (
+    UnrepeatedDistributedSamplerWrapper,
+    _IndexBatchSamplerWrapper,
+)
 from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.data import _update_dataloader
 from torch.utils.data import DataLoader, DistributedSampler, Sampler, SequentialSampler

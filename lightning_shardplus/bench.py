@@ -1,6 +1,6 @@
-"""``python -m lightning_shardplus.bench``: the same synthetic workload under plain ``strategy="ddp"`` and under
-shardplus configurations, run alternately and repeated, reported as samples/s and step time (medians), the
-ratio to the first configuration run, and the Python-level collectives per step (``torch.distributed``
+"""``python -m lightning_shardplus.bench``: the same synthetic workload under plain ``strategy="ddp"`` and
+under shardplus configurations, run alternately and repeated, reported as samples/s and step time (medians),
+the ratio to the first configuration run, and the Python-level collectives per step (``torch.distributed``
 all_reduce and barrier calls, counted in every worker; DDP's gradient all-reduce runs in C++ and is not
 counted).
 
@@ -215,7 +215,9 @@ def format_table(report: dict[str, Any]) -> str:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m lightning_shardplus.bench", description=__doc__)
     parser.add_argument("--devices", type=int, default=2, help="CPU processes (default 2)")
-    parser.add_argument("--repeats", type=int, default=5, help="runs per configuration, alternating (default 5)")
+    parser.add_argument(
+        "--repeats", type=int, default=5, help="runs per configuration, alternating (default 5)"
+    )
     parser.add_argument("--steps", type=int, default=100, help="timed optimizer steps per run (default 100)")
     parser.add_argument("--warmup", type=int, default=10, help="untimed steps at the start of each run")
     parser.add_argument("--global-batch-size", type=int, default=256)

@@ -1,7 +1,8 @@
 """``ShardPlusStrategy``: DDP with padded equal training shards, exact evaluation shards and tuned fusion.
 
 The strategy validates its arguments and wires the algorithm modules into Lightning's hooks; the algorithms
-themselves live in :mod:`lightning_shardplus.sharding` (and, later, aggregation, compression, fusion, metrics).
+themselves live in :mod:`lightning_shardplus.sharding` (and, later, aggregation, compression, fusion,
+metrics).
 """
 
 from __future__ import annotations
@@ -9,8 +10,9 @@ from __future__ import annotations
 import inspect
 import logging
 import os
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable, Literal
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
@@ -25,10 +27,10 @@ from torch.utils.data import DataLoader, DistributedSampler
 from typing_extensions import override
 
 from lightning_shardplus import _lightning
+from lightning_shardplus._validation import check_bool, check_choice, check_int, check_positive_number
 from lightning_shardplus.callbacks import VerifySharding
 from lightning_shardplus.datamodule import ShardPlusDataModule, per_device_batch_size
 from lightning_shardplus.metrics import AverageTrainingMetrics
-from lightning_shardplus._validation import check_bool, check_choice, check_int, check_positive_number
 from lightning_shardplus.sharding import PADDING_MODES, ExactShardSampler, PaddedShardSampler, PaddingMode
 
 log = logging.getLogger(__name__)
@@ -119,9 +121,11 @@ class ShardPlusStrategy(DDPStrategy):
             )
         unknown = sorted(set(ddp_kwargs) - _DDP_KWARGS)
         if unknown:
+            given = ", ".join(f"`{k}`={ddp_kwargs[k]!r}" for k in unknown)
+            valid = ", ".join(sorted(_DDP_KWARGS))
             raise TypeError(
-                f"ShardPlusStrategy got unknown option(s) {', '.join(f'`{k}`={ddp_kwargs[k]!r}' for k in unknown)}: "
-                f"valid are its own arguments and DistributedDataParallel's ({', '.join(sorted(_DDP_KWARGS))})."
+                f"ShardPlusStrategy got unknown option(s) {given}: "
+                f"valid are its own arguments and DistributedDataParallel's ({valid})."
             )
         super().__init__(
             accelerator=accelerator,
@@ -192,14 +196,17 @@ class ShardPlusStrategy(DDPStrategy):
         # or process group starts (the launcher keeps its type: Lightning checks it with isinstance).
         launch = self._launcher.launch
 
-        def launch_after_preflight(function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any):
+        def launch_after_preflight(
+            function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any
+        ) -> Any:
             self.preflight(*args, *kwargs.values())
             return launch(function, *args, trainer=trainer, **kwargs)
 
         self._launcher.launch = launch_after_preflight
 
     def preflight(self, *call_args: Any) -> None:
-        """Refuse, before any process starts, the arguments of a Trainer call that cannot work at this world size."""
+        """Refuse, before any process starts, the arguments of a Trainer call that cannot work at this world
+        size."""
         for arg in call_args:
             if isinstance(arg, ShardPlusDataModule):
                 per_device_batch_size(arg.global_batch_size, self.num_replicas)
@@ -217,14 +224,15 @@ class ShardPlusStrategy(DDPStrategy):
             trainer.callbacks.append(VerifySharding())
         averaging = any(isinstance(cb, AverageTrainingMetrics) for cb in trainer.callbacks)
         if self.average_training_metrics and not averaging:
-            # first, so that the metrics are averaged before any other callback's `on_train_batch_end` reads them
+            # first: the metrics are averaged before any other callback's `on_train_batch_end` reads them
             trainer.callbacks.insert(0, AverageTrainingMetrics())
         super().setup(trainer)
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
-        """Put shardplus samplers into the loaders Lightning prepared: padded shards for training, exact shards
-        for evaluation. Loaders the user sharded, or that Lightning left alone, pass through unchanged."""
+        """Put shardplus samplers into the loaders Lightning prepared: padded shards for training, exact
+        shards for evaluation. Loaders the user sharded, or that Lightning left alone, pass through
+        unchanged."""
         dataloader = super().process_dataloader(dataloader)
         if not isinstance(dataloader, DataLoader):
             return dataloader
@@ -232,14 +240,15 @@ class ShardPlusStrategy(DDPStrategy):
         if not _lightning.is_injected(sampler):
             if isinstance(sampler, DistributedSampler):
                 rank_zero_warn(
-                    "shardplus: a DataLoader already has a DistributedSampler; it is left alone, so padded equal "
-                    "shards and exact evaluation do not apply to it. Pass a plain DataLoader to get them."
+                    "shardplus: a DataLoader already has a DistributedSampler; it is left alone, so padded "
+                    "equal shards and exact evaluation do not apply to it. Pass a plain DataLoader to get "
+                    "them."
                 )
             return dataloader
         if not _lightning.injected_over_dataset_order(sampler):
             rank_zero_warn(
-                "shardplus: a DataLoader has a custom sampler; Lightning's DistributedSamplerWrapper shards it, and "
-                "padded equal shards and exact evaluation do not apply to it."
+                "shardplus: a DataLoader has a custom sampler; Lightning's DistributedSamplerWrapper shards "
+                "it, and padded equal shards and exact evaluation do not apply to it."
             )
             return dataloader
         stage = self.lightning_module.trainer.state.stage
@@ -256,7 +265,9 @@ class ShardPlusStrategy(DDPStrategy):
 
     def _training_sampler(self, dataloader: DataLoader, injected: Any) -> PaddedShardSampler:
         if len(dataloader.dataset) == 0:
-            raise ValueError("The training dataset is empty (len(train dataset) == 0): give it at least one sample.")
+            raise ValueError(
+                "The training dataset is empty (len(train dataset) == 0): give it at least one sample."
+            )
         return PaddedShardSampler(
             dataloader.dataset,
             self.num_replicas,

@@ -3,7 +3,10 @@ moves one of them, this file fails first and says which."""
 
 import inspect
 
-from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSamplerWrapper, _IndexBatchSamplerWrapper
+from lightning.pytorch.overrides.distributed import (
+    UnrepeatedDistributedSamplerWrapper,
+    _IndexBatchSamplerWrapper,
+)
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.connectors.data_connector import _get_distributed_sampler
 from lightning.pytorch.trainer.states import RunningStage
@@ -17,7 +20,9 @@ def test_lightning_passes_the_strategy_seed_to_the_sampler_it_injects():
     loader = DataLoader(range(10), batch_size=2)
     sampler = _get_distributed_sampler(loader, shuffle=True, overfit_batches=0, **kwargs)
     assert type(sampler) is DistributedSampler and _lightning.is_injected(sampler) and sampler.seed == 7
-    predict = _get_distributed_sampler(loader, shuffle=False, overfit_batches=0, mode=RunningStage.PREDICTING, **kwargs)
+    predict = _get_distributed_sampler(
+        loader, shuffle=False, overfit_batches=0, mode=RunningStage.PREDICTING, **kwargs
+    )
     assert isinstance(predict, UnrepeatedDistributedSamplerWrapper) and _lightning.is_injected(predict)
     assert _lightning.injected_over_dataset_order(predict)  # reads `_DatasetSamplerWrapper._sampler`
 
