@@ -44,8 +44,9 @@ callback the strategy puts first in the Trainer's callbacks; every private Light
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -69,60 +70,57 @@ class MetricMismatchError(RuntimeError):
     """Ranks logged different training metrics in the same step; raised on every rank."""
 
 
-class _Group:
-    """The reduced values of the metrics sharing a reduction, as one vector (float64, on the collective's
-    device), with the sums means came from; converted to other dtypes once, on demand."""
+class _Values:
+    """The reduced values of one step (Python floats, float64), turned into one tensor per dtype and device on
+    demand, which each metric's step value is a view of."""
 
-    __slots__ = ("_converted", "values", "weight", "weighted_sum")
+    __slots__ = ("floats", "_tensors")
 
-    def __init__(
-        self, values: Tensor, weighted_sum: Tensor | None = None, weight: Tensor | None = None
-    ) -> None:
-        self.values, self.weighted_sum, self.weight = values, weighted_sum, weight
-        self._converted: dict[torch.dtype, Tensor] = {}
+    def __init__(self, floats: list[float]) -> None:
+        self.floats = floats
+        self._tensors: dict[tuple[torch.dtype, torch.device | str], Tensor] = {}
 
-    def values_as(self, dtype: torch.dtype) -> Tensor:
-        converted = self._converted.get(dtype)
-        if converted is None:
-            converted = self._converted[dtype] = self.values.to(dtype)
-        return converted
+    def tensor(self, dtype: torch.dtype, device: torch.device | str) -> Tensor:
+        tensor = self._tensors.get((dtype, device))
+        if tensor is None:
+            tensor = self._tensors[(dtype, device)] = torch.tensor(self.floats, dtype=dtype, device=device)
+        return tensor
 
 
 class Reduced:
-    """One metric after the collective: its step value, and for means the global sums it came from (the sum
-    over ranks, and micro-batches, of weight * value, and of the weights)."""
+    """One metric after the collective: its step value, and for means the global sums it came from (over
+    ranks, and micro-batches, of weight * value, and of the weights)."""
 
-    __slots__ = ("_group", "_index")
+    __slots__ = ("_index", "_values", "weight", "weighted_sum")
 
-    def __init__(self, group: _Group, index: int) -> None:
-        self._group, self._index = group, index
+    def __init__(
+        self, values: _Values, index: int, weighted_sum: float | None = None, weight: float | None = None
+    ) -> None:
+        self._values, self._index = values, index
+        self.weighted_sum, self.weight = weighted_sum, weight
 
     @classmethod
-    def of(cls, value: Tensor, weighted_sum: Tensor | None = None, weight: Tensor | None = None) -> Reduced:
-        def vector(x: Tensor | None) -> Tensor | None:
-            return None if x is None else x.reshape(1)
-
-        return cls(_Group(value.reshape(1), vector(weighted_sum), vector(weight)), 0)
+    def of(cls, value: float, weighted_sum: float | None = None, weight: float | None = None) -> Reduced:
+        return cls(_Values([value]), 0, weighted_sum, weight)
 
     @property
-    def value(self) -> Tensor:
-        """float64, 0-dim, on the collective's device."""
-        return self._group.values[self._index]
+    def value(self) -> float:
+        return self._values.floats[self._index]
 
-    def value_as(self, dtype: torch.dtype) -> Tensor:
-        return self._group.values_as(dtype)[self._index]
-
-    @property
-    def weighted_sum(self) -> Tensor | None:
-        group = self._group
-        return None if group.weighted_sum is None else group.weighted_sum[self._index]
-
-    @property
-    def weight(self) -> Tensor | None:
-        return None if self._group.weight is None else self._group.weight[self._index]
+    def value_as(self, dtype: torch.dtype, device: torch.device | str = "cpu") -> Tensor:
+        """The step value as a 0-dim tensor (a view of one tensor shared by the step's metrics)."""
+        return self._values.tensor(dtype, device)[self._index]
 
     def __repr__(self) -> str:
-        return f"Reduced(value={self.value.item()!r}, weight={self.weight})"
+        return f"Reduced(value={self.value!r}, weighted_sum={self.weighted_sum!r}, weight={self.weight!r})"
+
+
+def _max(a: float, b: float) -> float:
+    return a if a != a or a >= b else b  # NaN wins, as in torch.maximum
+
+
+def _min(a: float, b: float) -> float:
+    return a if a != a or a <= b else b
 
 
 def _slots(reduction: str, world_size: int) -> int:
@@ -140,38 +138,27 @@ class _Layout:
     """Where each metric of a signature (sorted keys and their reductions) lives in the collective's body."""
 
     signature: tuple[tuple[str, str], ...]
-    header: Tensor  # this rank's header: 1, slots, slots^2, then each digest byte and its square
+    header: list[float]  # this rank's header: 1, slots, slots^2, then each digest byte and its square
     slots: int
     position: dict[str, int]  # first body slot of each key
-    groups: dict[str, tuple[list[str], Tensor]]  # reduction -> its keys (sorted) and their first slots
-    on_device: dict[tuple[str, torch.device], Tensor] = field(default_factory=dict)  # `groups` slots, moved
-
-    def positions(self, reduction: str, device: torch.device) -> Tensor:
-        moved = self.on_device.get((reduction, device))
-        if moved is None:
-            moved = self.on_device[(reduction, device)] = self.groups[reduction][1].to(device)
-        return moved
 
     @classmethod
     def of(cls, signature: tuple[tuple[str, str], ...], world_size: int) -> _Layout:
         position: dict[str, int] = {}
-        members: dict[str, list[str]] = {reduction: [] for reduction in REDUCTIONS}
         slots = 0
         for key, reduction in signature:
             position[key] = slots
-            members[reduction].append(key)
             slots += _slots(reduction, world_size)
-        numbers = [1, slots, slots * slots] + [x for b in _digest(signature) for x in (b, b * b)]
-        groups = {
-            reduction: (keys, torch.tensor([position[k] for k in keys], dtype=torch.long))
-            for reduction, keys in members.items()
-            if keys
-        }
-        return cls(signature, torch.tensor(numbers, dtype=torch.float64), slots, position, groups)
+        header = [1, slots, slots * slots] + [x for b in _digest(signature) for x in (b, b * b)]
+        return cls(signature, [float(x) for x in header], slots, position)
 
 
 class FusedMetricReducer:
     """Collects this rank's scalars and reduces all of them across ranks with one SUM ``all_reduce``.
+
+    The arithmetic around the collective is done on Python floats (float64): for a few scalars that is much
+    cheaper than tensor operations, and it moves the values once each way (one synchronisation on an
+    accelerator, which reading the result needs anyway).
 
     Args:
         world_size, rank: this process's place in the group the collective runs over.
@@ -238,57 +225,44 @@ class FusedMetricReducer:
             self._layout = _Layout.of(signature, self.world_size)
         return self._layout
 
+    def _floats(self) -> list[float]:
+        values = self._values
+        if not values:
+            return []
+        device = values[0].device
+        if all(v.device == device for v in values):
+            return torch.stack(values).tolist()  # one copy (and one synchronisation on an accelerator)
+        return [v.item() for v in values]
+
     def pack(self, device: torch.device | str = "cpu") -> Tensor:
         """This rank's contribution: header (always) and body (when it fits the agreed capacity)."""
         layout = self._current_layout()
-        host = torch.zeros(_HEADER + self.capacity, dtype=torch.float64)
-        host[:_HEADER] = layout.header
-        if not self._values or layout.slots > self.capacity:
-            return host.to(device)
-        add_slots, add_factors, add_values = [], [], []  # mean (weight * value) and sum: added into a slot
-        weight_slots, weights = [], []
-        extreme_slots: dict[str, list[int]] = {"max": [], "min": []}
-        extreme_values: dict[str, list[Tensor]] = {"max": [], "min": []}
-        for key, value, weight in zip(self._keys, self._values, self._weights, strict=True):
-            reduction = self._kinds[key][0]
-            slot = _HEADER + layout.position[key]
-            if reduction == "mean":
-                add_slots.append(slot)
-                add_factors.append(weight)
-                add_values.append(value)
-                weight_slots.append(slot + 1)
-                weights.append(weight)
-            elif reduction == "sum":
-                add_slots.append(slot)
-                add_factors.append(1.0)
-                add_values.append(value)
-            else:
-                extreme_slots[reduction].append(slot + self.rank)
-                extreme_values[reduction].append(value)
-        if weights:
-            host.index_add_(0, torch.tensor(weight_slots), torch.tensor(weights, dtype=torch.float64))
-        buffer = host.to(device)
-        if add_values:
-            products = torch.stack(add_values).to(device=device, dtype=torch.float64)
-            products.mul_(torch.tensor(add_factors, dtype=torch.float64).to(device))
-            buffer.index_add_(0, torch.tensor(add_slots, device=device), products)
-        for reduction, values in extreme_values.items():
-            if values:
-                # include_self=False: the extreme of this rank's values only (other ranks' slots stay 0)
-                buffer.scatter_reduce_(
-                    0,
-                    torch.tensor(extreme_slots[reduction], device=device),
-                    torch.stack(values).to(device=device, dtype=torch.float64),
-                    "amax" if reduction == "max" else "amin",
-                    include_self=False,
-                )
-        return buffer
+        numbers = layout.header + [0.0] * self.capacity
+        if self._values and layout.slots <= self.capacity:
+            seen: set[int] = set()  # max/min slots holding a value already
+            for key, value, weight in zip(self._keys, self._floats(), self._weights, strict=True):
+                reduction = self._kinds[key][0]
+                slot = _HEADER + layout.position[key]
+                if reduction == "mean":
+                    numbers[slot] += weight * value
+                    numbers[slot + 1] += weight
+                elif reduction == "sum":
+                    numbers[slot] += value
+                else:
+                    slot += self.rank
+                    if slot not in seen:
+                        seen.add(slot)
+                        numbers[slot] = value
+                    else:
+                        numbers[slot] = (_max if reduction == "max" else _min)(numbers[slot], value)
+        return torch.tensor(numbers, dtype=torch.float64, device=device)
 
     def unpack(self, buffer: Tensor, where: str = "this step") -> dict[str, Reduced] | None:
         """Check the summed header and read the reductions; None when the body did not fit (the capacity has
         grown: pack and all_reduce again). Raises :class:`MetricMismatchError` on every rank when the ranks
         differ."""
-        header = [int(x) for x in buffer[:_HEADER].tolist()]  # exact: small integers summed in float64
+        numbers = buffer.tolist()
+        header = [int(x) for x in numbers[:_HEADER]]  # exact: small integers summed in float64
         world = self.world_size
         if header[0] != world:
             raise RuntimeError(
@@ -303,20 +277,25 @@ class FusedMetricReducer:
             self.capacity = 1 << (slots - 1).bit_length()
             return None
         layout = self._current_layout()
-        body = buffer[_HEADER:]
+        floats: list[float] = []
+        values = _Values(floats)
         reduced: dict[str, Reduced] = {}
-        for reduction, (keys, _) in layout.groups.items():
-            positions = layout.positions(reduction, body.device)
+        for key, reduction in layout.signature:
+            slot = _HEADER + layout.position[key]
             if reduction == "mean":
-                weighted_sums, weights = body[positions], body[positions + 1]
-                group = _Group(weighted_sums / weights, weighted_sums, weights)
-            elif reduction == "sum":
-                group = _Group(body[positions])
-            else:  # one slot per rank
-                per_rank = body[positions[:, None] + torch.arange(world, device=body.device)]
-                group = _Group(per_rank.amax(1) if reduction == "max" else per_rank.amin(1))
-            for i, key in enumerate(keys):
-                reduced[key] = Reduced(group, i)
+                weighted_sum, weight = numbers[slot], numbers[slot + 1]
+                floats.append(weighted_sum / weight if weight else math.nan)
+                reduced[key] = Reduced(values, len(floats) - 1, weighted_sum, weight)
+                continue
+            if reduction == "sum":
+                floats.append(numbers[slot])
+            else:
+                per_rank = numbers[slot : slot + world]
+                extreme = per_rank[0]
+                for value in per_rank[1:]:
+                    extreme = (_max if reduction == "max" else _min)(extreme, value)
+                floats.append(extreme)
+            reduced[key] = Reduced(values, len(floats) - 1)
         self.discard()
         return reduced
 
@@ -367,11 +346,10 @@ def combined_epoch_state(
     value, count = before
     if reduce_fx == "mean":
         assert reduced.weighted_sum is not None and reduced.weight is not None and count is not None
-        new_count = count + reduced.weight.round().to(device=count.device, dtype=count.dtype)
-        return value + reduced.weighted_sum.to(device=value.device, dtype=value.dtype), new_count
-    step = reduced.value.to(device=value.device, dtype=value.dtype)
+        return value + reduced.weighted_sum, count + round(reduced.weight)
     if reduce_fx == "sum":
-        return value + step, count
+        return value + reduced.value, count
+    step = torch.tensor(reduced.value, dtype=value.dtype, device=value.device)
     if reduce_fx == "max":
         return torch.maximum(value, step), count
     return torch.minimum(value, step), count
@@ -486,11 +464,9 @@ class AverageTrainingMetrics(Callback):
         for key, pending in self._pending.items():
             logged = pending.logged
             local = logged.value
-            step = reduced[key].value_as(local.dtype)
+            step = reduced[key].value_as(local.dtype, local.device)
             if local.dim():
                 step = step.reshape(local.shape)
-            if step.device != local.device:
-                step = step.to(local.device)
             _lightning.set_step_value(logged.metric, step)
             self._last[key] = step
             if pending.epoch_state_before is not None:

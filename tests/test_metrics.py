@@ -62,17 +62,17 @@ def test_reducer_computes_weighted_means_sums_and_extremes():
         reducer.observe("training_step.twice", "mean", value + 1, 3.0)  # a second value in the same window
     results = simulate(ranks)
     for other in results[1:]:  # the same values on every rank
-        seen = {k: r.value.item() for k, r in other.items()}
-        assert seen == {k: r.value.item() for k, r in results[0].items()}
+        seen = {k: r.value for k, r in other.items()}
+        assert seen == {k: r.value for k, r in results[0].items()}
     result = results[0]
     expected_mean = sum(v * w for v, w in zip(values, weights, strict=True)) / sum(weights)
-    assert result["training_step.loss"].value.item() == pytest.approx(expected_mean, rel=1e-12)
-    assert result["training_step.loss"].weight.item() == 10
-    assert result["training_step.tokens"].value.item() == pytest.approx(sum(values))
-    assert result["training_step.peak"].value.item() == max(values)
-    assert result["training_step.low"].value.item() == min(values)
+    assert result["training_step.loss"].value == pytest.approx(expected_mean, rel=1e-12)
+    assert result["training_step.loss"].weight == 10
+    assert result["training_step.tokens"].value == pytest.approx(sum(values))
+    assert result["training_step.peak"].value == max(values)
+    assert result["training_step.low"].value == min(values)
     twice = sum(v * 1 + (v + 1) * 3 for v in values) / 12
-    assert result["training_step.twice"].value.item() == pytest.approx(twice)
+    assert result["training_step.twice"].value == pytest.approx(twice)
     assert all(r.pending == [] for r in ranks)
 
 
@@ -125,10 +125,10 @@ def test_reducer_grows_its_capacity_in_step_on_every_rank():
     assert simulate(ranks) == [None, None]
     assert [r.capacity for r in ranks] == [16, 16]
     results = simulate(ranks)  # the same values, now in one collective
-    assert results[0]["m3"].value.item() == 3.5
+    assert results[0]["m3"].value == 3.5
     for reducer in ranks:  # later steps fit
         reducer.observe("m0", "mean", torch.tensor(1.0), 1.0)
-    assert simulate(ranks)[1]["m0"].value.item() == 1.0
+    assert simulate(ranks)[1]["m0"].value == 1.0
 
 
 def test_reducer_collective_has_one_size_whatever_each_rank_logged():
@@ -139,6 +139,19 @@ def test_reducer_collective_has_one_size_whatever_each_rank_logged():
     assert len({r.pack().numel() for r in ranks}) == 1
 
 
+def test_reducer_propagates_nan_like_torch_and_a_zero_weight_gives_nan():
+    ranks = make_ranks(2)
+    for reducer in ranks:
+        nan_or_one = torch.tensor(math.nan if reducer.rank == 1 else 1.0)
+        reducer.observe("peak", "max", nan_or_one)
+        reducer.observe("low", "min", torch.tensor(-math.inf))
+        reducer.observe("loss", "mean", nan_or_one, weight=1.0)
+        reducer.observe("unweighted", "mean", torch.tensor(3.0), weight=0.0)
+    result = simulate(ranks)[0]
+    assert math.isnan(result["peak"].value) and math.isnan(result["loss"].value)
+    assert result["low"].value == -math.inf and math.isnan(result["unweighted"].value)
+
+
 def test_reducer_with_nothing_logged_still_takes_part():
     ranks = make_ranks(2)
     assert simulate(ranks) == [{}, {}]
@@ -146,7 +159,7 @@ def test_reducer_with_nothing_logged_still_takes_part():
 
 def test_combined_epoch_state_follows_reduce_fx():
     before = (torch.tensor(10.0), torch.tensor(4))
-    reduced = Reduced.of(torch.tensor(2.5, dtype=torch.float64), torch.tensor(15.0), torch.tensor(6.0))
+    reduced = Reduced.of(2.5, 15.0, 6.0)
     value, count = combined_epoch_state("mean", before, reduced)
     assert value.item() == 25.0 and count.item() == 10 and count.dtype == torch.int64
     assert combined_epoch_state("sum", (torch.tensor(1.0), None), reduced)[0].item() == 3.5
