@@ -127,3 +127,202 @@ def set_computed(result_metric: Any, value: Any) -> None:
         cached.copy_(value)
     else:
         result_metric._computed = value
+
+
+# ==========================================================================================================
+# Training metrics (`lightning_shardplus.metrics`): the logged values of the training loop.
+#
+# Lightning has no public hook between "a value was logged" and "loggers, the progress bar and
+# callback_metrics read it", and its per-value sync (`sync_dist=True`) runs inside `_ResultCollection.log`.
+# The names below are what `LightningModule.log` and the logger connector use;
+# `tests/test_lightning_private.py` (section "training metrics") fails if any of them moves.
+# ==========================================================================================================
+
+import inspect  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+
+import lightning.pytorch as pl  # noqa: E402
+import torch  # noqa: E402
+from lightning.pytorch.trainer.connectors.logger_connector.result import (  # noqa: E402
+    _ResultCollection,
+    _ResultMetric,
+)
+from lightning.pytorch.utilities.data import extract_batch_size  # noqa: E402
+from lightning.pytorch.utilities.exceptions import MisconfigurationException  # noqa: E402
+
+
+@dataclass(frozen=True)
+class TrainingLog:
+    """One ``self.log`` call into the training results, with the arguments as ``LightningModule.log`` resolved
+    them (``on_step``/``on_epoch`` defaults applied; ``sync_dist`` already False outside distributed runs)."""
+
+    fx: str
+    name: str
+    key: str
+    is_tensor: bool
+    on_step: bool
+    on_epoch: bool
+    sync_dist: bool
+    sync_dist_group: Any
+    rank_zero_only: bool
+    batch_size: int | None
+
+
+@dataclass(frozen=True)
+class LoggedValue:
+    """A training value taken over by the caller of :func:`intercept_training_logs`, once Lightning stored
+    it."""
+
+    log: TrainingLog
+    metric: _ResultMetric
+    value: torch.Tensor  # this rank's value, as Lightning stored it for the step (floating point, detached)
+    reduce_fx: str  # "mean", "sum", "max" or "min": the epoch reduction (and Lightning's cross-rank op)
+    # The metric's epoch accumulation (value, cumulated batch size or None) before this call; None unless
+    # on_epoch.
+    epoch_state_before: tuple[torch.Tensor, torch.Tensor | None] | None
+
+
+def _synced_by_shardplus(value: Any, *_: Any, **__: Any) -> Any:
+    """The ``sync_dist_fn`` given to Lightning for values shardplus reduces itself: the identity.
+
+    Lightning calls it where it would sync (the step value in ``_ResultMetric.update``, the epoch state in
+    ``compute``); with it, ``sync_dist`` stays True, so Lightning does not warn that epoch values are
+    unsynced.
+    """
+    return value
+
+
+def training_results(trainer: pl.Trainer) -> _ResultCollection:
+    """The training loop's result collection (``trainer._results`` while training; one object per Trainer)."""
+    return trainer.fit_loop.epoch_loop._results  # private: `_TrainingEpochLoop._results`
+
+
+def intercept_training_logs(
+    results: _ResultCollection,
+    take: Callable[[TrainingLog], bool],
+    taken: Callable[[LoggedValue], None],
+) -> Callable[[], None]:
+    """Route every ``self.log`` into ``results`` through ``take``; returns the function that undoes it.
+
+    ``LightningModule.log`` ends in ``results.log(...)`` (private ``_ResultCollection.log``), which builds
+    the value's metadata, syncs the step value if ``sync_dist`` and accumulates the epoch state. For a call
+    ``take`` accepts, Lightning's sync function is replaced by the identity (no barrier, no all_reduce: the
+    caller reduces the value later) and ``taken`` receives the stored value with the epoch state it had
+    before. Other calls pass through unchanged. The wrapper is an instance attribute, so other result
+    collections are not affected.
+    """
+    if "log" in vars(results):
+        raise RuntimeError("shardplus: the training results are already intercepted (two metric averagers?)")
+    original = results.log  # private: `_ResultCollection.log`
+    parameters = inspect.signature(original).parameters
+    names = list(parameters)
+    defaults = {name: p.default for name, p in parameters.items() if p.default is not inspect.Parameter.empty}
+
+    def log(*args: Any, **kwargs: Any) -> None:
+        # (a call with wrong arguments fails in `original` below)
+        arguments = {**defaults, **dict(zip(names, args, strict=False)), **kwargs}
+        key = f"{arguments['fx']}.{arguments['name']}"  # the storage key `_ResultCollection.log` builds
+        if arguments["add_dataloader_idx"] and results.dataloader_idx is not None:
+            key += f".{results.dataloader_idx}"
+        call = TrainingLog(
+            fx=arguments["fx"],
+            name=arguments["name"],
+            key=key,
+            is_tensor=isinstance(arguments["value"], torch.Tensor),
+            on_step=bool(arguments["on_step"]),
+            on_epoch=bool(arguments["on_epoch"]),
+            sync_dist=bool(arguments["sync_dist"]),
+            sync_dist_group=arguments["sync_dist_group"],
+            rank_zero_only=bool(arguments["rank_zero_only"]),
+            batch_size=arguments["batch_size"],
+        )
+        if not take(call):
+            return original(*args, **kwargs)
+        existing = results.get(key)
+        before = _epoch_state(existing) if existing is not None and call.on_epoch else None
+        arguments["sync_dist"] = True
+        arguments["sync_dist_fn"] = _synced_by_shardplus
+        original(**arguments)
+        metric = results[key]
+        if call.on_epoch and before is None:
+            before = _default_epoch_state(metric)
+        value = metric._forward_cache  # private: the step value `_ResultMetric.update` stored (float, synced)
+        taken(LoggedValue(call, metric, value.detach(), _reduce_name(metric), before))
+
+    # like `_ResultCollection.log` itself: a compiled `training_step` breaks the graph here
+    log = torch.compiler.disable(log)
+    results.log = log  # type: ignore[method-assign]
+
+    def restore() -> None:
+        if vars(results).get("log") is log:
+            del results.log
+
+    return restore
+
+
+def _reduce_name(metric: _ResultMetric) -> str:
+    meta = metric.meta  # private: `_Metadata`
+    if meta.is_mean_reduction:
+        return "mean"
+    if meta.is_sum_reduction:
+        return "sum"
+    if meta.is_max_reduction:
+        return "max"
+    return "min"
+
+
+def _epoch_state(metric: _ResultMetric) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A copy of the epoch accumulation of ``metric``: ``value`` (the running sum of value * batch size for
+    ``reduce_fx="mean"``, else the running sum/max/min) and ``cumulated_batch_size`` (mean only)."""
+    count = metric.cumulated_batch_size.clone() if metric.meta.is_mean_reduction else None
+    return metric.value.clone(), count
+
+
+def _default_epoch_state(metric: _ResultMetric) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The epoch state of a fresh ``_ResultMetric`` (as its ``__init__`` sets it): 0, or -inf/+inf for
+    max/min."""
+    name = _reduce_name(metric)
+    fill = {"max": float("-inf"), "min": float("inf")}.get(name, 0.0)
+    count = torch.zeros_like(metric.cumulated_batch_size) if name == "mean" else None
+    return torch.full_like(metric.value, fill), count
+
+
+def set_step_value(metric: _ResultMetric, value: torch.Tensor | None) -> None:
+    """Make ``value`` the step value that loggers, the progress bar and ``callback_metrics`` read (None: the
+    metric has no step value to show yet and is left out of them)."""
+    metric._forward_cache = value  # private: read by `_ResultCollection._get_cache(on_step=True)`
+    if value is not None and not metric.meta.on_epoch:
+        metric.value = value  # what `update` stores for on_step-only values
+
+
+def set_epoch_state(
+    metric: _ResultMetric, value: torch.Tensor, cumulated_batch_size: torch.Tensor | None
+) -> None:
+    """Replace the epoch accumulation of ``metric`` (see :func:`_epoch_state`)."""
+    metric.value = value
+    if cumulated_batch_size is not None:
+        metric.cumulated_batch_size = cumulated_batch_size
+    metric._computed = None  # torchmetrics' cache of `compute()`
+
+
+def batch_size_of_current_batch(results: _ResultCollection) -> int | None:
+    """The batch size Lightning uses for this batch's epoch means when ``self.log`` is given none: the one it
+    already inferred, else inferred the same way from the batch; None when there is no batch or it has no
+    tensor."""
+    if results.batch_size is not None:  # private: cached by `_ResultCollection._extract_batch_size`
+        return int(results.batch_size)
+    if results.batch is None:  # private: set by the logger connector's `on_batch_start`
+        return None
+    try:
+        return int(extract_batch_size(results.batch))
+    except (MisconfigurationException, RecursionError):
+        return None
+
+
+def logs_this_step(trainer: pl.Trainer) -> bool:
+    """Whether the logger connector logs the training metrics at the end of this batch: the rule of
+    ``_LoggerConnector.update_train_step_metrics`` (not between the micro-batches of an accumulation window in
+    automatic optimization; every batch in manual optimization)."""
+    accumulating = trainer.fit_loop._should_accumulate()  # private: `_FitLoop._should_accumulate`
+    return not (accumulating and trainer.lightning_module.automatic_optimization)

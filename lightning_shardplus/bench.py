@@ -10,22 +10,30 @@ during the timed steps (median), *counted* by :class:`~lightning_shardplus.compr
 (not estimated): bytes handed to collectives, all-reduce rounds (gradient synchronizations) and collectives.
 Counting needs a hook, so the ``shardplus`` row (``gradient_compression="none"``) runs torch's Python
 ``allreduce_hook``, the equivalent of DDP's built-in all-reduce that the ``ddp`` row uses (not counted).
+
+Every row also reports the step time and the Python-level ``torch.distributed`` all_reduce and barrier calls
+per optimizer step, counted in every worker (the metrics rows: 16 scalars logged per step with no sync,
+Lightning's ``sync_dist=True``, and shardplus averaging). ``--configs`` picks rows; the first is the baseline.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy, Strategy
 
@@ -38,42 +46,111 @@ from lightning_shardplus.strategy import ShardPlusStrategy
 
 @dataclass(frozen=True)
 class BenchConfig:
-    """One row of the benchmark: a name and how to build its strategy."""
+    """One row of the benchmark: a name, how to build its strategy, and how many scalars the model logs per
+    training step (1: the demo classifier's loss), with or without ``sync_dist=True``."""
 
     name: str
     make_strategy: Callable[[], Strategy]
+    logged_scalars: int = 1
+    sync_dist: bool = False
 
 
 def default_configs() -> list[BenchConfig]:
+    def shardplus(**kwargs: object) -> Callable[[], Strategy]:
+        return lambda: ShardPlusStrategy(start_method="fork", **kwargs)
+
     return [
         BenchConfig("ddp", lambda: DDPStrategy(start_method="fork")),
-        BenchConfig("shardplus", lambda: ShardPlusStrategy(start_method="fork")),
-        BenchConfig("agg4", lambda: ShardPlusStrategy(start_method="fork", aggregation_frequency=4)),
-        BenchConfig("agg8", lambda: ShardPlusStrategy(start_method="fork", aggregation_frequency=8)),
-        BenchConfig("fp16", lambda: ShardPlusStrategy(start_method="fork", gradient_compression="fp16")),
-        BenchConfig("bf16", lambda: ShardPlusStrategy(start_method="fork", gradient_compression="bf16")),
-        BenchConfig(
-            "powersgd", lambda: ShardPlusStrategy(start_method="fork", gradient_compression="powersgd")
-        ),
+        BenchConfig("shardplus", shardplus()),
+        BenchConfig("agg4", shardplus(aggregation_frequency=4)),
+        BenchConfig("agg8", shardplus(aggregation_frequency=8)),
+        BenchConfig("fp16", shardplus(gradient_compression="fp16")),
+        BenchConfig("bf16", shardplus(gradient_compression="bf16")),
+        BenchConfig("powersgd", shardplus(gradient_compression="powersgd")),
+        # 16 scalars logged per step: (a) no sync, (b) Lightning's sync_dist=True, (c) shardplus averaging
+        BenchConfig("metrics16-nosync", shardplus(average_training_metrics=False), 16),
+        BenchConfig("metrics16-sync_dist", shardplus(average_training_metrics=False), 16, sync_dist=True),
+        BenchConfig("metrics16-averaged", shardplus(), 16),
+        BenchConfig("metrics16-sync_dist-averaged", shardplus(), 16, sync_dist=True),
     ]
 
 
+class ManyMetricsClassifier(ClassifierModule):
+    """The demo classifier, logging ``logged_scalars`` scalars per training step: the loss and loss + k."""
+
+    def __init__(self, logged_scalars: int, sync_dist: bool, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.logged_scalars, self.sync_dist = logged_scalars, sync_dist
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = F.cross_entropy(self(batch[0]), batch[1])
+        detached = loss.detach()
+        self.log("train_loss", detached, prog_bar=True, sync_dist=self.sync_dist)
+        for k in range(1, self.logged_scalars):
+            self.log(f"train_metric_{k:02d}", detached + k, sync_dist=self.sync_dist)
+        return loss
+
+
+_COLLECTIVES = ("all_reduce", "barrier")
+_counts = dict.fromkeys(_COLLECTIVES, 0)
+
+
+@contextlib.contextmanager
+def _counting_collectives() -> Iterator[None]:
+    """Count ``torch.distributed.all_reduce``/``barrier`` calls in this process and the workers it forks."""
+    originals = {name: getattr(dist, name) for name in _COLLECTIVES}
+
+    def counting(name: str) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            _counts[name] += 1
+            return originals[name](*args, **kwargs)
+
+        return call
+
+    try:
+        for name in _COLLECTIVES:
+            setattr(dist, name, counting(name))
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+
+
+class _Threads(Callback):
+    """Sets torch's intra-op threads in every worker (``--threads``)."""
+
+    def __init__(self, threads: int) -> None:
+        self.threads = threads
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        torch.set_num_threads(self.threads)
+
+
 class _Throughput(Callback):
-    """Times the optimizer steps after ``warmup`` on rank 0 and writes samples/s to ``out``."""
+    """Times the optimizer steps after ``warmup`` on rank 0 and writes samples/s, seconds per step and the
+    collectives per step (counted from the first timed step to the end of the last one) to ``out``."""
 
     def __init__(self, warmup: int, out: Path) -> None:
         self.warmup, self.out, self.start = warmup, out, 0.0
+        self.counts_at_start = self.counts_at_end = dict(_counts)
 
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
         if trainer.global_step == self.warmup and not self.start:
             self.start = time.perf_counter()
+            self.counts_at_start = dict(_counts)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        self.counts_at_end = dict(_counts)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.is_global_zero:
             seconds = time.perf_counter() - self.start
             steps = trainer.global_step - self.warmup
             samples = steps * effective_batch_size(trainer)
-            self.out.write_text(json.dumps({"samples_per_s": samples / seconds, "steps": steps}))
+            result = {"samples_per_s": samples / seconds, "s_per_step": seconds / steps, "steps": steps}
+            for name in _COLLECTIVES:
+                result[f"{name}_per_step"] = (self.counts_at_end[name] - self.counts_at_start[name]) / steps
+            self.out.write_text(json.dumps(result))
 
 
 def _median_per_step(steps: list[dict[str, int]], key: str) -> float | None:
@@ -96,8 +173,13 @@ def run_once(config: BenchConfig, args: argparse.Namespace) -> dict[str, Any]:
             val_samples=0,
             input_shape=(args.input_dim,),
         )
-        model = ClassifierModule(input_dim=args.input_dim, hidden_dims=[args.hidden_dim] * args.layers)
-        counted = isinstance(strategy, ShardPlusStrategy)
+        shape = {"input_dim": args.input_dim, "hidden_dims": [args.hidden_dim] * args.layers}
+        if config.logged_scalars == 1 and not config.sync_dist:
+            model = ClassifierModule(**shape)
+        else:
+            model = ManyMetricsClassifier(config.logged_scalars, config.sync_dist, **shape)
+        # Gradient counting registers a Python all-reduce hook; the metric rows count Python collectives instead.
+        counted = isinstance(strategy, ShardPlusStrategy) and config.logged_scalars == 1 and not config.sync_dist
         counter = CommunicationCounter(Path(tmp) / "counts") if counted else None
         trainer = pl.Trainer(
             accelerator="cpu",
@@ -109,9 +191,14 @@ def run_once(config: BenchConfig, args: argparse.Namespace) -> dict[str, Any]:
             enable_progress_bar=False,
             enable_model_summary=False,
             limit_val_batches=0,
-            callbacks=[_Throughput(warmup_steps, out), *([counter] if counter else [])],
+            callbacks=[
+                _Throughput(warmup_steps, out),
+                *([counter] if counter else []),
+                *([_Threads(args.threads)] if args.threads else []),
+            ],
         )
-        trainer.fit(model, datamodule)
+        with _counting_collectives():
+            trainer.fit(model, datamodule)
         result: dict[str, Any] = json.loads(out.read_text())
         steps = json.loads((Path(tmp) / "counts" / "rank0.json").read_text())["steps"] if counter else []
         timed = steps[warmup_steps:]
@@ -136,7 +223,9 @@ def run(configs: list[BenchConfig], args: argparse.Namespace) -> dict[str, Any]:
             "median_samples_per_s": statistics.median(values),
             "min_samples_per_s": min(values),
             "max_samples_per_s": max(values),
-            "ratio_to_ddp": statistics.median(values) / baseline,  # to the first config: ddp by default
+            "median_ms_per_step": 1000 * statistics.median(r["s_per_step"] for r in runs),
+            "ratio_to_baseline": statistics.median(values) / baseline,
+            **{f"{c}_per_step": statistics.median(r[f"{c}_per_step"] for r in runs) for c in _COLLECTIVES},
             "runs": values,
             # the same in every run of a config (the counts do not depend on timing); the first run's
             **{key: runs[0][key] for key in ("bytes_per_step", "rounds_per_step", "collectives_per_step")},
@@ -155,17 +244,18 @@ def _count(value: float | None, unit: str = "") -> str:
 
 def format_table(report: dict[str, Any]) -> str:
     lines = [
-        f"| configuration | samples/s (median) | min - max | ratio to {report.get('baseline', 'ddp')} | "
-        "gradient bytes / step | "
-        "all-reduce rounds / step | collectives / step |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        f"| configuration | samples/s (median) | min - max | ms/step (median) | ratio to {report['baseline']} | "
+        "gradient bytes / step | all-reduce rounds / step | collectives in hooks / step | "
+        "all_reduce calls / step | barrier calls / step |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, row in report["results"].items():
         lines.append(
             f"| {name} | {row['median_samples_per_s']:.0f} | {row['min_samples_per_s']:.0f} - "
-            f"{row['max_samples_per_s']:.0f} | {row['ratio_to_ddp']:.3f} | "
+            f"{row['max_samples_per_s']:.0f} | {row['median_ms_per_step']:.1f} | {row['ratio_to_baseline']:.3f} | "
             f"{_count(row['bytes_per_step'], 'bytes')} | "
-            f"{_count(row['rounds_per_step'])} | {_count(row['collectives_per_step'])} |"
+            f"{_count(row['rounds_per_step'])} | {_count(row['collectives_per_step'])} | "
+            f"{row['all_reduce_per_step']:g} | {row['barrier_per_step']:g} |"
         )
     return "\n".join(lines)
 
@@ -193,7 +283,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--hidden-dim", type=int, default=512)
     parser.add_argument("--layers", type=int, default=3)
     parser.add_argument("--json", type=Path, default=None, help="also write the report to this JSON file")
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch intra-op threads per process (default: torch's)"
+    )
     args = parser.parse_args(argv)
+    if args.threads is not None and args.threads < 1:
+        parser.error(f"--threads={args.threads} is not valid: expected >= 1")
     for name in ("devices", "repeats", "steps", "global_batch_size", "input_dim", "hidden_dim", "layers"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')}={getattr(args, name)} is not valid: expected >= 1")

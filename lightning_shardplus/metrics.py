@@ -1,23 +1,512 @@
-"""Cross-rank reduction of logged metrics.
+"""Cross-rank reduction of logged metrics: fused averaging of training metrics, and exact evaluation.
 
+Evaluation
+----------
 Exact evaluation: values logged with ``self.log`` in ``validation_step``/``test_step`` (and the evaluation
 batch hooks) are reduced across ranks once, at the end of the evaluation epoch, from each rank's running sums
 and sample counts, so the epoch values equal those of a single-process run over the same samples. No
 collective runs per batch (ranks may hold different numbers of batches), and a rank that logged nothing, for
 example one with no evaluation sample, still takes part.
+
+
+Training
+--------
+By default Lightning logs rank 0's own training values; with ``sync_dist=True`` it pays
+a barrier plus an all_reduce per value per step. With ``ShardPlusStrategy(average_training_metrics=True)``
+every scalar logged with ``on_step=True`` from ``training_step`` and the training-batch hooks
+(``on_train_batch_start``, the backward and optimizer hooks) is collected on each rank and, once per
+logged step, replaced by its reduction over all ranks, computed by ONE ``all_reduce`` for all values
+together:
+
+- plain values (and ``sync_dist=True`` values with ``reduce_fx="mean"``): the mean over ranks weighted by
+  batch size: ``self.log(..., batch_size=...)`` where given, else the size Lightning infers from the batch
+  (as it does for epoch means), else 1;
+- ``sync_dist=True`` values with ``reduce_fx`` ``"sum"``, ``"max"`` or ``"min"``: that reduction over
+  ranks, as Lightning's own sync would compute it (folded into the same collective; Lightning's sync is
+  skipped).
+
+A logged step is an optimizer step in automatic optimization: with gradient accumulation
+(``aggregation_frequency`` / ``accumulate_grad_batches`` = N) the value logged at a step reduces every
+micro-batch of the window on every rank (for a mean: the batch-weighted mean over the N micro-batches of
+all ranks, i.e. over the whole global batch). Between optimizer steps ``callback_metrics`` and the
+progress bar keep the previous step's value. In manual optimization every batch is a logged step. Epoch
+aggregates (``on_epoch=True``) are accumulated from the same reduced values, so they are identical on all
+ranks and consistent with the step values.
+
+The collective carries a fixed-size header that lets every rank check, with the same outcome on every
+rank, that all ranks logged the same names (same count and a 48-bit digest of the sorted names): a
+mismatch raises :class:`MetricMismatchError`, naming the metrics and ranks, on every rank instead of
+hanging or adding unrelated values. The body has a capacity agreed by all ranks (64 slots, doubled when a
+step needs more: that step pays a second collective, once), so ranks logging different numbers of values
+still call the collective with tensors of the same size.
+
+Left alone (Lightning's behaviour): ``torchmetrics.Metric`` objects (their own sync), values logged with
+``rank_zero_only=True``, ``sync_dist=True`` values with a ``sync_dist_group``, ``on_step=False`` values,
+and values logged in ``on_train_batch_end`` (the averaging runs at the start of that hook, before any
+callback reads the metrics; later values are this rank's own, with a warning).
+
+:class:`FusedMetricReducer` is the algorithm and needs no Trainer; :class:`AverageTrainingMetrics` is the
+callback the strategy puts first in the Trainer's callbacks; every private Lightning name lives in
+``_lightning``.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import hashlib
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import Tensor
 from torchmetrics import Metric
 
 from lightning_shardplus import _lightning
+
+Reduction = Literal["mean", "sum", "max", "min"]
+REDUCTIONS: tuple[str, ...] = ("mean", "sum", "max", "min")
+
+_DIGEST_BYTES = 6  # 48 bits; small integers (a byte, its square) stay exact when summed in float64
+_HEADER = 3 + 2 * _DIGEST_BYTES  # participants, (slots, slots^2), (byte, byte^2) per digest byte
+INITIAL_CAPACITY = 64
+
+
+class MetricMismatchError(RuntimeError):
+    """Ranks logged different training metrics in the same step; raised on every rank."""
+
+
+class _Values:
+    """The reduced values of one step (Python floats, float64), turned into one tensor per dtype and device on
+    demand, which each metric's step value is a view of."""
+
+    __slots__ = ("floats", "_tensors")
+
+    def __init__(self, floats: list[float]) -> None:
+        self.floats = floats
+        self._tensors: dict[tuple[torch.dtype, torch.device | str], Tensor] = {}
+
+    def tensor(self, dtype: torch.dtype, device: torch.device | str) -> Tensor:
+        tensor = self._tensors.get((dtype, device))
+        if tensor is None:
+            tensor = self._tensors[(dtype, device)] = torch.tensor(self.floats, dtype=dtype, device=device)
+        return tensor
+
+
+class Reduced:
+    """One metric after the collective: its step value, and for means the global sums it came from (over
+    ranks, and micro-batches, of weight * value, and of the weights)."""
+
+    __slots__ = ("_index", "_values", "weight", "weighted_sum")
+
+    def __init__(
+        self, values: _Values, index: int, weighted_sum: float | None = None, weight: float | None = None
+    ) -> None:
+        self._values, self._index = values, index
+        self.weighted_sum, self.weight = weighted_sum, weight
+
+    @classmethod
+    def of(cls, value: float, weighted_sum: float | None = None, weight: float | None = None) -> Reduced:
+        return cls(_Values([value]), 0, weighted_sum, weight)
+
+    @property
+    def value(self) -> float:
+        return self._values.floats[self._index]
+
+    def value_as(self, dtype: torch.dtype, device: torch.device | str = "cpu") -> Tensor:
+        """The step value as a 0-dim tensor (a view of one tensor shared by the step's metrics)."""
+        return self._values.tensor(dtype, device)[self._index]
+
+    def __repr__(self) -> str:
+        return f"Reduced(value={self.value!r}, weighted_sum={self.weighted_sum!r}, weight={self.weight!r})"
+
+
+def _max(a: float, b: float) -> float:
+    return a if a != a or a >= b else b  # NaN wins, as in torch.maximum
+
+
+def _min(a: float, b: float) -> float:
+    return a if a != a or a <= b else b
+
+
+def _slots(reduction: str, world_size: int) -> int:
+    # max/min: one slot per rank, this rank's value in its own slot (the SUM all_reduce gathers them)
+    return 2 if reduction == "mean" else 1 if reduction == "sum" else world_size
+
+
+def _digest(signature: Sequence[tuple[str, str]]) -> bytes:
+    text = "\n".join(f"{key}\t{reduction}" for key, reduction in signature)
+    return hashlib.blake2b(text.encode(), digest_size=_DIGEST_BYTES).digest()
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Where each metric of a signature (sorted keys and their reductions) lives in the collective's body."""
+
+    signature: tuple[tuple[str, str], ...]
+    header: list[float]  # this rank's header: 1, slots, slots^2, then each digest byte and its square
+    slots: int
+    position: dict[str, int]  # first body slot of each key
+
+    @classmethod
+    def of(cls, signature: tuple[tuple[str, str], ...], world_size: int) -> _Layout:
+        position: dict[str, int] = {}
+        slots = 0
+        for key, reduction in signature:
+            position[key] = slots
+            slots += _slots(reduction, world_size)
+        header = [1, slots, slots * slots] + [x for b in _digest(signature) for x in (b, b * b)]
+        return cls(signature, [float(x) for x in header], slots, position)
+
+
+class FusedMetricReducer:
+    """Collects this rank's scalars and reduces all of them across ranks with one SUM ``all_reduce``.
+
+    The arithmetic around the collective is done on Python floats (float64): for a few scalars that is much
+    cheaper than tensor operations, and it moves the values once each way (one synchronisation on an
+    accelerator, which reading the result needs anyway).
+
+    Args:
+        world_size, rank: this process's place in the group the collective runs over.
+        all_reduce: in-place SUM all_reduce of a 1-d float64 tensor over that group.
+        all_gather_object: gathers a picklable object from every rank (only used to name a mismatch).
+        capacity: body slots of the collective (grows by doubling when a step needs more).
+    """
+
+    def __init__(
+        self,
+        world_size: int,
+        rank: int,
+        all_reduce: Callable[[Tensor], Any],
+        all_gather_object: Callable[[Any], list[Any]],
+        capacity: int = INITIAL_CAPACITY,
+    ) -> None:
+        self.world_size = world_size
+        self.rank = rank
+        self.capacity = capacity
+        self._all_reduce = all_reduce
+        self._all_gather_object = all_gather_object
+        # the window: every observation since the last reduction, in order, and each key's reduction and label
+        self._kinds: dict[str, tuple[str, str]] = {}
+        self._keys: list[str] = []
+        self._values: list[Tensor] = []
+        self._weights: list[float] = []
+        self._layout = _Layout.of((), world_size)  # the last one computed
+
+    @property
+    def pending(self) -> list[str]:
+        return sorted(self._kinds)
+
+    def observe(
+        self, key: str, reduction: Reduction, value: Tensor, weight: float = 1.0, label: str = ""
+    ) -> None:
+        """Add one value of ``key`` (a 1-element tensor) with its weight (used by ``"mean"`` only)."""
+        kind = self._kinds.get(key)
+        if kind is None:
+            if reduction not in REDUCTIONS:
+                raise ValueError(f"`reduction`={reduction!r} is not valid: expected one of {REDUCTIONS}.")
+            self._kinds[key] = (reduction, label or key)
+        elif kind[0] != reduction:
+            raise ValueError(f"`{key}` was observed as {kind[0]!r} and now as {reduction!r}.")
+        self._keys.append(key)
+        self._values.append(value.detach() if value.dim() == 0 else value.detach().reshape(()))
+        self._weights.append(float(weight))
+
+    def discard(self) -> None:
+        """Forget what was observed since the last reduction (on every rank at the same point)."""
+        self._kinds.clear()
+        self._keys.clear()
+        self._values.clear()
+        self._weights.clear()
+
+    def entries(self) -> list[tuple[str, str, str]]:
+        """(key, reduction, label) of every metric observed since the last reduction, sorted by key."""
+        return [(key, *self._kinds[key]) for key in sorted(self._kinds)]
+
+    # ---------------------------------------------------------------- the collective
+
+    def _current_layout(self) -> _Layout:
+        signature = tuple((key, self._kinds[key][0]) for key in sorted(self._kinds))
+        if self._layout.signature != signature:
+            self._layout = _Layout.of(signature, self.world_size)
+        return self._layout
+
+    def _floats(self) -> list[float]:
+        values = self._values
+        if not values:
+            return []
+        device = values[0].device
+        if all(v.device == device for v in values):
+            return torch.stack(values).tolist()  # one copy (and one synchronisation on an accelerator)
+        return [v.item() for v in values]
+
+    def pack(self, device: torch.device | str = "cpu") -> Tensor:
+        """This rank's contribution: header (always) and body (when it fits the agreed capacity)."""
+        layout = self._current_layout()
+        numbers = layout.header + [0.0] * self.capacity
+        if self._values and layout.slots <= self.capacity:
+            seen: set[int] = set()  # max/min slots holding a value already
+            for key, value, weight in zip(self._keys, self._floats(), self._weights, strict=True):
+                reduction = self._kinds[key][0]
+                slot = _HEADER + layout.position[key]
+                if reduction == "mean":
+                    numbers[slot] += weight * value
+                    numbers[slot + 1] += weight
+                elif reduction == "sum":
+                    numbers[slot] += value
+                else:
+                    slot += self.rank
+                    if slot not in seen:
+                        seen.add(slot)
+                        numbers[slot] = value
+                    else:
+                        numbers[slot] = (_max if reduction == "max" else _min)(numbers[slot], value)
+        return torch.tensor(numbers, dtype=torch.float64, device=device)
+
+    def unpack(self, buffer: Tensor, where: str = "this step") -> dict[str, Reduced] | None:
+        """Check the summed header and read the reductions; None when the body did not fit (the capacity has
+        grown: pack and all_reduce again). Raises :class:`MetricMismatchError` on every rank when the ranks
+        differ."""
+        numbers = buffer.tolist()
+        header = [int(x) for x in numbers[:_HEADER]]  # exact: small integers summed in float64
+        world = self.world_size
+        if header[0] != world:
+            raise RuntimeError(
+                f"shardplus: the training-metrics collective summed {header[0]} contributions, "
+                f"expected {world}."
+            )
+        pairs = [(header[i], header[i + 1]) for i in range(1, _HEADER, 2)]
+        if any(world * squares != total * total for total, squares in pairs):  # the ranks' numbers differ
+            self._raise_mismatch(where)
+        slots = header[1] // world
+        if slots > self.capacity:
+            self.capacity = 1 << (slots - 1).bit_length()
+            return None
+        layout = self._current_layout()
+        floats: list[float] = []
+        values = _Values(floats)
+        reduced: dict[str, Reduced] = {}
+        for key, reduction in layout.signature:
+            slot = _HEADER + layout.position[key]
+            if reduction == "mean":
+                weighted_sum, weight = numbers[slot], numbers[slot + 1]
+                floats.append(weighted_sum / weight if weight else math.nan)
+                reduced[key] = Reduced(values, len(floats) - 1, weighted_sum, weight)
+                continue
+            if reduction == "sum":
+                floats.append(numbers[slot])
+            else:
+                per_rank = numbers[slot : slot + world]
+                extreme = per_rank[0]
+                for value in per_rank[1:]:
+                    extreme = (_max if reduction == "max" else _min)(extreme, value)
+                floats.append(extreme)
+            reduced[key] = Reduced(values, len(floats) - 1)
+        self.discard()
+        return reduced
+
+    def reduce(self, device: torch.device | str = "cpu", where: str = "this step") -> dict[str, Reduced]:
+        """Reduce everything observed since the last call, on all ranks; every rank must call it at the same
+        step (also with nothing observed). One all_reduce, two in the step where the capacity grows."""
+        while True:
+            buffer = self.pack(device)
+            self._all_reduce(buffer)
+            reduced = self.unpack(buffer, where)
+            if reduced is not None:
+                return reduced
+
+    def _raise_mismatch(self, where: str) -> None:
+        gathered = self._all_gather_object(self.entries())  # every rank gets here: the header sums are shared
+        self.discard()
+        raise MetricMismatchError(describe_mismatch(gathered, where))
+
+
+def describe_mismatch(per_rank: Sequence[Sequence[tuple[str, str, str]]], where: str) -> str:
+    """The error text for ranks that logged different metrics: ``per_rank[r]`` lists rank r's (key, reduction,
+    label) entries."""
+    sets = [set(entries) for entries in per_rank]
+    common = set.intersection(*sets) if sets else set()
+    differing = sorted(set().union(*sets) - common)
+    lines = []
+    for key, reduction, label in differing:
+        on = [rank for rank, entries in enumerate(sets) if (key, reduction, label) in entries]
+        off = [rank for rank in range(len(sets)) if rank not in on]
+        lines.append(f"{label} (reduced as {reduction}): logged on rank(s) {on}, not on rank(s) {off}")
+    detail = "; ".join(lines) if lines else "the ranks' metric names differ"
+    return (
+        f"shardplus: ranks logged different training metrics at {where}, so they cannot be averaged without "
+        f"mixing unrelated values: {detail}. Log the same names (with the same reduce_fx and sync_dist) on "
+        "every rank, log rank-specific values with `rank_zero_only=True`, or set "
+        "`average_training_metrics=False`."
+    )
+
+
+def combined_epoch_state(
+    reduce_fx: str,
+    before: tuple[Tensor, Tensor | None],
+    reduced: Reduced,
+) -> tuple[Tensor, Tensor | None]:
+    """The epoch accumulation after a reduced step: means add the global weighted sum and weight (so the epoch
+    value is the batch-weighted mean over all ranks and steps); sum/max/min apply ``reduce_fx`` to the step
+    value."""
+    value, count = before
+    if reduce_fx == "mean":
+        assert reduced.weighted_sum is not None and reduced.weight is not None and count is not None
+        return value + reduced.weighted_sum, count + round(reduced.weight)
+    if reduce_fx == "sum":
+        return value + reduced.value, count
+    step = torch.tensor(reduced.value, dtype=value.dtype, device=value.device)
+    if reduce_fx == "max":
+        return torch.maximum(value, step), count
+    return torch.minimum(value, step), count
+
+
+# -------------------------------------------------------------------- Lightning glue
+
+
+def _all_reduce(tensor: Tensor) -> None:
+    dist.all_reduce(tensor)  # looked up at call time, so tests and the benchmark can count it
+
+
+def _all_gather_object(obj: Any) -> list[Any]:
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, obj)
+    return gathered
+
+
+@dataclass
+class _Pending:
+    """A metric observed in the current window, and where its step/epoch values go once reduced."""
+
+    logged: _lightning.LoggedValue
+    epoch_state_before: tuple[Tensor, Tensor | None] | None  # at its first observation in the window
+
+
+@dataclass
+class _BatchWeight:
+    batch: Any = None
+    weight: float = 1.0
+    known: bool = False
+
+
+class AverageTrainingMetrics(Callback):
+    """Replaces the training values logged on each rank by their cross-rank reduction, with one collective per
+    logged step. Added by ``ShardPlusStrategy(average_training_metrics=True)`` as the first callback, so that
+    its ``on_train_batch_end`` runs before any other callback (progress bar, checkpointing) reads the
+    metrics."""
+
+    def __init__(self) -> None:
+        self._reducer: FusedMetricReducer | None = None
+        self._restore: Callable[[], None] | None = None
+        self._results: Any = None
+        self._pending: dict[str, _Pending] = {}
+        self._last: dict[str, Tensor] = {}  # the last reduced step value of each metric
+        self._warned: set[str] = set()
+        self._weight = _BatchWeight()
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._stop()
+        if trainer.world_size < 2 or not (dist.is_available() and dist.is_initialized()):
+            return
+        self._reducer = FusedMetricReducer(
+            trainer.world_size, trainer.global_rank, _all_reduce, _all_gather_object
+        )
+        self._results = _lightning.training_results(trainer)
+        self._restore = _lightning.intercept_training_logs(self._results, self._take, self._observe)
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # A batch skipped by `on_train_batch_start` returning -1 ends the epoch before `on_train_batch_end`:
+        # what it logged is not carried into the next epoch's first step.
+        if self._reducer is not None:
+            self._reducer.discard()
+            self._pending.clear()
+
+    def _take(self, log: _lightning.TrainingLog) -> bool:
+        if not log.on_step or not log.is_tensor or log.rank_zero_only:
+            return False
+        if log.sync_dist and log.sync_dist_group is not None:
+            return False  # a sync over a sub-group: Lightning's
+        if log.fx == "on_train_batch_end":
+            if log.key not in self._warned:
+                self._warned.add(log.key)
+                rank_zero_warn(
+                    f"shardplus: `{log.name}` is logged in `on_train_batch_end`, after the training metrics "
+                    "of the batch were averaged across ranks (at the start of that hook, before callbacks "
+                    "read them): it is this rank's own value. Log it from `training_step` to average it."
+                )
+            return False
+        return True
+
+    def _observe(self, logged: _lightning.LoggedValue) -> None:
+        assert self._reducer is not None
+        log = logged.log
+        reduction = logged.reduce_fx if log.sync_dist and logged.reduce_fx != "mean" else "mean"
+        weight = float(log.batch_size) if log.batch_size is not None else self._batch_weight()
+        self._reducer.observe(log.key, reduction, logged.value, weight, label=f"`{log.name}` (from {log.fx})")
+        pending = self._pending.get(log.key)
+        before = pending.epoch_state_before if pending is not None else logged.epoch_state_before
+        self._pending[log.key] = _Pending(logged, before)
+
+    def _batch_weight(self) -> float:
+        batch = self._results.batch
+        if not self._weight.known or self._weight.batch is not batch:
+            size = _lightning.batch_size_of_current_batch(self._results)
+            self._weight = _BatchWeight(batch, float(size) if size is not None else 1.0, True)
+        return self._weight.weight
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self._reducer is None:
+            return
+        self._weight = _BatchWeight()
+        if not _lightning.logs_this_step(trainer):
+            # inside an accumulation window: show the previous step's values until this window is reduced
+            for key, pending in self._pending.items():
+                _lightning.set_step_value(pending.logged.metric, self._last.get(key))
+            return
+        where = f"epoch {trainer.current_epoch}, batch {batch_idx}"
+        reduced = self._reducer.reduce(trainer.strategy.root_device, where)
+        for key, pending in self._pending.items():
+            logged = pending.logged
+            local = logged.value
+            step = reduced[key].value_as(local.dtype, local.device)
+            if local.dim():
+                step = step.reshape(local.shape)
+            _lightning.set_step_value(logged.metric, step)
+            self._last[key] = step
+            if pending.epoch_state_before is not None:
+                state = combined_epoch_state(logged.reduce_fx, pending.epoch_state_before, reduced[key])
+                _lightning.set_epoch_state(logged.metric, *state)
+        self._pending.clear()
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._stop()
+
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        self._stop()
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._stop()
+
+    def _stop(self) -> None:
+        if self._restore is not None:
+            self._restore()
+        self._restore = self._reducer = self._results = None
+        self._pending.clear()
+        self._last.clear()
+        self._weight = _BatchWeight()
+
+
+# ====================================================================================================
+# Exact evaluation
+# ====================================================================================================
 
 # Where evaluation values are logged per batch; values logged in epoch-level hooks keep Lightning's handling.
 _PER_BATCH_FX = frozenset(

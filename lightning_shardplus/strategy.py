@@ -3,7 +3,7 @@ aggregation, gradient compression and tuned fusion.
 
 The strategy validates its arguments and wires the algorithm modules into Lightning's hooks; the algorithms
 themselves live in :mod:`lightning_shardplus.sharding`, :mod:`lightning_shardplus.aggregation`,
-:mod:`lightning_shardplus.compression` (and, later, fusion, metrics).
+:mod:`lightning_shardplus.compression` and :mod:`lightning_shardplus.metrics` (fusion autotuning: later).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from lightning_shardplus._validation import check_bool, check_choice, check_int,
 from lightning_shardplus.callbacks import VerifySharding
 from lightning_shardplus.compression import GRADIENT_COMPRESSIONS, CommunicationCounter, GradientCompression
 from lightning_shardplus.datamodule import ShardPlusDataModule, per_device_batch_size
-from lightning_shardplus.metrics import ExactEvaluation
+from lightning_shardplus.metrics import AverageTrainingMetrics, ExactEvaluation
 from lightning_shardplus.sharding import (
     PADDING_MODES,
     ExactShardSampler,
@@ -158,6 +158,12 @@ class ShardPlusStrategy(DDPStrategy):
         verify_sharding: debug aid: at the end of each training epoch the ranks check together that their
             shards were disjoint and covered the dataset.
         tensor_fusion_threshold_mb: DDP's gradient bucket size (``bucket_cap_mb``).
+        average_training_metrics: values logged with ``on_step=True`` from ``training_step`` and the
+            training-batch hooks are replaced by their batch-weighted mean over all ranks (``sync_dist=True``
+            sum/max/min values by that reduction) before loggers, the progress bar or ``callback_metrics`` see
+            them, with one fused all_reduce per optimizer step; False keeps Lightning's behaviour (rank 0's
+            own values, a barrier and an all_reduce per ``sync_dist=True`` value). See
+            :mod:`lightning_shardplus.metrics`.
         find_unused_parameters, static_graph, gradient_as_bucket_view, broadcast_buffers: passed to
             ``DistributedDataParallel``, as are other keyword arguments it accepts.
 
@@ -191,6 +197,7 @@ class ShardPlusStrategy(DDPStrategy):
         exact_evaluation: bool = True,
         verify_sharding: bool = False,
         tensor_fusion_threshold_mb: float = 25.0,
+        average_training_metrics: bool = True,
         find_unused_parameters: bool = False,
         static_graph: bool = False,
         gradient_as_bucket_view: bool = False,
@@ -219,6 +226,7 @@ class ShardPlusStrategy(DDPStrategy):
         check_bool("exact_evaluation", exact_evaluation)
         check_bool("verify_sharding", verify_sharding)
         check_positive_number("tensor_fusion_threshold_mb", tensor_fusion_threshold_mb)
+        check_bool("average_training_metrics", average_training_metrics)
         if "bucket_cap_mb" in ddp_kwargs:
             raise TypeError(
                 f"`bucket_cap_mb`={ddp_kwargs['bucket_cap_mb']!r} is not a ShardPlusStrategy option: "
@@ -264,6 +272,7 @@ class ShardPlusStrategy(DDPStrategy):
         self._compression: compression.CastCompression | compression.PowerSGDCompression | None = None
         self._compression_checkpoint: dict[str, Any] | None = None  # from a checkpoint, until registered
         self._user_accumulate_grad_batches: int | None = None
+        self.average_training_metrics = average_training_metrics
 
     # ------------------------------------------------------------------ registration
 
@@ -377,6 +386,10 @@ class ShardPlusStrategy(DDPStrategy):
                 self._compression.check_backend(self._backend(), self.root_device)
             if self._compression_checkpoint is not None:
                 self._restore_compression(self._compression_checkpoint)
+        averaging = any(isinstance(cb, AverageTrainingMetrics) for cb in trainer.callbacks)
+        if self.average_training_metrics and not averaging:
+            # first: the metrics are averaged before any other callback's `on_train_batch_end` reads them
+            trainer.callbacks.insert(0, AverageTrainingMetrics())
         super().setup(trainer)
 
     @property

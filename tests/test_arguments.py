@@ -19,6 +19,8 @@ from lightning_shardplus.datamodule import per_device_batch_size
         ({"shuffle_seed": 1.5}, TypeError, r"`shuffle_seed`=1.5.*integer"),
         ({"exact_evaluation": "yes"}, TypeError, r"`exact_evaluation`='yes'.*True or False"),
         ({"verify_sharding": 1}, TypeError, r"`verify_sharding`=1"),
+        ({"average_training_metrics": "yes"}, TypeError, r"`average_training_metrics`='yes'.*True or False"),
+        ({"average_training_metrics": 0}, TypeError, r"`average_training_metrics`=0"),
         ({"tensor_fusion_threshold_mb": 0}, ValueError, r"`tensor_fusion_threshold_mb`=0.*> 0"),
         ({"tensor_fusion_threshold_mb": -5.0}, ValueError, r"`tensor_fusion_threshold_mb`=-5.0"),
         ({"start_method": "thread"}, ValueError, r"`start_method`='thread'.*'popen'"),
@@ -75,17 +77,19 @@ def test_per_device_batch_is_derived_from_the_world_size():
 
 def test_global_batch_below_world_size_fails_before_any_process_starts(tmp_path):
     trainer = cpu_trainer(ShardPlusStrategy(start_method="fork"), 3, max_epochs=1)
-    with pytest.raises(ValueError, match=r"`global_batch_size`=2 is smaller than the world size \(3 processes\)"):
-        trainer.fit(RecordingModule(tmp_path), datamodule=ShardPlusDataModule(2, train_dataset=IndexedDataset(8)))
+    message = r"`global_batch_size`=2 is smaller than the world size \(3 processes\)"
+    with pytest.raises(ValueError, match=message):
+        trainer.fit(
+            RecordingModule(tmp_path), datamodule=ShardPlusDataModule(2, train_dataset=IndexedDataset(8))
+        )
     assert not dist.is_initialized()
 
 
 def test_uneven_global_batch_warns_with_the_effective_batch(tmp_path):
     trainer = cpu_trainer(ShardPlusStrategy(start_method="fork"), 3, max_epochs=1)
     datamodule = ShardPlusDataModule(10, train_dataset=IndexedDataset(8))
-    with pytest.warns(
-        UserWarning, match=r"global_batch_size=10.*\(3\).*3 samples per step.*effective global batch is 9"
-    ):
+    message = r"global_batch_size=10.*\(3\).*3 samples per step.*effective global batch is 9"
+    with pytest.warns(UserWarning, match=message):
         datamodule.trainer = trainer
     assert datamodule.per_device_batch_size == 3
 

@@ -71,3 +71,91 @@ def test_accumulation_window_counter_and_loss_normalization_are_where_the_strate
 def test_the_ddp_hook_registration_the_strategy_overrides_exists():
     assert "_register_ddp_hooks" in vars(DDPStrategy)
     assert "self._register_ddp_hooks()" in inspect.getsource(DDPStrategy.configure_ddp)
+
+
+# ==========================================================================================================
+# Training metrics: the names `_lightning.intercept_training_logs` and friends use (`metrics.py`).
+# ==========================================================================================================
+
+import lightning.pytorch as pl  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from lightning.pytorch.core.module import LightningModule  # noqa: E402
+from lightning.pytorch.trainer.connectors.logger_connector.logger_connector import (  # noqa: E402
+    _LoggerConnector,
+)
+from lightning.pytorch.trainer.connectors.logger_connector.result import (  # noqa: E402
+    _Metadata,
+    _ResultCollection,
+    _ResultMetric,
+)
+
+
+def test_lightning_module_log_ends_in_the_result_collection_with_the_strategy_sync():
+    source = inspect.getsource(LightningModule.log)
+    assert "results = trainer._results" in source and "results.log(" in source
+    assert "sync_dist_fn=trainer.strategy.reduce" in source  # Lightning syncs each value through it
+    parameters = inspect.signature(_ResultCollection.log).parameters
+    used = ["fx", "name", "value", "on_step", "on_epoch", "sync_dist", "sync_dist_fn", "sync_dist_group"]
+    used += ["add_dataloader_idx", "batch_size", "rank_zero_only"]
+    assert list(parameters)[1:4] == ["fx", "name", "value"] and set(used) <= set(parameters)
+
+
+def test_the_training_results_and_the_logging_rule_are_where_the_metrics_glue_looks():
+    trainer = pl.Trainer(logger=False, enable_progress_bar=False, enable_model_summary=False)
+    results = _lightning.training_results(trainer)
+    assert isinstance(results, _ResultCollection) and results.training
+    assert callable(trainer.fit_loop._should_accumulate)
+    rule = inspect.getsource(_LoggerConnector.update_train_step_metrics)
+    assert "fit_loop._should_accumulate() and self.trainer.lightning_module.automatic_optimization" in rule
+
+
+def never_called(*args, **kwargs):
+    raise AssertionError("Lightning's own sync ran")
+
+
+@pytest.mark.parametrize("reduce_fx", ["mean", "sum", "max", "min"])
+def test_intercepted_logs_skip_lightning_sync_and_expose_their_state(reduce_fx):
+    results = _ResultCollection(training=True)
+    results.batch = (torch.zeros(5, 2), torch.zeros(5))
+    taken = []
+    restore = _lightning.intercept_training_logs(results, lambda log: log.name != "other", taken.append)
+    kwargs = dict(on_step=True, on_epoch=True, reduce_fx=reduce_fx, sync_dist=True, sync_dist_fn=never_called)
+    results.log("training_step", "x", torch.tensor(2.0), **kwargs)
+    results.log("training_step", "x", torch.tensor(3.0), batch_size=4, **kwargs)
+    first, second = taken
+    assert first.log.key == "training_step.x" and first.log.sync_dist and second.log.batch_size == 4
+    assert first.reduce_fx == reduce_fx and first.value.item() == 2.0 and second.value.item() == 3.0
+    meta = _Metadata("training_step", "x", reduce_fx=getattr(torch, reduce_fx))
+    fresh = _ResultMetric(meta, is_tensor=True)
+    assert first.epoch_state_before[0].item() == fresh.value.item()  # `_default_epoch_state` mirrors __init__
+    after_first = {"mean": 10.0, "sum": 2.0, "max": 2.0, "min": 2.0}[reduce_fx]  # mean: 2.0 * batch 5
+    assert second.epoch_state_before[0].item() == after_first
+    if reduce_fx == "mean":
+        assert first.epoch_state_before[1].item() == 0 and second.epoch_state_before[1].item() == 5
+    assert results["training_step.x"].meta.sync.should  # no "use sync_dist=True" warning at epoch end
+
+    metric = second.metric
+    _lightning.set_step_value(metric, torch.tensor(7.0))
+    on_step = results.metrics(on_step=True)
+    assert on_step["log"]["x_step"].item() == 7.0 and on_step["callback"]["x"].item() == 7.0
+    _lightning.set_step_value(metric, None)
+    assert "x_step" not in results.metrics(on_step=True)["log"]
+    _lightning.set_epoch_state(metric, torch.tensor(12.0), torch.tensor(3) if reduce_fx == "mean" else None)
+    assert results.metrics(on_step=False)["log"]["x_epoch"].item() == (4.0 if reduce_fx == "mean" else 12.0)
+
+    with pytest.raises(AssertionError, match="own sync ran"):  # what `take` refuses keeps Lightning's sync
+        results.log("training_step", "other", torch.tensor(1.0), **kwargs)
+    restore()
+    assert "log" not in vars(results)
+
+
+def test_batch_size_of_the_current_batch_follows_lightning_inference():
+    results = _ResultCollection(training=True)
+    assert _lightning.batch_size_of_current_batch(results) is None
+    results.batch = {"x": torch.zeros(6, 3)}
+    assert _lightning.batch_size_of_current_batch(results) == 6
+    results.batch_size = 2  # what Lightning cached for this batch
+    assert _lightning.batch_size_of_current_batch(results) == 2
+    results.batch, results.batch_size = "no tensor", None
+    assert _lightning.batch_size_of_current_batch(results) is None

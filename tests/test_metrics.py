@@ -1,0 +1,570 @@
+"""Averaged training metrics: the fused reducer on simulated ranks, then multi-process fits where every rank
+logs values the test can compute itself, and the logger, ``callback_metrics`` and the collectives are
+recorded."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.distributed as dist
+from _models import cpu_trainer
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers import Logger
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+from torchmetrics import MeanMetric
+
+import lightning_shardplus  # noqa: F401
+from lightning_shardplus import ShardPlusStrategy
+from lightning_shardplus.metrics import (
+    FusedMetricReducer,
+    MetricMismatchError,
+    Reduced,
+    combined_epoch_state,
+    describe_mismatch,
+)
+
+# ----------------------------------------------------------------------------------------------------------
+# The reducer, with ranks simulated in one process: pack on every rank, sum, unpack on every rank.
+
+
+def simulate(reducers: list[FusedMetricReducer]) -> list[dict[str, Reduced] | None]:
+    entries = [r.entries() for r in reducers]
+    for r in reducers:
+        r._all_gather_object = lambda obj, entries=entries: entries
+    total = torch.stack([r.pack() for r in reducers]).sum(0)
+    return [r.unpack(total.clone(), "epoch 0, batch 5") for r in reducers]
+
+
+def make_ranks(world: int, capacity: int = 64) -> list[FusedMetricReducer]:
+    def unused(*_):
+        raise AssertionError("simulate() does the collective")
+
+    return [FusedMetricReducer(world, rank, unused, unused, capacity=capacity) for rank in range(world)]
+
+
+def test_reducer_computes_weighted_means_sums_and_extremes():
+    ranks = make_ranks(3)
+    values = [1.5, -2.0, 4.25]
+    weights = [2, 3, 5]
+    for rank, reducer in enumerate(ranks):
+        value = torch.tensor(values[rank])
+        reducer.observe("training_step.loss", "mean", value, weights[rank])
+        reducer.observe("training_step.tokens", "sum", value)
+        reducer.observe("training_step.peak", "max", value)
+        reducer.observe("training_step.low", "min", value.reshape(1))
+        reducer.observe("training_step.twice", "mean", value, 1.0)
+        reducer.observe("training_step.twice", "mean", value + 1, 3.0)  # a second value in the same window
+    results = simulate(ranks)
+    for other in results[1:]:  # the same values on every rank
+        seen = {k: r.value for k, r in other.items()}
+        assert seen == {k: r.value for k, r in results[0].items()}
+    result = results[0]
+    expected_mean = sum(v * w for v, w in zip(values, weights, strict=True)) / sum(weights)
+    assert result["training_step.loss"].value == pytest.approx(expected_mean, rel=1e-12)
+    assert result["training_step.loss"].weight == 10
+    assert result["training_step.tokens"].value == pytest.approx(sum(values))
+    assert result["training_step.peak"].value == max(values)
+    assert result["training_step.low"].value == min(values)
+    twice = sum(v * 1 + (v + 1) * 3 for v in values) / 12
+    assert result["training_step.twice"].value == pytest.approx(twice)
+    assert all(r.pending == [] for r in ranks)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (
+            "extra",
+            r"`extra` \(from training_step\) \(reduced as mean\): logged on rank\(s\) \[1\], not on rank",
+        ),
+        ("renamed", r"`loss`.*logged on rank\(s\) \[0, 2\], not on rank\(s\) \[1\]; `other`.*\[1\], not on"),
+        ("reduction", r"`loss`.*reduced as max\): logged on rank\(s\) \[1\]"),
+        ("many_extra", r"`extra0`.*logged on rank\(s\) \[1\]"),  # rank 1 needs more slots than the capacity
+    ],
+)
+def test_reducer_raises_on_every_rank_when_ranks_log_different_names(change, message):
+    ranks = make_ranks(3, capacity=8)
+    for rank, reducer in enumerate(ranks):
+        name, reduction = "loss", "mean"
+        if rank == 1 and change == "renamed":
+            name = "other"
+        if rank == 1 and change == "reduction":
+            reduction = "max"
+        reducer.observe(
+            f"training_step.{name}", reduction, torch.tensor(1.0), label=f"`{name}` (from training_step)"
+        )
+        if rank == 1 and change == "extra":
+            reducer.observe(
+                "training_step.extra", "mean", torch.tensor(1.0), label="`extra` (from training_step)"
+            )
+        if rank == 1 and change == "many_extra":
+            for i in range(10):
+                reducer.observe(f"training_step.extra{i}", "mean", torch.tensor(1.0), label=f"`extra{i}`")
+    entries = [r.entries() for r in ranks]
+    total = torch.stack([r.pack() for r in ranks]).sum(0)
+    for reducer in ranks:
+        reducer._all_gather_object = lambda obj: entries
+        with pytest.raises(MetricMismatchError, match=message) as error:
+            reducer.unpack(total.clone(), "epoch 0, batch 5")
+        assert "at epoch 0, batch 5" in str(error.value) and "average_training_metrics=False" in str(
+            error.value
+        )
+
+
+def test_reducer_grows_its_capacity_in_step_on_every_rank():
+    ranks = make_ranks(2, capacity=4)
+    for reducer in ranks:
+        for i in range(5):  # 10 slots
+            reducer.observe(f"m{i}", "mean", torch.tensor(float(i) + reducer.rank), 1.0)
+    assert simulate(ranks) == [None, None]
+    assert [r.capacity for r in ranks] == [16, 16]
+    results = simulate(ranks)  # the same values, now in one collective
+    assert results[0]["m3"].value == 3.5
+    for reducer in ranks:  # later steps fit
+        reducer.observe("m0", "mean", torch.tensor(1.0), 1.0)
+    assert simulate(ranks)[1]["m0"].value == 1.0
+
+
+def test_reducer_collective_has_one_size_whatever_each_rank_logged():
+    ranks = make_ranks(4)
+    for reducer in ranks:
+        for i in range(reducer.rank * 7):
+            reducer.observe(f"m{i}", "max", torch.tensor(1.0))
+    assert len({r.pack().numel() for r in ranks}) == 1
+
+
+def test_reducer_propagates_nan_like_torch_and_a_zero_weight_gives_nan():
+    ranks = make_ranks(2)
+    for reducer in ranks:
+        nan_or_one = torch.tensor(math.nan if reducer.rank == 1 else 1.0)
+        reducer.observe("peak", "max", nan_or_one)
+        reducer.observe("low", "min", torch.tensor(-math.inf))
+        reducer.observe("loss", "mean", nan_or_one, weight=1.0)
+        reducer.observe("unweighted", "mean", torch.tensor(3.0), weight=0.0)
+    result = simulate(ranks)[0]
+    assert math.isnan(result["peak"].value) and math.isnan(result["loss"].value)
+    assert result["low"].value == -math.inf and math.isnan(result["unweighted"].value)
+
+
+def test_reducer_with_nothing_logged_still_takes_part():
+    ranks = make_ranks(2)
+    assert simulate(ranks) == [{}, {}]
+
+
+def test_combined_epoch_state_follows_reduce_fx():
+    before = (torch.tensor(10.0), torch.tensor(4))
+    reduced = Reduced.of(2.5, 15.0, 6.0)
+    value, count = combined_epoch_state("mean", before, reduced)
+    assert value.item() == 25.0 and count.item() == 10 and count.dtype == torch.int64
+    assert combined_epoch_state("sum", (torch.tensor(1.0), None), reduced)[0].item() == 3.5
+    assert combined_epoch_state("max", (torch.tensor(-math.inf), None), reduced)[0].item() == 2.5
+    assert combined_epoch_state("min", (torch.tensor(1.0), None), reduced)[0].item() == 1.0
+
+
+def test_mismatch_text_names_metrics_and_ranks():
+    text = describe_mismatch([[("a", "mean", "`a`")], [("a", "mean", "`a`"), ("b", "sum", "`b`")]], "batch 3")
+    assert "`b` (reduced as sum): logged on rank(s) [1], not on rank(s) [0]" in text
+    assert "`a`" not in text.split("values:")[1].split(". Log")[0]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Multi-process fits. Every rank logs values fixed by (rank, batch, k): the test computes each rank's value.
+
+
+def value(rank: int, batch: int, k: int = 0) -> float:
+    """Exact in float32."""
+    return (rank + 1) * (k + 1) + batch / 8
+
+
+COUNTS = {"all_reduce": 0, "barrier": 0}
+
+
+@pytest.fixture
+def count_collectives(monkeypatch):
+    """Count the Python-level collectives in every process forked from here (DDP's own gradient all-reduce
+    runs in C++ and is not counted)."""
+    for name in COUNTS:
+        original = getattr(dist, name)
+
+        def counted(*args, _original=original, _name=name, **kwargs):
+            COUNTS[_name] += 1
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(dist, name, counted)
+
+
+def write(path: Path, row: dict) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+def read(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def scalars(metrics) -> dict[str, float]:
+    return {k: float(v) for k, v in metrics.items()}
+
+
+class FileLogger(Logger):
+    """Writes what Lightning hands to loggers, per rank (Lightning calls ``log_metrics`` on every rank; the
+    shipped loggers keep rank 0's)."""
+
+    def __init__(self, directory: Path) -> None:
+        super().__init__()
+        self.directory = directory
+
+    @property
+    def name(self) -> str:
+        return "file"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_hyperparams(self, *args, **kwargs) -> None:
+        pass
+
+    def log_metrics(self, metrics, step=None) -> None:
+        write(self.directory / f"logger{dist.get_rank()}.jsonl", {"step": step, "metrics": metrics})
+
+
+class Recorder(Callback):
+    """After the averaging callback: per batch, the collectives since ``on_train_batch_start`` and what
+    ``callback_metrics`` and the progress bar hold; at the end, the final ``callback_metrics``."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.start = dict(COUNTS)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        row = {
+            "batch": batch_idx,
+            "callback": scalars(trainer.callback_metrics),
+            "pbar": dict(trainer.progress_bar_metrics),
+            **{name: COUNTS[name] - self.start[name] for name in COUNTS},
+        }
+        write(self.directory / f"batches{trainer.global_rank}.jsonl", row)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        write(
+            self.directory / f"end{trainer.global_rank}.jsonl",
+            {"callback": scalars(trainer.callback_metrics)},
+        )
+
+
+class LoggingModule(pl.LightningModule):
+    """A linear model on random data, ``batches`` batches per rank; rank r's batches hold ``batch_sizes[r]``
+    samples (its own loader, no sampler injection: use ``use_distributed_sampler=False``). Subclasses log."""
+
+    def __init__(self, batch_sizes: list[int], batches: int = 4) -> None:
+        super().__init__()
+        self.layer = nn.Linear(2, 1)
+        self.batch_sizes = batch_sizes
+        self.batches = batches
+
+    def train_dataloader(self):
+        size = self.batch_sizes[self.global_rank]
+        return DataLoader(TensorDataset(torch.randn(size * self.batches, 2)), batch_size=size)
+
+    def on_train_batch_start(self, batch, batch_idx):
+        self.batch_idx = batch_idx
+
+    def training_step(self, batch, batch_idx):
+        self.log_values(self.global_rank, batch_idx)
+        return self.layer(batch[0]).sum()
+
+    def log_values(self, rank: int, batch: int) -> None:
+        raise NotImplementedError
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def fit(tmp_path, module, world_size, strategy=None, **trainer_kwargs):
+    trainer = cpu_trainer(
+        strategy or ShardPlusStrategy(start_method="fork"),
+        world_size,
+        max_epochs=1,
+        use_distributed_sampler=False,
+        logger=FileLogger(tmp_path),
+        log_every_n_steps=1,
+        callbacks=[Recorder(tmp_path)],
+        **trainer_kwargs,
+    )
+    trainer.fit(module)
+    return trainer
+
+
+def weighted_mean(values, weights):
+    return sum(v * w for v, w in zip(values, weights, strict=True)) / sum(weights)
+
+
+class AllKinds(LoggingModule):
+    def on_train_batch_start(self, batch, batch_idx):
+        super().on_train_batch_start(batch, batch_idx)
+        self.log("from_batch_start", value(self.global_rank, batch_idx, 7))
+
+    def log_values(self, r, i):
+        self.log("plain", value(r, i, 0), prog_bar=True)  # weight: the batch size Lightning infers
+        self.log("weighted", value(r, i, 1), batch_size=r + 1)
+        self.log("epoch_mean", value(r, i, 2), batch_size=r + 1, on_epoch=True)
+        self.log("synced", value(r, i, 3), sync_dist=True)
+        self.log("total", value(r, i, 4), sync_dist=True, reduce_fx="sum", on_epoch=True)
+        self.log("peak", value(r, i, 5), sync_dist=True, reduce_fx="max", on_epoch=True)
+        self.log("low", torch.tensor([value(r, i, 6)]), sync_dist=True, reduce_fx="min")
+
+    def on_before_optimizer_step(self, optimizer):
+        self.log("from_optimizer_hook", value(self.global_rank, self.batch_idx, 8))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_logged_values_are_means_over_ranks_weighted_by_batch_size(tmp_path, count_collectives, world_size):
+    sizes = [2, 3, 5][:world_size]  # unequal batches: the inferred weights differ per rank
+    given = [r + 1 for r in range(world_size)]  # `batch_size=` given to self.log
+    ranks, batches = range(world_size), 4
+    fit(tmp_path, AllKinds(sizes, batches), world_size)
+
+    def expected(i: int) -> dict[str, float]:
+        return {
+            "plain": weighted_mean([value(r, i, 0) for r in ranks], sizes),
+            "weighted": weighted_mean([value(r, i, 1) for r in ranks], given),
+            "epoch_mean_step": weighted_mean([value(r, i, 2) for r in ranks], given),
+            "synced": weighted_mean([value(r, i, 3) for r in ranks], sizes),
+            "total_step": sum(value(r, i, 4) for r in ranks),
+            "peak_step": max(value(r, i, 5) for r in ranks),
+            "low": min(value(r, i, 6) for r in ranks),
+            "from_batch_start": weighted_mean([value(r, i, 7) for r in ranks], sizes),
+            "from_optimizer_hook": weighted_mean([value(r, i, 8) for r in ranks], sizes),
+        }
+
+    epoch = {
+        "epoch_mean_epoch": weighted_mean(
+            [value(r, i, 2) for r in ranks for i in range(batches)],
+            [given[r] for r in ranks for _ in range(batches)],
+        ),
+        "total_epoch": sum(value(r, i, 4) for r in ranks for i in range(batches)),
+        "peak_epoch": max(value(r, i, 5) for r in ranks for i in range(batches)),
+    }
+    for rank in ranks:
+        logged = read(tmp_path / f"logger{rank}.jsonl")
+        steps = [row for row in logged if "plain" in row["metrics"]]
+        assert [row["step"] for row in steps] == list(range(batches))
+        for i, row in enumerate(steps):
+            assert row["metrics"] == pytest.approx(expected(i) | {"epoch": 0}, rel=1e-6)
+        assert logged[-1]["metrics"] == pytest.approx(epoch | {"epoch": 0}, rel=1e-6)
+
+        rows = read(tmp_path / f"batches{rank}.jsonl")
+        assert [(row["all_reduce"], row["barrier"]) for row in rows] == [(1, 0)] * batches
+        for i, row in enumerate(rows):
+            for name, mean in expected(i).items():
+                assert row["callback"][name] == pytest.approx(mean, rel=1e-6), name
+            assert row["callback"]["epoch_mean"] == row["callback"]["epoch_mean_step"]
+            assert row["pbar"]["plain"] == pytest.approx(expected(i)["plain"], rel=1e-6)
+        end = read(tmp_path / f"end{rank}.jsonl")[0]["callback"]
+        assert {k: end[k] for k in epoch} == pytest.approx(epoch, rel=1e-6)
+
+
+class ManyMetrics(LoggingModule):
+    def __init__(self, count: int, sync_dist: bool, batches: int = 3) -> None:
+        super().__init__([2, 2], batches)
+        self.count, self.sync_dist = count, sync_dist
+
+    def log_values(self, r, i):
+        self.log_dict({f"m{k:03d}": value(r, i, k) for k in range(self.count)}, sync_dist=self.sync_dist)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("count", "sync_dist", "per_batch"),
+    [
+        (1, False, [1, 1, 1]),
+        (5, False, [1, 1, 1]),
+        (20, False, [1, 1, 1]),
+        (20, True, [1, 1, 1]),  # Lightning's own sync is folded into the one collective
+        (100, False, [2, 1, 1]),  # 200 slots > 64: the first step grows the agreed capacity, once
+    ],
+)
+def test_one_collective_per_step_for_any_number_of_metrics(
+    tmp_path, count_collectives, count, sync_dist, per_batch
+):
+    fit(tmp_path, ManyMetrics(count, sync_dist), 2)
+    for rank in range(2):
+        rows = read(tmp_path / f"batches{rank}.jsonl")
+        assert [row["all_reduce"] for row in rows] == per_batch
+        assert [row["barrier"] for row in rows] == [0] * 3
+        last = count - 1
+        for i, row in enumerate(rows):
+            assert row["callback"][f"m{last:03d}"] == (value(0, i, last) + value(1, i, last)) / 2
+
+
+@pytest.mark.timeout(120)
+def test_without_averaging_lightning_behaviour_is_kept(tmp_path, count_collectives):
+    class Module(LoggingModule):
+        def log_values(self, r, i):
+            self.log("own", value(r, i, 0))
+            self.log_dict({f"synced{k}": value(r, i, k) for k in range(1, 4)}, sync_dist=True)
+
+    fit(tmp_path, Module([2, 3]), 2, ShardPlusStrategy(start_method="fork", average_training_metrics=False))
+    for rank in range(2):
+        rows = read(tmp_path / f"batches{rank}.jsonl")
+        # one barrier plus one all_reduce per sync_dist value
+        assert [(row["all_reduce"], row["barrier"]) for row in rows] == [(3, 3)] * 4
+        for i, row in enumerate(rows):
+            assert row["callback"]["own"] == value(rank, i, 0)
+            assert row["callback"]["synced2"] == (value(0, i, 2) + value(1, i, 2)) / 2  # unweighted
+    logged = [row["metrics"] for row in read(tmp_path / "logger0.jsonl")]
+    assert [m["own"] for m in logged] == [value(0, i, 0) for i in range(4)]
+
+
+class ExtraOnLastRank(LoggingModule):
+    def __init__(self, change: str) -> None:
+        super().__init__([2, 2, 2])
+        self.change = change
+
+    def log_values(self, r, i):
+        last = r == self.trainer.world_size - 1 and i == 1
+        if self.change == "extra":
+            self.log("loss", value(r, i))
+            if last:
+                self.log("extra_metric", value(r, i))
+        elif self.change == "renamed":
+            self.log("renamed_metric" if last else "loss", value(r, i))
+        else:  # the same name, reduced differently on the last rank (from the first batch on)
+            other = r == self.trainer.world_size - 1
+            self.log("loss", value(r, i), sync_dist=other, reduce_fx="max" if other else "mean")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("world_size", "change", "message"),
+    [
+        (
+            2,
+            "extra",
+            r"`extra_metric` \(from training_step\) \(reduced as mean\): logged on rank\(s\) \[1\], not",
+        ),
+        (
+            3,
+            "extra",
+            r"at epoch 0, batch 1.*`extra_metric`.*logged on rank\(s\) \[2\], not on rank\(s\) \[0, 1\]",
+        ),
+        (3, "renamed", r"`loss`.*on rank\(s\) \[0, 1\], not on rank\(s\) \[2\].*`renamed_metric`.*\[2\]"),
+        (
+            2,
+            "reduction",
+            r"batch 0.*`loss` \(from training_step\) \(reduced as max\): logged on rank\(s\) \[1\]",
+        ),
+    ],
+)
+def test_ranks_logging_different_metrics_raise_a_named_error(tmp_path, world_size, change, message):
+    with pytest.raises(Exception, match=message):
+        fit(tmp_path, ExtraOnLastRank(change), world_size)
+
+
+class Accumulating(LoggingModule):
+    def log_values(self, r, i):
+        self.log("acc", value(r, i), on_epoch=True)
+
+
+@pytest.mark.timeout(120)
+def test_with_accumulation_values_are_averaged_per_optimizer_step(tmp_path, count_collectives):
+    sizes, batches, window = [2, 3], 7, 3  # windows of micro-batches: 0-2, 3-5, 6 (the epoch's last, smaller)
+    fit(tmp_path, Accumulating(sizes, batches), 2, accumulate_grad_batches=window)
+    windows = [[0, 1, 2], [3, 4, 5], [6]]
+
+    def window_mean(w):
+        return weighted_mean(
+            [value(r, i) for i in w for r in range(2)], [sizes[r] for i in w for r in range(2)]
+        )
+
+    everything = weighted_mean([value(r, i) for i in range(batches) for r in range(2)], sizes * batches)
+    for rank in range(2):
+        rows = read(tmp_path / f"batches{rank}.jsonl")
+        assert [row["all_reduce"] for row in rows] == [0, 0, 1, 0, 0, 1, 1]  # one per optimizer step
+        shown = [row["callback"].get("acc_step") for row in rows]
+        # between optimizer steps callback_metrics keep the previous step's value (none before the first)
+        means = [window_mean(w) for w in windows]
+        assert shown[:2] == [None, None]
+        assert shown[2:] == pytest.approx([means[0], means[0], means[0], means[1], means[2]], rel=1e-6)
+        logged = [row["metrics"] for row in read(tmp_path / f"logger{rank}.jsonl")]
+        assert [m["acc_step"] for m in logged[:-1]] == pytest.approx(means, rel=1e-6)
+        assert logged[-1]["acc_epoch"] == pytest.approx(everything, rel=1e-6)
+
+
+@pytest.mark.timeout(120)
+def test_manual_optimization_averages_every_batch(tmp_path, count_collectives):
+    class Manual(Accumulating):
+        def __init__(self):
+            super().__init__([2, 3], batches=3)
+            self.automatic_optimization = False
+
+        def training_step(self, batch, batch_idx):
+            optimizer = self.optimizers()
+            optimizer.zero_grad()
+            self.manual_backward(super().training_step(batch, batch_idx))
+            optimizer.step()
+
+    fit(tmp_path, Manual(), 2)
+    rows = read(tmp_path / "batches0.jsonl")
+    assert [row["all_reduce"] for row in rows] == [1, 1, 1]
+    assert [row["callback"]["acc_step"] for row in rows] == pytest.approx(
+        [weighted_mean([value(0, i), value(1, i)], [2, 3]) for i in range(3)], rel=1e-6
+    )
+
+
+@pytest.mark.timeout(120)
+def test_metric_objects_rank_zero_only_and_late_values_are_left_to_lightning(tmp_path):
+    class Module(LoggingModule):
+        def __init__(self):
+            super().__init__([2, 2], batches=2)
+            self.mean_metric = MeanMetric()
+
+        def log_values(self, r, i):
+            self.log("loss", value(r, i))
+            self.mean_metric(value(r, i, 1))
+            self.log("metric_object", self.mean_metric, on_step=False, on_epoch=True)
+            if r == 0:
+                self.log("rank_zero", value(r, i, 2), rank_zero_only=True)
+
+        def on_train_batch_end(self, outputs, batch, batch_idx):
+            self.log("late", value(self.global_rank, batch_idx, 3))
+
+    fit(tmp_path, Module(), 2)
+    for rank in range(2):
+        end = read(tmp_path / f"end{rank}.jsonl")[0]["callback"]
+        assert end["loss"] == (value(0, 1) + value(1, 1)) / 2
+        assert end["late"] == value(rank, 1, 3)  # this rank's own value
+        assert ("rank_zero" in end) == (rank == 0)
+        # the torchmetrics object syncs itself at epoch end
+        assert end["metric_object"] == pytest.approx(
+            sum(value(r, i, 1) for r in range(2) for i in range(2)) / 4
+        )
+
+
+@pytest.mark.timeout(120)
+def test_bench_counts_the_collectives_of_the_metric_rows():
+    from lightning_shardplus import bench
+
+    args = bench.parse_args(
+        ["--repeats=1", "--steps=3", "--warmup=1", "--global-batch-size=8", "--input-dim=4", "--hidden-dim=8"]
+        + ["--layers=1", "--configs=metrics16-nosync,metrics16-sync_dist,metrics16-averaged"]
+    )
+    report = bench.run(bench.select_configs(args.configs), args)
+    results = report["results"]
+    per_step = {name: (r["all_reduce_per_step"], r["barrier_per_step"]) for name, r in results.items()}
+    assert per_step == {
+        "metrics16-nosync": (0, 0),  # (a)
+        "metrics16-sync_dist": (16, 16),  # (b): Lightning syncs each value
+        "metrics16-averaged": (1, 0),  # (c)
+    }
+    assert "| metrics16-averaged |" in bench.format_table(report)
