@@ -108,11 +108,12 @@ def in_process_run():
     """Undo what a run inside the test process leaves behind: Lightning's popen launcher sets ``LOCAL_RANK``
     and friends in ``os.environ`` (a later Trainer would then wait for processes launched "externally") and
     does not destroy its process group (a later fork would inherit it). Either makes the next fork test hang."""
-    environ = dict(os.environ)
+    environ, threads = dict(os.environ), torch.get_num_threads()
     try:
         yield
     finally:
         os.environ.clear()
         os.environ.update(environ)
+        torch.set_num_threads(threads)
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()

@@ -1,3 +1,4 @@
+import os
 import sys
 from pathlib import Path
 
@@ -9,7 +10,10 @@ import torch
 from _models import in_process_run
 
 # The multi-process tests fork this process. A fork taken after an OpenMP thread pool has started can deadlock
-# in the child (libgomp is not fork-safe): keep this parent single-threaded; the workers set their own threads.
+# in the child (libgomp is not fork-safe): keep this parent single-threaded. OMP_NUM_THREADS also stops
+# Lightning's launchers from raising the thread count of this process (`_set_num_threads_if_needed`), which a
+# 1-process run in the test process would otherwise do; the forked workers inherit one thread each.
+os.environ["OMP_NUM_THREADS"] = "1"
 torch.set_num_threads(1)
 
 
