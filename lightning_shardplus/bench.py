@@ -14,18 +14,26 @@ Counting needs a hook, so the ``shardplus`` row (``gradient_compression="none"``
 Every row also reports the step time and the Python-level ``torch.distributed`` all_reduce and barrier calls
 per optimizer step, counted in every worker (the metrics rows: 16 scalars logged per step with no sync,
 Lightning's ``sync_dist=True``, and shardplus averaging). ``--configs`` picks rows; the first is the baseline.
+
+``--sampler`` runs a different benchmark, in this process and without training: for each dataset length N, rank
+0's :class:`~lightning_shardplus.PaddedShardSampler` (on-the-fly permutation) beside torch's
+``DistributedSampler`` (materialized ``randperm``, only up to ``--torch-max-length``): time to the first index,
+indices per second per rank while iterating, and peak resident memory above the level before the sampler.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
+import itertools
 import json
 import math
+import re
 import statistics
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,11 +44,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy, Strategy
+from torch.utils.data import DistributedSampler
 
 from lightning_shardplus.aggregation import effective_batch_size
 from lightning_shardplus.compression import CommunicationCounter
 from lightning_shardplus.datamodule import SyntheticDataModule
 from lightning_shardplus.demo import ClassifierModule
+from lightning_shardplus.sharding import PaddedShardSampler
 from lightning_shardplus.strategy import ShardPlusStrategy
 
 
@@ -260,6 +270,109 @@ def format_table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+SAMPLER_SIZES = (10**6, 10**8, 10**9, 10**12)
+
+
+class _Length:
+    """A dataset of a given length that holds nothing (all the samplers ask for)."""
+
+    def __init__(self, length: int) -> None:
+        self.length = length
+
+    def __len__(self) -> int:
+        return self.length
+
+
+def _proc_status_kib(field: str) -> int | None:
+    try:
+        match = re.search(rf"^{field}:\s+(\d+) kB", open("/proc/self/status").read(), re.MULTILINE)
+    except OSError:
+        return None
+    return int(match.group(1)) if match else None
+
+
+def _reset_peak_rss() -> bool:
+    """Reset this process's peak resident set size (VmHWM) to the current one (Linux >= 4.0)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as file:
+            file.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def measure_sampler(make: Callable[[], Iterable[int]], indices: int) -> dict[str, Any]:
+    """Time to the first index (construction and ``iter`` included), indices/s over the next ``indices - 1``,
+    and the peak resident memory above the level before (None where /proc cannot tell)."""
+    gc.collect()
+    resettable = _reset_peak_rss()
+    before = _proc_status_kib("VmRSS")
+    start = time.perf_counter()
+    iterator = iter(make())
+    next(iterator)
+    first_s = time.perf_counter() - start
+    start = time.perf_counter()
+    rest = sum(1 for _ in itertools.islice(iterator, indices - 1))
+    seconds = time.perf_counter() - start
+    peak = _proc_status_kib("VmHWM")
+    del iterator
+    gc.collect()
+    return {
+        "first_index_ms": first_s * 1e3,
+        "indices_per_s": rest / seconds if rest else None,
+        "indices_timed": rest,
+        "peak_memory_mb": (peak - before) / 1024 if resettable and peak is not None and before is not None else None,
+    }
+
+
+def run_sampler(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``--sampler`` rows: shardplus's sampler for every length, torch's DistributedSampler where it fits."""
+    rows = []
+    world = args.devices
+    for length in args.sampler_sizes:
+        indices = max(1, min(args.sampler_indices, length // world))
+        makers: list[tuple[str, Callable[[], Iterable[int]]]] = [
+            ("shardplus PaddedShardSampler", lambda n=length: PaddedShardSampler(n, world, 0, seed=0)),
+        ]
+        if length <= args.torch_max_length:
+            makers.append(
+                ("torch DistributedSampler", lambda n=length: DistributedSampler(_Length(n), world, 0, seed=0))
+            )
+        for name, make in makers:
+            rows.append({"sampler": name, "length": length, "num_replicas": world, **measure_sampler(make, indices)})
+    settings = {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()}
+    return {"settings": settings, "sampler_rows": rows}
+
+
+def format_sampler_table(report: dict[str, Any]) -> str:
+    lines = [
+        "| N | sampler | first index | indices/s per rank | peak memory |",
+        "|---:|---|---:|---:|---:|",
+    ]
+    for row in report["sampler_rows"]:
+        rate = "-" if row["indices_per_s"] is None else f"{row['indices_per_s'] / 1e6:.1f} M"
+        memory = "-" if row["peak_memory_mb"] is None else f"{row['peak_memory_mb']:.0f} MB"
+        lines.append(
+            f"| {_length_text(row['length'])} | {row['sampler']} | {row['first_index_ms']:.2f} ms | {rate} | {memory} |"
+        )
+    return "\n".join(lines)
+
+
+def _length_text(length: int) -> str:
+    power = len(str(length)) - 1
+    return f"10^{power}" if length == 10**power and power >= 3 else str(length)
+
+
+def _length_list(text: str) -> list[int]:
+    """``"1e6,10**8,5000"`` -> ``[1000000, 100000000, 5000]``."""
+    values = []
+    for item in (part.strip() for part in text.split(",") if part.strip()):
+        base, power = item.split("**") if "**" in item else (item, "1")
+        mantissa, exponent = base.lower().split("e") if "e" in base.lower() else (base, "0")
+        values.append((int(mantissa) * 10 ** int(exponent)) ** int(power))
+    return values
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m lightning_shardplus.bench", description=__doc__)
     parser.add_argument("--devices", type=int, default=2, help="CPU processes (default 2)")
@@ -286,9 +399,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--threads", type=int, default=None, help="torch intra-op threads per process (default: torch's)"
     )
+    parser.add_argument(
+        "--sampler", action="store_true",
+        help="benchmark the samplers instead of training (rank 0 of --devices ranks; see above)",
+    )
+    parser.add_argument(
+        "--sampler-sizes", type=_length_list, default=list(SAMPLER_SIZES),
+        help="with --sampler: comma-separated dataset lengths (default 1e6,1e8,1e9,1e12)",
+    )
+    parser.add_argument(
+        "--sampler-indices", type=int, default=2_000_000,
+        help="with --sampler: indices timed per row for indices/s (default 2,000,000)",
+    )
+    parser.add_argument(
+        "--torch-max-length", type=_length_list, default=[10**8],
+        help="with --sampler: largest N run with torch's DistributedSampler, which materializes the whole "
+        "permutation as a Python list (about 50 bytes per sample: 5 GB at 1e8; default 1e8)",
+    )
     args = parser.parse_args(argv)
     if args.threads is not None and args.threads < 1:
         parser.error(f"--threads={args.threads} is not valid: expected >= 1")
+    args.torch_max_length = args.torch_max_length[0] if args.torch_max_length else 0
+    if args.sampler_indices < 1 or not args.sampler_sizes or min(args.sampler_sizes) < 1:
+        parser.error("--sampler-indices and --sampler-sizes are not valid: expected integers >= 1")
+    if max(args.sampler_sizes) > 2**63 - 1:
+        parser.error("--sampler-sizes is not valid: expected lengths <= 2**63 - 1")
     for name in ("devices", "repeats", "steps", "global_batch_size", "input_dim", "hidden_dim", "layers"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')}={getattr(args, name)} is not valid: expected >= 1")
@@ -312,8 +447,12 @@ def select_configs(names: list[str] | None) -> list[BenchConfig]:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    report = run(select_configs(args.configs), args)
-    print(format_table(report))
+    if args.sampler:
+        report = run_sampler(args)
+        print(format_sampler_table(report))
+    else:
+        report = run(select_configs(args.configs), args)
+        print(format_table(report))
     if args.json is not None:
         args.json.write_text(json.dumps(report, indent=2))
     return report

@@ -1,8 +1,11 @@
 """Which dataset indices each rank reads: padded equal shards for training, exact shards for evaluation.
 
-Both samplers draw their order from :func:`epoch_permutation`, one global permutation per epoch that every
-rank computes identically from ``(seed, epoch)``; a rank then takes its share of that order. Nothing here
-communicates or imports Lightning, so every property can be checked in one process.
+Both samplers draw their order from one global permutation per epoch that every rank computes identically
+from ``(seed, epoch)``; a rank then takes its share of that order. The permutation is a keyed bijection
+(:mod:`lightning_shardplus.permutation`) evaluated on the rank's positions chunk by chunk, so a sampler's memory
+does not depend on the dataset's length and its first index comes at once; :func:`epoch_permutation` is the
+same order as one tensor. Nothing here communicates or imports Lightning, so every property can be checked in
+one process.
 """
 
 from __future__ import annotations
@@ -15,21 +18,35 @@ import torch
 from torch.utils.data import Sampler
 
 from lightning_shardplus._validation import check_bool, check_choice, check_int
+from lightning_shardplus.permutation import MAX_LENGTH, permuted
 
 PaddingMode = Literal["first", "wrap"]
 PADDING_MODES: tuple[str, ...] = ("first", "wrap")
+CHUNK_SIZE = 65_536
+"""Positions permuted at a time while iterating; the first chunks are smaller so the first index comes fast."""
+_FIRST_CHUNK_SIZE = 1_024
 
 
 def epoch_permutation(length: int, *, seed: int, epoch: int, shuffle: bool = True) -> torch.Tensor:
-    """The global order of ``range(length)`` for one epoch: the same on every rank for the same seed and epoch.
-
-    Kept in one function so that a constant-memory bijection can replace it without touching the samplers.
+    """The global order of ``range(length)`` for one epoch as one tensor: the same on every rank for the same seed
+    and epoch. ``length`` int64 values: for small datasets and tests; the samplers compute only their positions.
     """
-    if not shuffle:
-        return torch.arange(length, dtype=torch.int64)
-    generator = torch.Generator()
-    generator.manual_seed(seed + epoch)
-    return torch.randperm(length, generator=generator)
+    return _order_at(torch.arange(length, dtype=torch.int64), length, seed=seed, epoch=epoch, shuffle=shuffle)
+
+
+def _order_at(positions: torch.Tensor, length: int, *, seed: int, epoch: int, shuffle: bool) -> torch.Tensor:
+    """The indices at ``positions`` of the epoch's order (identity without shuffling)."""
+    return permuted(positions, length, seed, epoch) if shuffle else positions
+
+
+def _chunks(start: int, count: int, step: int) -> Iterator[torch.Tensor]:
+    """``start, start + step, ...`` (``count`` values) as int64 tensors of at most :data:`CHUNK_SIZE`, growing
+    from :data:`_FIRST_CHUNK_SIZE`."""
+    done, size = 0, _FIRST_CHUNK_SIZE
+    while done < count:
+        n = min(size, count - done)
+        yield start + step * done + step * torch.arange(n, dtype=torch.int64)
+        done, size = done + n, min(CHUNK_SIZE, size * 4)
 
 
 def _dataset_length(dataset_or_length: Sized | int) -> int:
@@ -42,6 +59,8 @@ def _dataset_length(dataset_or_length: Sized | int) -> int:
             f"`dataset_or_length`={dataset_or_length!r} is not valid: expected a sized dataset or an int >= 0."
         )
     check_int("dataset_or_length", length, minimum=0)
+    if length > MAX_LENGTH:
+        raise ValueError(f"`dataset_or_length`={length} is not valid: expected at most 2**63 - 1.")
     return length
 
 
@@ -68,8 +87,17 @@ class _ShardSampler(Sampler[int]):
         """Select the epoch whose permutation the next iteration uses (Lightning calls this every epoch)."""
         self.epoch = epoch
 
-    def _global_order(self) -> torch.Tensor:
-        return epoch_permutation(self.dataset_length, seed=self.seed, epoch=self.epoch, shuffle=self.shuffle)
+    def _order_at(self, positions: torch.Tensor) -> torch.Tensor:
+        return _order_at(positions, self.dataset_length, seed=self.seed, epoch=self.epoch, shuffle=self.shuffle)
+
+    def _index_chunks(self) -> Iterator[torch.Tensor]:
+        """This rank's indices for the current epoch, chunk by chunk."""
+        raise NotImplementedError
+
+    def shard_indices(self) -> torch.Tensor:
+        """This rank's indices for the current epoch as one tensor (for small datasets and tests)."""
+        chunks = list(self._index_chunks())
+        return torch.cat(chunks) if chunks else torch.zeros(0, dtype=torch.int64)
 
 
 class PaddedShardSampler(_ShardSampler):
@@ -113,30 +141,31 @@ class PaddedShardSampler(_ShardSampler):
         real_positions = max(0, min(self.dataset_length, self.total_size) - self.rank)
         return min(self.num_samples, math.ceil(real_positions / self.num_replicas))
 
-    def shard_indices(self) -> torch.Tensor:
-        """This rank's indices for the current epoch, padding included."""
-        order = self._global_order()
-        pad = self.total_size - self.dataset_length
-        if pad < 0:
-            order = order[: self.total_size]
-        elif pad > 0:
+    def _index_chunks(self) -> Iterator[torch.Tensor]:
+        """This rank's indices, padding included: positions ``rank + j * W`` of the order, then the padding."""
+        n, w, real = self.dataset_length, self.num_replicas, self.num_real_samples
+        for positions in _chunks(self.rank, real, w):
+            yield self._order_at(positions)
+        # Padding positions p >= N, kept as offsets p - N (p itself may pass 2**63 - 1): index 0, or the order's
+        # first indices again (offset modulo N, as torch's DistributedSampler repeats its order).
+        for offsets in _chunks(self.rank + real * w - n, self.num_samples - real, w):
             if self.padding == "first":
-                filler = torch.zeros(pad, dtype=order.dtype)
+                yield torch.zeros_like(offsets)
             else:
-                filler = order.repeat(math.ceil(pad / self.dataset_length))[:pad]
-            order = torch.cat([order, filler])
-        return order[self.rank : self.total_size : self.num_replicas]
+                yield self._order_at(offsets % n)
 
     def __iter__(self) -> Iterator[int]:
-        indices = self.shard_indices().tolist()
-        if not self.record_indices:
-            yield from indices
-            return
-        self.yielded_indices, self.completed_epoch = [], False
-        for index in indices:
-            self.yielded_indices.append(index)
-            yield index
-        self.completed_epoch = True
+        if self.record_indices:
+            self.yielded_indices, self.completed_epoch = [], False
+        for chunk in self._index_chunks():
+            if not self.record_indices:
+                yield from chunk.tolist()
+                continue
+            for index in chunk.tolist():
+                self.yielded_indices.append(index)
+                yield index
+        if self.record_indices:
+            self.completed_epoch = True
 
     def __len__(self) -> int:
         return self.num_samples
@@ -162,11 +191,13 @@ class ExactShardSampler(_ShardSampler):
         super().__init__(dataset_or_length, num_replicas, rank, shuffle=shuffle, seed=seed)
         self.start, self.stop = shard_bounds(self.dataset_length, num_replicas, rank)
 
-    def shard_indices(self) -> torch.Tensor:
-        return self._global_order()[self.start : self.stop]
+    def _index_chunks(self) -> Iterator[torch.Tensor]:
+        for positions in _chunks(self.start, self.stop - self.start, 1):
+            yield self._order_at(positions)
 
     def __iter__(self) -> Iterator[int]:
-        yield from self.shard_indices().tolist()
+        for chunk in self._index_chunks():
+            yield from chunk.tolist()
 
     def __len__(self) -> int:
         return self.stop - self.start

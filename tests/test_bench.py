@@ -38,3 +38,30 @@ def test_bench_rows_count_bytes_and_rounds_per_optimizer_step(tmp_path, capsys):
 def test_bench_refuses_unknown_rows():
     with pytest.raises(SystemExit):
         bench.parse_args(["--configs=ddp,agg3"])
+
+
+def test_sampler_bench_rows_for_small_lengths(tmp_path, capsys):
+    report = bench.main(
+        [
+            "--sampler",
+            "--sampler-sizes=1000,2e4,10**5",
+            "--sampler-indices=3000",
+            "--torch-max-length=2e4",
+            f"--json={tmp_path / 'sampler.json'}",
+        ]
+    )
+    rows = report["sampler_rows"]
+    assert [(row["length"], row["sampler"].split()[0]) for row in rows] == [
+        (1000, "shardplus"),
+        (1000, "torch"),
+        (20000, "shardplus"),
+        (20000, "torch"),
+        (100000, "shardplus"),
+    ]
+    assert rows[0]["indices_timed"] == 499 and rows[-1]["indices_timed"] == 2999  # half of N on rank 0 of 2
+    assert all(row["first_index_ms"] > 0 and row["indices_per_s"] > 0 for row in rows)
+    table = capsys.readouterr().out
+    assert "| 10^5 | shardplus PaddedShardSampler |" in table and "indices/s per rank" in table
+    assert (tmp_path / "sampler.json").exists()
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--sampler", "--sampler-sizes=9223372036854775808"])
