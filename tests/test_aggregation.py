@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 import lightning_shardplus  # noqa: F401
-from lightning_shardplus import ShardPlusStrategy
+from lightning_shardplus import PaddedShardSampler, ShardPlusStrategy
 from lightning_shardplus.aggregation import gradient_correction, window_length
 from lightning_shardplus.compression import CommunicationCounter
 
@@ -159,12 +159,20 @@ def test_aggregation_with_amp_and_a_grad_scaler(tmp_path):
 
 @pytest.mark.timeout(120)
 def test_stock_accumulation_misnormalizes_the_short_window_and_shardplus_does_not(tmp_path):
-    # The same 2-rank run with Lightning's accumulate_grad_batches=3 under the stock DDPStrategy (same data
-    # order: DistributedSampler and the shard sampler share the permutation): only the short window differs.
+    # The same 2-rank run with Lightning's accumulate_grad_batches=3 under the stock DDPStrategy, fed the same
+    # shards (our sampler, put in by hand with use_distributed_sampler=False): only the short window differs.
     [reference] = fit(tmp_path / "ref", 1, 12, 20, 1)
-    module = AggregationModule(tmp_path / "ddp")
-    trainer = cpu_trainer(DDPStrategy(start_method="fork"), 2, max_epochs=1, accumulate_grad_batches=3)
-    trainer.fit(module, DataLoader(IndexedDataset(20), batch_size=2, shuffle=True))
+
+    class StockModule(AggregationModule):
+        def train_dataloader(self):
+            dim, classes = self.net[0].in_features, self.net[-1].out_features
+            dataset = IndexedDataset(20, dim=dim, num_classes=classes)
+            return DataLoader(dataset, batch_size=2, sampler=PaddedShardSampler(dataset, 2, self.global_rank))
+
+    trainer = cpu_trainer(
+        DDPStrategy(start_method="fork"), 2, max_epochs=1, accumulate_grad_batches=3, use_distributed_sampler=False
+    )
+    trainer.fit(StockModule(tmp_path / "ddp"))
     stock = json.loads((tmp_path / "ddp" / "rank0.json").read_text())
     ours = fit(tmp_path / "agg", 2, 2, 20, 1, aggregation_frequency=3)[0]
     first, short = (s["grad_norm"] for s in reference["steps"])
