@@ -8,8 +8,10 @@ many optimizer steps. Alternating the configurations spreads the machine's drift
 Beside samples/s, shardplus rows report what the gradient communication hook sent on rank 0 per optimizer step
 during the timed steps (median), *counted* by :class:`~lightning_shardplus.compression.CommunicationCounter`
 (not estimated): bytes handed to collectives, all-reduce rounds (gradient synchronizations) and collectives.
-Counting needs a hook, so the ``shardplus`` row (``gradient_compression="none"``) runs torch's Python
-``allreduce_hook``, the equivalent of DDP's built-in all-reduce that the ``ddp`` row uses (not counted).
+Counting needs a hook, so the ``none`` row (``gradient_compression="none"``) runs torch's Python
+``allreduce_hook``, the equivalent of DDP's built-in all-reduce that the ``ddp`` row uses (not counted). The
+``shardplus`` (defaults) and ``shardplus-plain`` (``average_training_metrics=False``: no extra feature) rows, the
+ones to compare with ``ddp``, run without the counting hook.
 
 Every row also reports the step time and the Python-level ``torch.distributed`` all_reduce and barrier calls
 per optimizer step, counted in every worker (the metrics rows: 16 scalars logged per step with no sync,
@@ -63,6 +65,7 @@ class BenchConfig:
     make_strategy: Callable[[], Strategy]
     logged_scalars: int = 1
     sync_dist: bool = False
+    count_gradients: bool = True  # counting runs a Python all-reduce hook: off for the rows compared with ddp
 
 
 def default_configs() -> list[BenchConfig]:
@@ -71,7 +74,12 @@ def default_configs() -> list[BenchConfig]:
 
     return [
         BenchConfig("ddp", lambda: DDPStrategy(start_method="fork")),
-        BenchConfig("shardplus", shardplus()),
+        # shardplus against ddp: its defaults (averaged training metrics: one all_reduce per step), and without
+        # any extra feature; neither runs the counting hook
+        BenchConfig("shardplus", shardplus(), count_gradients=False),
+        BenchConfig("shardplus-plain", shardplus(average_training_metrics=False), count_gradients=False),
+        # gradient communication, counted: "none" is the uncompressed reference of the bytes
+        BenchConfig("none", shardplus()),
         BenchConfig("agg4", shardplus(aggregation_frequency=4)),
         BenchConfig("agg8", shardplus(aggregation_frequency=8)),
         BenchConfig("fp16", shardplus(gradient_compression="fp16")),
@@ -189,7 +197,8 @@ def run_once(config: BenchConfig, args: argparse.Namespace) -> dict[str, Any]:
         else:
             model = ManyMetricsClassifier(config.logged_scalars, config.sync_dist, **shape)
         # Gradient counting registers a Python all-reduce hook; the metric rows count Python collectives instead.
-        counted = isinstance(strategy, ShardPlusStrategy) and config.logged_scalars == 1 and not config.sync_dist
+        counted = isinstance(strategy, ShardPlusStrategy) and config.count_gradients and config.logged_scalars == 1
+        counted = counted and not config.sync_dist
         counter = CommunicationCounter(Path(tmp) / "counts") if counted else None
         trainer = pl.Trainer(
             accelerator="cpu",

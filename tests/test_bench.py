@@ -17,18 +17,19 @@ def test_bench_rows_count_bytes_and_rounds_per_optimizer_step(tmp_path, capsys):
             "--input-dim=8",
             "--hidden-dim=16",
             "--layers=1",
-            "--configs=ddp,shardplus,agg4,fp16,powersgd",
+            "--configs=ddp,shardplus,none,agg4,fp16,powersgd",
             f"--json={tmp_path / 'report.json'}",
         ]
     )
     rows = report["results"]
-    assert list(rows) == ["ddp", "shardplus", "agg4", "fp16", "powersgd"]
+    assert list(rows) == ["ddp", "shardplus", "none", "agg4", "fp16", "powersgd"]
     parameters = 8 * 16 + 16 + 16 * 10 + 10
     assert rows["ddp"]["bytes_per_step"] is None  # stock DDP's built-in all-reduce is not instrumented
-    assert rows["shardplus"]["bytes_per_step"] == rows["agg4"]["bytes_per_step"] == 4 * parameters
+    assert rows["shardplus"]["bytes_per_step"] is None  # compared with ddp: no counting hook
+    assert rows["none"]["bytes_per_step"] == rows["agg4"]["bytes_per_step"] == 4 * parameters
     assert rows["fp16"]["bytes_per_step"] == 2 * parameters
     assert rows["powersgd"]["bytes_per_step"] < 4 * parameters
-    assert all(rows[name]["rounds_per_step"] == 1 for name in ("shardplus", "agg4", "fp16", "powersgd"))
+    assert all(rows[name]["rounds_per_step"] == 1 for name in ("none", "agg4", "fp16", "powersgd"))
     assert all(row["median_samples_per_s"] > 0 for row in rows.values())
     table = capsys.readouterr().out
     assert "| agg4 |" in table and "gradient bytes / step" in table
