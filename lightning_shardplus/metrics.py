@@ -33,6 +33,17 @@ progress bar keep the previous step's value. In manual optimization every batch 
 aggregates (``on_epoch=True``) are accumulated from the same reduced values, so they are identical on all
 ranks and consistent with the step values.
 
+When the collective runs: values normally come from ``training_step`` (and the hooks before backward), so
+the collective is started, without waiting, when backward begins (``on_before_backward`` of the step's last
+micro-batch) and read in ``on_train_batch_end``: its latency, including the wait for the slowest rank,
+hides behind backward and the optimizer step. A value logged after backward began (``on_after_backward``,
+``on_before_optimizer_step``) cannot be in that collective: the first logged step of a fit therefore
+reduces in ``on_train_batch_end``, after every hook, and learns from a flag in the collective whether any
+rank logs after backward; if one does, every later step reduces there too (one blocking collective per
+step, as if started late). A value first logged after backward in a later step is that rank's own in that
+step (with a warning); the next collective tells every rank, and from then on steps reduce in
+``on_train_batch_end`` (that one step pays two collectives).
+
 The collective carries a fixed-size header that lets every rank check, with the same outcome on every
 rank, that all ranks logged the same names (same count and a 48-bit digest of the sorted names): a
 mismatch raises :class:`MetricMismatchError`, naming the metrics and ranks, on every rank instead of
@@ -54,6 +65,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -72,7 +84,8 @@ Reduction = Literal["mean", "sum", "max", "min"]
 REDUCTIONS: tuple[str, ...] = ("mean", "sum", "max", "min")
 
 _DIGEST_BYTES = 6  # 48 bits; small integers (a byte, its square) stay exact when summed in float64
-_HEADER = 3 + 2 * _DIGEST_BYTES  # participants, (slots, slots^2), (byte, byte^2) per digest byte
+_FLAG = 3 + 2 * _DIGEST_BYTES  # after: participants, (slots, slots^2), (byte, byte^2) per digest byte
+_HEADER = _FLAG + 1  # then the number of ranks that raised the flag
 INITIAL_CAPACITY = 64
 
 
@@ -163,16 +176,61 @@ class _Layout:
         return cls(signature, [float(x) for x in header], slots, position)
 
 
+class _Window:
+    """What this rank observed between two reductions: every value in order, with its key's reduction and
+    label."""
+
+    __slots__ = ("kinds", "keys", "values", "weights")
+
+    def __init__(self) -> None:
+        self.kinds: dict[str, tuple[str, str]] = {}
+        self.keys: list[str] = []
+        self.values: list[Tensor] = []
+        self.weights: list[float] = []
+
+    def signature(self) -> tuple[tuple[str, str], ...]:
+        return tuple((key, self.kinds[key][0]) for key in sorted(self.kinds))
+
+    def entries(self) -> list[tuple[str, str, str]]:
+        return [(key, *self.kinds[key]) for key in sorted(self.kinds)]
+
+    def floats(self) -> list[float]:
+        values = self.values
+        if not values:
+            return []
+        device = values[0].device
+        if all(v.device == device for v in values):
+            return torch.stack(values).tolist()  # one copy (and one synchronisation on an accelerator)
+        return [v.item() for v in values]
+
+
+@dataclass
+class Launched:
+    """A reduction started with :meth:`FusedMetricReducer.start`: the window it carries, its buffer and the
+    collective's handle."""
+
+    window: _Window
+    buffer: Tensor
+    work: Any
+
+
 class FusedMetricReducer:
     """Collects this rank's scalars and reduces all of them across ranks with one SUM ``all_reduce``.
 
     The arithmetic around the collective is done on Python floats (float64): for a few scalars that is much
     cheaper than tensor operations, and it moves the values once each way (one synchronisation on an
-    accelerator, which reading the result needs anyway).
+    accelerator, which reading the result needs anyway). The reduction either blocks (:meth:`reduce`) or is
+    started early and finished later (:meth:`start`, :meth:`finish`), so that it overlaps other work.
+
+    Every reduction also sums one flag per rank (``flag=`` of :meth:`pack`): :attr:`flagged_ranks` holds, after
+    each reduction, how many ranks raised it. The caller uses it to agree on a decision without a second
+    collective.
 
     Args:
         world_size, rank: this process's place in the group the collective runs over.
-        all_reduce: in-place SUM all_reduce of a 1-d float64 tensor over that group.
+        all_reduce: SUM all_reduce of a 1-d float64 tensor over that group, in place; called as
+            ``all_reduce(tensor)`` (blocking) or ``all_reduce(tensor, async_op=True)`` (returns a handle with
+            ``wait()``).
         all_gather_object: gathers a picklable object from every rank (only used to name a mismatch).
         capacity: body slots of the collective (grows by doubling when a step needs more).
     """
@@ -181,77 +239,62 @@ class FusedMetricReducer:
         self,
         world_size: int,
         rank: int,
-        all_reduce: Callable[[Tensor], Any],
+        all_reduce: Callable[..., Any],
         all_gather_object: Callable[[Any], list[Any]],
         capacity: int = INITIAL_CAPACITY,
     ) -> None:
         self.world_size = world_size
         self.rank = rank
         self.capacity = capacity
+        self.flagged_ranks = 0
         self._all_reduce = all_reduce
         self._all_gather_object = all_gather_object
-        # the window: every observation since the last reduction, in order, and each key's reduction and label
-        self._kinds: dict[str, tuple[str, str]] = {}
-        self._keys: list[str] = []
-        self._values: list[Tensor] = []
-        self._weights: list[float] = []
+        self._window = _Window()  # every observation since the last reduction (or start)
         self._layout = _Layout.of((), world_size)  # the last one computed
 
     @property
     def pending(self) -> list[str]:
-        return sorted(self._kinds)
+        return sorted(self._window.kinds)
 
-    def observe(
-        self, key: str, reduction: Reduction, value: Tensor, weight: float = 1.0, label: str = ""
-    ) -> None:
+    def observe(self, key: str, reduction: Reduction, value: Tensor, weight: float = 1.0, label: str = "") -> None:
         """Add one value of ``key`` (a 1-element tensor) with its weight (used by ``"mean"`` only)."""
-        kind = self._kinds.get(key)
+        window = self._window
+        kind = window.kinds.get(key)
         if kind is None:
             if reduction not in REDUCTIONS:
                 raise ValueError(f"`reduction`={reduction!r} is not valid: expected one of {REDUCTIONS}.")
-            self._kinds[key] = (reduction, label or key)
+            window.kinds[key] = (reduction, label or key)
         elif kind[0] != reduction:
             raise ValueError(f"`{key}` was observed as {kind[0]!r} and now as {reduction!r}.")
-        self._keys.append(key)
-        self._values.append(value.detach() if value.dim() == 0 else value.detach().reshape(()))
-        self._weights.append(float(weight))
+        window.keys.append(key)
+        window.values.append(value.detach() if value.dim() == 0 else value.detach().reshape(()))
+        window.weights.append(float(weight))
 
     def discard(self) -> None:
         """Forget what was observed since the last reduction (on every rank at the same point)."""
-        self._kinds.clear()
-        self._keys.clear()
-        self._values.clear()
-        self._weights.clear()
+        self._window = _Window()
 
     def entries(self) -> list[tuple[str, str, str]]:
         """(key, reduction, label) of every metric observed since the last reduction, sorted by key."""
-        return [(key, *self._kinds[key]) for key in sorted(self._kinds)]
+        return self._window.entries()
 
     # ---------------------------------------------------------------- the collective
 
-    def _current_layout(self) -> _Layout:
-        signature = tuple((key, self._kinds[key][0]) for key in sorted(self._kinds))
+    def _layout_of(self, window: _Window) -> _Layout:
+        signature = window.signature()
         if self._layout.signature != signature:
             self._layout = _Layout.of(signature, self.world_size)
         return self._layout
 
-    def _floats(self) -> list[float]:
-        values = self._values
-        if not values:
-            return []
-        device = values[0].device
-        if all(v.device == device for v in values):
-            return torch.stack(values).tolist()  # one copy (and one synchronisation on an accelerator)
-        return [v.item() for v in values]
-
-    def pack(self, device: torch.device | str = "cpu") -> Tensor:
+    def pack(self, device: torch.device | str = "cpu", flag: bool = False, window: _Window | None = None) -> Tensor:
         """This rank's contribution: header (always) and body (when it fits the agreed capacity)."""
-        layout = self._current_layout()
-        numbers = layout.header + [0.0] * self.capacity
-        if self._values and layout.slots <= self.capacity:
+        window = window or self._window
+        layout = self._layout_of(window)
+        numbers = layout.header + [float(flag)] + [0.0] * self.capacity
+        if window.values and layout.slots <= self.capacity:
             seen: set[int] = set()  # max/min slots holding a value already
-            for key, value, weight in zip(self._keys, self._floats(), self._weights, strict=True):
-                reduction = self._kinds[key][0]
+            for key, value, weight in zip(window.keys, window.floats(), window.weights, strict=True):
+                reduction = window.kinds[key][0]
                 slot = _HEADER + layout.position[key]
                 if reduction == "mean":
                     numbers[slot] += weight * value
@@ -267,26 +310,29 @@ class FusedMetricReducer:
                         numbers[slot] = (_max if reduction == "max" else _min)(numbers[slot], value)
         return torch.tensor(numbers, dtype=torch.float64, device=device)
 
-    def unpack(self, buffer: Tensor, where: str = "this step") -> dict[str, Reduced] | None:
+    def unpack(
+        self, buffer: Tensor, where: str = "this step", window: _Window | None = None
+    ) -> dict[str, Reduced] | None:
         """Check the summed header and read the reductions; None when the body did not fit (the capacity has
         grown: pack and all_reduce again). Raises :class:`MetricMismatchError` on every rank when the ranks
         differ."""
+        window = window or self._window
         numbers = buffer.tolist()
         header = [int(x) for x in numbers[:_HEADER]]  # exact: small integers summed in float64
         world = self.world_size
         if header[0] != world:
             raise RuntimeError(
-                f"shardplus: the training-metrics collective summed {header[0]} contributions, "
-                f"expected {world}."
+                f"shardplus: the training-metrics collective summed {header[0]} contributions, expected {world}."
             )
-        pairs = [(header[i], header[i + 1]) for i in range(1, _HEADER, 2)]
+        self.flagged_ranks = header[_FLAG]
+        pairs = [(header[i], header[i + 1]) for i in range(1, _FLAG, 2)]
         if any(world * squares != total * total for total, squares in pairs):  # the ranks' numbers differ
-            self._raise_mismatch(where)
+            self._raise_mismatch(where, window)
         slots = header[1] // world
         if slots > self.capacity:
             self.capacity = 1 << (slots - 1).bit_length()
             return None
-        layout = self._current_layout()
+        layout = self._layout_of(window)
         floats: list[float] = []
         values = _Values(floats)
         reduced: dict[str, Reduced] = {}
@@ -306,22 +352,47 @@ class FusedMetricReducer:
                     extreme = (_max if reduction == "max" else _min)(extreme, value)
                 floats.append(extreme)
             reduced[key] = Reduced(values, len(floats) - 1)
-        self.discard()
+        if window is self._window:
+            self.discard()
         return reduced
 
-    def reduce(self, device: torch.device | str = "cpu", where: str = "this step") -> dict[str, Reduced]:
+    def reduce(
+        self, device: torch.device | str = "cpu", where: str = "this step", flag: bool = False
+    ) -> dict[str, Reduced]:
         """Reduce everything observed since the last call, on all ranks; every rank must call it at the same
         step (also with nothing observed). One all_reduce, two in the step where the capacity grows."""
+        return self._complete(self._window, device, where, flag)
+
+    def start(self, device: torch.device | str = "cpu", flag: bool = False) -> Launched:
+        """Start reducing what was observed so far without waiting for it (every rank at the same point, as
+        for :meth:`reduce`); later observations go to the next reduction. Complete it with :meth:`finish`."""
+        window, self._window = self._window, _Window()
+        buffer = self.pack(device, flag, window)
+        return Launched(window, buffer, self._all_reduce(buffer, async_op=True))
+
+    def finish(
+        self, launched: Launched, device: torch.device | str = "cpu", where: str = "this step"
+    ) -> dict[str, Reduced]:
+        """Wait for a reduction :meth:`start` began and read it (a second, blocking collective in the step
+        where the capacity grows)."""
+        launched.work.wait()
+        reduced = self.unpack(launched.buffer, where, launched.window)
+        if reduced is not None:
+            return reduced
+        return self._complete(launched.window, device, where, bool(self.flagged_ranks))
+
+    def _complete(self, window: _Window, device: torch.device | str, where: str, flag: bool) -> dict[str, Reduced]:
         while True:
-            buffer = self.pack(device)
+            buffer = self.pack(device, flag, window)
             self._all_reduce(buffer)
-            reduced = self.unpack(buffer, where)
+            reduced = self.unpack(buffer, where, window)
             if reduced is not None:
                 return reduced
 
-    def _raise_mismatch(self, where: str) -> None:
-        gathered = self._all_gather_object(self.entries())  # every rank gets here: the header sums are shared
-        self.discard()
+    def _raise_mismatch(self, where: str, window: _Window) -> None:
+        gathered = self._all_gather_object(window.entries())  # every rank gets here: the header sums are shared
+        if window is self._window:
+            self.discard()
         raise MetricMismatchError(describe_mismatch(gathered, where))
 
 
@@ -368,8 +439,8 @@ def combined_epoch_state(
 # -------------------------------------------------------------------- Lightning glue
 
 
-def _all_reduce(tensor: Tensor) -> None:
-    dist.all_reduce(tensor)  # looked up at call time, so tests and the benchmark can count it
+def _all_reduce(tensor: Tensor, async_op: bool = False) -> Any:
+    return dist.all_reduce(tensor, async_op=async_op)  # looked up at call time, so tests and the bench count it
 
 
 def _all_gather_object(obj: Any) -> list[Any]:
@@ -397,13 +468,26 @@ class AverageTrainingMetrics(Callback):
     """Replaces the training values logged on each rank by their cross-rank reduction, with one collective per
     logged step. Added by ``ShardPlusStrategy(average_training_metrics=True)`` as the first callback, so that
     its ``on_train_batch_end`` runs before any other callback (progress bar, checkpointing) reads the
-    metrics."""
+    metrics.
+
+    When nothing is logged after backward begins (the usual case: values come from ``training_step``), the
+    collective is started in ``on_before_backward`` and read in ``on_train_batch_end``, so its latency hides
+    behind backward and the optimizer step. The first logged step of a fit, and every step once any rank has
+    logged a value after backward began (``on_after_backward``, ``on_before_optimizer_step``), reduce in
+    ``on_train_batch_end`` instead (blocking), which includes those values; the ranks agree on this through a
+    flag carried by the collective itself."""
 
     def __init__(self) -> None:
         self._reducer: FusedMetricReducer | None = None
         self._restore: Callable[[], None] | None = None
         self._results: Any = None
-        self._pending: dict[str, _Pending] = {}
+        self._pending: dict[str, _Pending] = {}  # observed in this step's window before a launch
+        self._after_launch: dict[str, _Pending] = {}  # observed after the window was launched
+        self._launched: Launched | None = None
+        self._backward_began = False  # in this logged step
+        self._logged_after_backward = False  # this rank, in this logged step
+        self._announce = False  # this rank logged values after a launch, which were not averaged
+        self._late_values: bool | None = None  # agreed by all ranks; None: not known yet
         self._last: dict[str, Tensor] = {}  # the last reduced step value of each metric
         self._warned: set[str] = set()
         self._weight = _BatchWeight()
@@ -412,9 +496,7 @@ class AverageTrainingMetrics(Callback):
         self._stop()
         if trainer.world_size < 2 or not (dist.is_available() and dist.is_initialized()):
             return
-        self._reducer = FusedMetricReducer(
-            trainer.world_size, trainer.global_rank, _all_reduce, _all_gather_object
-        )
+        self._reducer = FusedMetricReducer(trainer.world_size, trainer.global_rank, _all_reduce, _all_gather_object)
         self._results = _lightning.training_results(trainer)
         self._restore = _lightning.intercept_training_logs(self._results, self._take, self._observe)
 
@@ -423,7 +505,7 @@ class AverageTrainingMetrics(Callback):
         # what it logged is not carried into the next epoch's first step.
         if self._reducer is not None:
             self._reducer.discard()
-            self._pending.clear()
+            self._clear_step()
 
     def _take(self, log: _lightning.TrainingLog) -> bool:
         if not log.on_step or not log.is_tensor or log.rank_zero_only:
@@ -447,9 +529,11 @@ class AverageTrainingMetrics(Callback):
         reduction = logged.reduce_fx if log.sync_dist and logged.reduce_fx != "mean" else "mean"
         weight = float(log.batch_size) if log.batch_size is not None else self._batch_weight()
         self._reducer.observe(log.key, reduction, logged.value, weight, label=f"`{log.name}` (from {log.fx})")
-        pending = self._pending.get(log.key)
-        before = pending.epoch_state_before if pending is not None else logged.epoch_state_before
-        self._pending[log.key] = _Pending(logged, before)
+        self._logged_after_backward |= self._backward_began
+        pending = self._after_launch if self._launched is not None else self._pending
+        previous = pending.get(log.key)
+        before = previous.epoch_state_before if previous is not None else logged.epoch_state_before
+        pending[log.key] = _Pending(logged, before)
 
     def _batch_weight(self) -> float:
         batch = self._results.batch
@@ -457,6 +541,14 @@ class AverageTrainingMetrics(Callback):
             size = _lightning.batch_size_of_current_batch(self._results)
             self._weight = _BatchWeight(batch, float(size) if size is not None else 1.0, True)
         return self._weight.weight
+
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
+        if self._reducer is None or not _lightning.logs_this_step(trainer) or self._backward_began:
+            return
+        self._backward_began = True
+        if self._late_values is False:
+            self._launched = self._reducer.start(trainer.strategy.root_device, flag=self._announce)
+            self._announce = False
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -470,26 +562,71 @@ class AverageTrainingMetrics(Callback):
                 _lightning.set_step_value(pending.logged.metric, self._last.get(key))
             return
         where = f"epoch {trainer.current_epoch}, batch {batch_idx}"
-        reduced = self._reducer.reduce(trainer.strategy.root_device, where)
-        for key, pending in self._pending.items():
-            logged = pending.logged
+        device = trainer.strategy.root_device
+        try:
+            if self._launched is None:
+                flag = self._logged_after_backward or self._announce
+                self._announce = False
+                self._apply(self._pending, self._reducer.reduce(device, where, flag))
+                if self._late_values is None:
+                    self._late_values = self._reducer.flagged_ranks > 0
+                return
+            applied = self._apply(self._pending, self._reducer.finish(self._launched, device, where))
+            if self._reducer.flagged_ranks:
+                # a rank logged after backward in an earlier step: from now on every step reduces in this hook
+                self._late_values = True
+                self._apply(self._after_launch, self._reducer.reduce(device, where), applied)
+            elif self._after_launch:
+                self._warn_not_averaged(self._after_launch)
+                self._announce = True  # the next collective tells every rank
+                self._reducer.discard()
+        finally:
+            self._clear_step()
+
+    def _apply(
+        self,
+        pending: dict[str, _Pending],
+        reduced: dict[str, Reduced],
+        applied: dict[str, tuple[Tensor, Tensor | None]] | None = None,
+    ) -> dict[str, tuple[Tensor, Tensor | None]]:
+        """Write the reduced values as the step values (and into the epoch state); returns the epoch states
+        written, so that values of the same key reduced later in the step build on them."""
+        written: dict[str, tuple[Tensor, Tensor | None]] = {}
+        for key, entry in pending.items():
+            logged = entry.logged
             local = logged.value
             step = reduced[key].value_as(local.dtype, local.device)
             if local.dim():
                 step = step.reshape(local.shape)
             _lightning.set_step_value(logged.metric, step)
             self._last[key] = step
-            if pending.epoch_state_before is not None:
-                state = combined_epoch_state(logged.reduce_fx, pending.epoch_state_before, reduced[key])
-                _lightning.set_epoch_state(logged.metric, *state)
+            before = applied[key] if applied and key in applied else entry.epoch_state_before
+            if before is not None:
+                written[key] = combined_epoch_state(logged.reduce_fx, before, reduced[key])
+                _lightning.set_epoch_state(logged.metric, *written[key])
+        return written
+
+    def _warn_not_averaged(self, pending: dict[str, _Pending]) -> None:
+        names = [entry.logged.log.name for entry in pending.values()]
+        warnings.warn(  # on the ranks concerned
+            f"shardplus: {names} were logged after backward began, once the step's training metrics had been "
+            "sent: in this step they are this rank's own values; from the next step on, every step's values "
+            "are averaged in `on_train_batch_end` instead.",
+            stacklevel=2,
+        )
+
+    def _clear_step(self) -> None:
+        if self._launched is not None:
+            self._launched.work.wait()  # a started collective is not abandoned half-way
+        self._launched = None
         self._pending.clear()
+        self._after_launch.clear()
+        self._backward_began = self._logged_after_backward = False
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._stop()
 
-    def on_exception(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
-    ) -> None:
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._stop()
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -499,8 +636,11 @@ class AverageTrainingMetrics(Callback):
         if self._restore is not None:
             self._restore()
         self._restore = self._reducer = self._results = None
-        self._pending.clear()
+        self._launched = None
+        self._clear_step()
         self._last.clear()
+        self._announce = False
+        self._late_values = None
         self._weight = _BatchWeight()
 
 

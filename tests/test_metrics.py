@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -96,13 +97,9 @@ def test_reducer_raises_on_every_rank_when_ranks_log_different_names(change, mes
             name = "other"
         if rank == 1 and change == "reduction":
             reduction = "max"
-        reducer.observe(
-            f"training_step.{name}", reduction, torch.tensor(1.0), label=f"`{name}` (from training_step)"
-        )
+        reducer.observe(f"training_step.{name}", reduction, torch.tensor(1.0), label=f"`{name}` (from training_step)")
         if rank == 1 and change == "extra":
-            reducer.observe(
-                "training_step.extra", "mean", torch.tensor(1.0), label="`extra` (from training_step)"
-            )
+            reducer.observe("training_step.extra", "mean", torch.tensor(1.0), label="`extra` (from training_step)")
         if rank == 1 and change == "many_extra":
             for i in range(10):
                 reducer.observe(f"training_step.extra{i}", "mean", torch.tensor(1.0), label=f"`extra{i}`")
@@ -112,9 +109,7 @@ def test_reducer_raises_on_every_rank_when_ranks_log_different_names(change, mes
         reducer._all_gather_object = lambda obj: entries
         with pytest.raises(MetricMismatchError, match=message) as error:
             reducer.unpack(total.clone(), "epoch 0, batch 5")
-        assert "at epoch 0, batch 5" in str(error.value) and "average_training_metrics=False" in str(
-            error.value
-        )
+        assert "at epoch 0, batch 5" in str(error.value) and "average_training_metrics=False" in str(error.value)
 
 
 def test_reducer_grows_its_capacity_in_step_on_every_rank():
@@ -297,8 +292,7 @@ def fit(tmp_path, module, world_size, strategy=None, **trainer_kwargs):
         use_distributed_sampler=False,
         logger=FileLogger(tmp_path),
         log_every_n_steps=1,
-        callbacks=[Recorder(tmp_path)],
-        **trainer_kwargs,
+        **({"callbacks": [Recorder(tmp_path)]} | trainer_kwargs),
     )
     trainer.fit(module)
     return trainer
@@ -394,9 +388,7 @@ class ManyMetrics(LoggingModule):
         (100, False, [2, 1, 1]),  # 200 slots > 64: the first step grows the agreed capacity, once
     ],
 )
-def test_one_collective_per_step_for_any_number_of_metrics(
-    tmp_path, count_collectives, count, sync_dist, per_batch
-):
+def test_one_collective_per_step_for_any_number_of_metrics(tmp_path, count_collectives, count, sync_dist, per_batch):
     fit(tmp_path, ManyMetrics(count, sync_dist), 2)
     for rank in range(2):
         rows = read(tmp_path / f"batches{rank}.jsonl")
@@ -424,6 +416,85 @@ def test_without_averaging_lightning_behaviour_is_kept(tmp_path, count_collectiv
             assert row["callback"]["synced2"] == (value(0, i, 2) + value(1, i, 2)) / 2  # unweighted
     logged = [row["metrics"] for row in read(tmp_path / "logger0.jsonl")]
     assert [m["own"] for m in logged] == [value(0, i, 0) for i in range(4)]
+
+
+class CountAtAfterBackward(Callback):
+    """The Python collectives between the start of a batch and ``on_after_backward``."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.start = dict(COUNTS)
+
+    def on_after_backward(self, trainer, pl_module) -> None:
+        row = {"all_reduce": COUNTS["all_reduce"] - self.start["all_reduce"]}
+        write(self.directory / f"backward{trainer.global_rank}.jsonl", row)
+
+
+@pytest.mark.timeout(120)
+def test_the_collective_is_started_before_backward_once_no_value_comes_later(tmp_path, count_collectives):
+    # the first logged step reduces in `on_train_batch_end` (it learns that nothing is logged after backward);
+    # the next ones start the collective in `on_before_backward`
+    fit(tmp_path, ManyMetrics(5, False, batches=4), 2, callbacks=[Recorder(tmp_path), CountAtAfterBackward(tmp_path)])
+    for rank in range(2):
+        assert [row["all_reduce"] for row in read(tmp_path / f"backward{rank}.jsonl")] == [0, 1, 1, 1]
+        rows = read(tmp_path / f"batches{rank}.jsonl")
+        assert [row["all_reduce"] for row in rows] == [1, 1, 1, 1]
+        for i, row in enumerate(rows):
+            assert row["callback"]["m004"] == (value(0, i, 4) + value(1, i, 4)) / 2
+
+
+class LateFromBatch(LoggingModule):
+    """Logs `loss` in training_step, and `grad_stat` in `on_before_optimizer_step` from batch ``first`` on
+    (on rank ``only`` alone when given)."""
+
+    def __init__(self, directory: Path, first: int, only: int | None = None) -> None:
+        super().__init__([2, 3], batches=5)
+        self.directory, self.first, self.only = directory, first, only
+
+    def log_values(self, r, i):
+        self.log("loss", value(r, i))
+
+    def on_train_start(self):
+        self.catching = warnings.catch_warnings(record=True)
+        self.caught = self.catching.__enter__()
+        warnings.simplefilter("always")
+
+    def on_train_end(self):
+        self.catching.__exit__(None, None, None)
+        write(self.directory / f"warnings{self.global_rank}.jsonl", {"warnings": [str(w.message) for w in self.caught]})
+
+    def on_before_optimizer_step(self, optimizer):
+        if self.batch_idx >= self.first and self.only in (None, self.global_rank):
+            self.log("grad_stat", value(self.global_rank, self.batch_idx, 1))
+
+
+@pytest.mark.timeout(120)
+def test_values_first_logged_after_backward_are_averaged_from_the_next_step(tmp_path, count_collectives):
+    fit(tmp_path, LateFromBatch(tmp_path, first=2), 2)
+    sizes = [2, 3]
+    for rank in range(2):
+        rows = read(tmp_path / f"batches{rank}.jsonl")
+        # batch 2 sent its values before `grad_stat` was logged; batch 3 tells every rank and reduces it in a
+        # second collective; from batch 4 on one collective in `on_train_batch_end` carries everything
+        assert [row["all_reduce"] for row in rows] == [1, 1, 1, 2, 1]
+        for i, row in enumerate(rows):
+            assert row["callback"]["loss"] == pytest.approx(weighted_mean([value(0, i), value(1, i)], sizes))
+        assert rows[2]["callback"]["grad_stat"] == value(rank, 2, 1)  # this rank's own, with a warning
+        caught = read(tmp_path / f"warnings{rank}.jsonl")[0]["warnings"]
+        assert sum("['grad_stat'] were logged after backward began" in text for text in caught) == 1
+        for i in (3, 4):
+            mean = weighted_mean([value(0, i, 1), value(1, i, 1)], sizes)
+            assert rows[i]["callback"]["grad_stat"] == pytest.approx(mean)
+
+
+@pytest.mark.timeout(60)
+def test_a_value_logged_after_backward_on_one_rank_only_raises_the_named_error(tmp_path):
+    # batch 1: rank 1's own value (sent too late); batch 2: every rank learns of it and reduces, and finds
+    # that rank 0 did not log it
+    with pytest.raises(Exception, match=r"batch 2.*`grad_stat` \(from on_before_optimizer_step\).*rank\(s\) \[1\]"):
+        fit(tmp_path, LateFromBatch(tmp_path, first=1, only=1), 2)
 
 
 class ExtraOnLastRank(LoggingModule):
@@ -483,9 +554,7 @@ def test_with_accumulation_values_are_averaged_per_optimizer_step(tmp_path, coun
     windows = [[0, 1, 2], [3, 4, 5], [6]]
 
     def window_mean(w):
-        return weighted_mean(
-            [value(r, i) for i in w for r in range(2)], [sizes[r] for i in w for r in range(2)]
-        )
+        return weighted_mean([value(r, i) for i in w for r in range(2)], [sizes[r] for i in w for r in range(2)])
 
     everything = weighted_mean([value(r, i) for i in range(batches) for r in range(2)], sizes * batches)
     for rank in range(2):
@@ -546,9 +615,7 @@ def test_metric_objects_rank_zero_only_and_late_values_are_left_to_lightning(tmp
         assert end["late"] == value(rank, 1, 3)  # this rank's own value
         assert ("rank_zero" in end) == (rank == 0)
         # the torchmetrics object syncs itself at epoch end
-        assert end["metric_object"] == pytest.approx(
-            sum(value(r, i, 1) for r in range(2) for i in range(2)) / 4
-        )
+        assert end["metric_object"] == pytest.approx(sum(value(r, i, 1) for r in range(2) for i in range(2)) / 4)
 
 
 @pytest.mark.timeout(120)
