@@ -20,12 +20,6 @@ import torch
 import torch.distributed
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.plugins.environments import (
-    LightningEnvironment,
-    MPIEnvironment,
-    SLURMEnvironment,
-    TorchElasticEnvironment,
-)
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.plugins.precision import Precision
@@ -44,6 +38,7 @@ from lightning_shardplus._validation import check_bool, check_choice, check_int,
 from lightning_shardplus.callbacks import VerifySharding
 from lightning_shardplus.compression import GRADIENT_COMPRESSIONS, CommunicationCounter, GradientCompression
 from lightning_shardplus.datamodule import ShardPlusDataModule, per_device_batch_size
+from lightning_shardplus.launch import check_launcher_world_size
 from lightning_shardplus.metrics import AverageTrainingMetrics, ExactEvaluation
 from lightning_shardplus.sharding import (
     PADDING_MODES,
@@ -72,53 +67,6 @@ _EVALUATION_STAGES = (
     RunningStage.TESTING,
     RunningStage.PREDICTING,
 )
-
-
-def _launcher_world_size(environment: ClusterEnvironment | None) -> tuple[int, int | None, str] | None:
-    """(world size, processes per node if known, launcher name) of processes started outside Lightning, or None
-    when Lightning starts the processes itself (then the sizes agree by construction)."""
-    if environment is None or not environment.creates_processes_externally:
-        return None
-    if isinstance(environment, LightningEnvironment):
-        # processes started by hand (or by Lightning's own launcher) with LOCAL_RANK/NODE_RANK/WORLD_SIZE set
-        if "WORLD_SIZE" not in os.environ:
-            return None
-        world_size, local_key, name = int(os.environ["WORLD_SIZE"]), "LOCAL_WORLD_SIZE", "the WORLD_SIZE variable"
-    else:
-        try:
-            world_size = int(environment.world_size())
-        except (KeyError, TypeError, ValueError):  # an environment variable the launcher did not set
-            return None
-        local_key, name = {
-            TorchElasticEnvironment: ("LOCAL_WORLD_SIZE", "torchrun"),
-            SLURMEnvironment: ("SLURM_NTASKS_PER_NODE", "SLURM"),
-            MPIEnvironment: ("OMPI_COMM_WORLD_LOCAL_SIZE", "mpirun"),
-        }.get(type(environment), ("LOCAL_WORLD_SIZE", type(environment).__name__))
-    local = os.environ.get(local_key, "")
-    return world_size, int(local) if local.isdigit() and int(local) > 0 else None, name
-
-
-def check_launcher_world_size(environment: ClusterEnvironment | None, devices: int, num_nodes: int) -> None:
-    """Refuse, before any process group starts, a launcher whose world size is not ``devices x num_nodes``: the
-    processes would wait for peers that never come, or two would take the same rank."""
-    found = _launcher_world_size(environment)
-    if found is None or found[0] == devices * num_nodes:
-        return
-    world_size, local, name = found
-    if local is not None and world_size % local == 0:
-        settings = f"devices={local} and num_nodes={world_size // local}"
-    elif world_size % num_nodes == 0:
-        settings = f"devices={world_size // num_nodes} and num_nodes={num_nodes}"
-    else:
-        settings = f"devices x num_nodes = {world_size}"
-    raise ValueError(
-        f"{name} started {world_size} processes in all (world size {world_size}), but the Trainer expects "
-        f"devices={devices} x num_nodes={num_nodes} = {devices * num_nodes}. Fix: set {settings} "
-        f"(`--trainer.devices` / `--trainer.num_nodes` on the shardplus command line) to match the launcher, or "
-        f"start {devices} process(es) per node on {num_nodes} node(s) (torchrun --nproc-per-node={devices} "
-        f"--nnodes={num_nodes}; SLURM --ntasks-per-node={devices} --nodes={num_nodes}; mpirun -np "
-        f"{devices * num_nodes})."
-    )
 
 
 class ShardPlusStrategy(DDPStrategy):

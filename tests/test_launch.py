@@ -25,7 +25,7 @@ from lightning.fabric.plugins.environments import (
     TorchElasticEnvironment,
 )
 
-from lightning_shardplus.strategy import check_launcher_world_size
+from lightning_shardplus.launch import check_launcher_world_size
 
 ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]

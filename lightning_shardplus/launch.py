@@ -1,0 +1,62 @@
+"""The launcher check: processes started outside Lightning (torchrun, SLURM, mpirun, by hand) must number
+``devices x num_nodes``, refused with a fix before any process group starts, since otherwise the processes wait
+for peers that never come or two take the same rank."""
+
+from __future__ import annotations
+
+import os
+
+from lightning.fabric.plugins import ClusterEnvironment
+from lightning.fabric.plugins.environments import (
+    LightningEnvironment,
+    MPIEnvironment,
+    SLURMEnvironment,
+    TorchElasticEnvironment,
+)
+
+
+def _launcher_world_size(environment: ClusterEnvironment | None) -> tuple[int, int | None, str] | None:
+    """(world size, processes per node if known, launcher name) of processes started outside Lightning, or None
+    when Lightning starts the processes itself (then the sizes agree by construction)."""
+    if environment is None or not environment.creates_processes_externally:
+        return None
+    if isinstance(environment, LightningEnvironment):
+        # processes started by hand (or by Lightning's own launcher) with LOCAL_RANK/NODE_RANK/WORLD_SIZE set
+        if "WORLD_SIZE" not in os.environ:
+            return None
+        world_size, local_key, name = int(os.environ["WORLD_SIZE"]), "LOCAL_WORLD_SIZE", "the WORLD_SIZE variable"
+    else:
+        try:
+            world_size = int(environment.world_size())
+        except (KeyError, TypeError, ValueError):  # an environment variable the launcher did not set
+            return None
+        local_key, name = {
+            TorchElasticEnvironment: ("LOCAL_WORLD_SIZE", "torchrun"),
+            SLURMEnvironment: ("SLURM_NTASKS_PER_NODE", "SLURM"),
+            MPIEnvironment: ("OMPI_COMM_WORLD_LOCAL_SIZE", "mpirun"),
+        }.get(type(environment), ("LOCAL_WORLD_SIZE", type(environment).__name__))
+    local = os.environ.get(local_key, "")
+    return world_size, int(local) if local.isdigit() and int(local) > 0 else None, name
+
+
+def check_launcher_world_size(environment: ClusterEnvironment | None, devices: int, num_nodes: int) -> None:
+    """Refuse, before any process group starts, a launcher whose world size is not ``devices x num_nodes``: the
+    processes would wait for peers that never come, or two would take the same rank."""
+    found = _launcher_world_size(environment)
+    if found is None or found[0] == devices * num_nodes:
+        return
+    world_size, local, name = found
+    if local is not None and world_size % local == 0:
+        settings = f"devices={local} and num_nodes={world_size // local}"
+    elif world_size % num_nodes == 0:
+        settings = f"devices={world_size // num_nodes} and num_nodes={num_nodes}"
+    else:
+        settings = f"devices x num_nodes = {world_size}"
+    raise ValueError(
+        f"{name} started {world_size} processes in all (world size {world_size}), but the Trainer expects "
+        f"devices={devices} x num_nodes={num_nodes} = {devices * num_nodes}. Fix: set {settings} "
+        f"(`--trainer.devices` / `--trainer.num_nodes` on the shardplus command line) to match the launcher, or "
+        f"start {devices} process(es) per node on {num_nodes} node(s) (torchrun --nproc-per-node={devices} "
+        f"--nnodes={num_nodes}; SLURM --ntasks-per-node={devices} --nodes={num_nodes}; mpirun -np "
+        f"{devices * num_nodes})."
+    )
