@@ -10,11 +10,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from lightning.fabric.utilities.data import sized_len
 from lightning.pytorch.overrides.distributed import (
     UnrepeatedDistributedSamplerWrapper,
     _IndexBatchSamplerWrapper,
 )
+from lightning.pytorch.trainer.connectors.data_connector import _parse_num_batches
 from lightning.pytorch.trainer.states import RunningStage
+from lightning.pytorch.utilities.combined_loader import _SUPPORTED_MODES
 from lightning.pytorch.utilities.data import _update_dataloader
 from torch.utils.data import DataLoader, DistributedSampler, Sampler, SequentialSampler
 
@@ -59,6 +62,43 @@ def micro_batches_done_in_epoch(trainer: Any) -> int:
     Internal: ``trainer.fit_loop.epoch_loop.batch_progress`` is not public API.
     """
     return int(trainer.fit_loop.epoch_loop.batch_progress.current.ready)
+
+
+def micro_batches_trained_in_epoch(trainer: Any) -> int:
+    """Training micro-batches of the current epoch whose step has run (``batch_progress.current.processed``):
+    during ``on_train_batch_end``, where ``ModelCheckpoint`` saves, the batch just trained counts, and it is
+    the count Lightning restores a mid-epoch resume to (it marks that batch completed when restarting)."""
+    return int(trainer.fit_loop.epoch_loop.batch_progress.current.processed)
+
+
+def refresh_training_batch_count(trainer: Any) -> bool:
+    """Make Lightning's count of training batches per epoch follow the training loaders' current lengths;
+    True if it changed.
+
+    ``_FitLoop.setup_data`` reads ``len(loader)`` once per fit (or per reload) into the combined loader's
+    ``limits`` and ``fit_loop.max_batches`` (what ``trainer.num_training_batches`` returns); the data fetcher
+    reads the length again from those limits each epoch. A resumed epoch on another world size has another
+    length than the epochs after it, so the count is re-read here, with ``limit_train_batches`` applied as
+    ``setup_data`` does. Private: ``_combined_loader``, ``_mode``, ``_SUPPORTED_MODES``, ``_parse_num_batches``.
+    """
+    fit_loop = trainer.fit_loop
+    combined = fit_loop._combined_loader
+    if combined is None or combined.limits is None:
+        return False
+    limit_batches = trainer.limit_train_batches
+    limits = [
+        limit if sized_len(loader) is None else _parse_num_batches(RunningStage.TRAINING, len(loader), limit_batches)
+        for loader, limit in zip(combined.flattened, combined.limits, strict=True)
+    ]
+    if limits == combined.limits:
+        return False
+    combined.limits = limits
+    fit_loop.max_batches = len(_SUPPORTED_MODES[combined._mode].iterator(combined.flattened, limits))
+    interval = trainer.val_check_interval
+    if isinstance(interval, float) and trainer.val_check_batch not in (None, float("inf")):
+        # a fraction of the epoch, as `setup_data` sets it (ints and time-based intervals do not depend on it)
+        trainer.val_check_batch = max(1, int(fit_loop.max_batches * interval))
+    return True
 
 
 def replace_sampler(dataloader: DataLoader, sampler: Sampler, stage: RunningStage) -> DataLoader:
