@@ -93,7 +93,7 @@ def refresh_training_batch_count(trainer: Any) -> bool:
     if limits == combined.limits:
         return False
     combined.limits = limits
-    fit_loop.max_batches = len(_SUPPORTED_MODES[combined._mode].iterator(combined.flattened, limits))
+    fit_loop.max_batches = len(_SUPPORTED_MODES[combined._mode]["iterator"](combined.flattened, limits))
     interval = trainer.val_check_interval
     if isinstance(interval, float) and trainer.val_check_batch not in (None, float("inf")):
         # a fraction of the epoch, as `setup_data` sets it (ints and time-based intervals do not depend on it)
