@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from lightning.fabric.utilities.data import sized_len
+from lightning.pytorch.loops.fetchers import _PrefetchDataFetcher
 from lightning.pytorch.overrides.distributed import (
     UnrepeatedDistributedSamplerWrapper,
     _IndexBatchSamplerWrapper,
@@ -72,14 +73,16 @@ def micro_batches_trained_in_epoch(trainer: Any) -> int:
 
 
 def refresh_training_batch_count(trainer: Any) -> bool:
-    """Make Lightning's count of training batches per epoch follow the training loaders' current lengths;
-    True if it changed.
+    """Make Lightning's count of training batches in this epoch follow the training loaders' current lengths;
+    True if it changed. Call it once the epoch's first batch is fetched.
 
     ``_FitLoop.setup_data`` reads ``len(loader)`` once per fit (or per reload) into the combined loader's
-    ``limits`` and ``fit_loop.max_batches`` (what ``trainer.num_training_batches`` returns); the data fetcher
-    reads the length again from those limits each epoch. A resumed epoch on another world size has another
-    length than the epochs after it, so the count is re-read here, with ``limit_train_batches`` applied as
-    ``setup_data`` does. Private: ``_combined_loader``, ``_mode``, ``_SUPPORTED_MODES``, ``_parse_num_batches``.
+    ``limits``, ``fit_loop.max_batches`` (what ``trainer.num_training_batches`` returns and the end-of-epoch
+    check reads), ``val_check_batch``, and the data fetcher's ``length`` (which marks the last batch). A resumed
+    epoch on another world size has another length than the epochs after it, so they are re-read here, with
+    ``limit_train_batches`` applied as ``setup_data`` does, and the fetched batch's last-batch flag is
+    recomputed. Private: ``_combined_loader``, ``_mode``, ``_SUPPORTED_MODES``, ``_parse_num_batches``,
+    ``_data_fetcher`` and the fetcher's ``length``/``fetched``/``done``.
     """
     fit_loop = trainer.fit_loop
     combined = fit_loop._combined_loader
@@ -98,6 +101,12 @@ def refresh_training_batch_count(trainer: Any) -> bool:
     if isinstance(interval, float) and trainer.val_check_batch not in (None, float("inf")):
         # a fraction of the epoch, as `setup_data` sets it (ints and time-based intervals do not depend on it)
         trainer.val_check_batch = max(1, int(fit_loop.max_batches * interval))
+    fetcher = fit_loop._data_fetcher
+    if isinstance(fetcher, _PrefetchDataFetcher) and fetcher.length is not None:
+        # `fetched` counts the batches the restored progress says are done, as `_DataFetcher.__next__` does
+        fetcher.length = fit_loop.max_batches
+        fetcher.done = fetcher.fetched >= fetcher.length
+        fit_loop.epoch_loop.batch_progress.is_last_batch = fetcher.done
     return True
 
 

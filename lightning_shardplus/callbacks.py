@@ -13,7 +13,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
-from lightning_shardplus import _lightning, aggregation
+from lightning_shardplus import aggregation
 from lightning_shardplus._validation import check_bool, check_choice, check_int
 from lightning_shardplus.aggregation import effective_batch_size
 from lightning_shardplus.sharding import PaddedShardSampler, check_epoch_shards
@@ -47,18 +47,6 @@ class VerifySharding(Callback):
                 and not sampler.drop_last
                 and sampler.start_position == 0,
             )
-
-
-class FollowTrainingLength(Callback):
-    """At the start of each training epoch, make Lightning's batch count follow the training loaders' lengths.
-
-    Lightning reads a training loader's length once per fit, but a mid-epoch resume on another world size or
-    batch size gives the resumed epoch another length than the epochs after it (see
-    ``PaddedShardSampler.load_state_dict``). Added by ``ShardPlusStrategy``; does nothing while the lengths
-    agree."""
-
-    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        _lightning.refresh_training_batch_count(trainer)
 
 
 ScalingRule = Literal["linear", "sqrt", "none"]

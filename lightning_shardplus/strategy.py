@@ -41,7 +41,7 @@ from typing_extensions import override
 
 from lightning_shardplus import _lightning, aggregation, compression, sharding
 from lightning_shardplus._validation import check_bool, check_choice, check_int, check_positive_number
-from lightning_shardplus.callbacks import FollowTrainingLength, VerifySharding
+from lightning_shardplus.callbacks import VerifySharding
 from lightning_shardplus.compression import GRADIENT_COMPRESSIONS, CommunicationCounter, GradientCompression
 from lightning_shardplus.datamodule import ShardPlusDataModule, per_device_batch_size
 from lightning_shardplus.metrics import AverageTrainingMetrics, ExactEvaluation
@@ -381,10 +381,6 @@ class ShardPlusStrategy(DDPStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         if self.verify_sharding and not any(isinstance(cb, VerifySharding) for cb in trainer.callbacks):
             trainer.callbacks.append(VerifySharding())
-        if trainer.state.fn == TrainerFn.FITTING and not any(
-            isinstance(cb, FollowTrainingLength) for cb in trainer.callbacks
-        ):
-            trainer.callbacks.append(FollowTrainingLength())
         if self._exact_across_ranks and not any(isinstance(cb, ExactEvaluation) for cb in trainer.callbacks):
             # first, so that the epoch values are exact before any other callback reads them
             trainer.callbacks.insert(0, ExactEvaluation())
@@ -513,6 +509,14 @@ class ShardPlusStrategy(DDPStrategy):
             f"({'mean' if self.average_aggregated_gradients else 'sum'} of aggregated gradients); "
             f"gradient compression {self.gradient_compression!r}"
         )
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        if batch_idx == 0:
+            # Lightning reads the training loaders' lengths once per fit; after a mid-epoch resume on another
+            # world size or batch size, the resumed epoch and the next have different lengths.
+            _lightning.refresh_training_batch_count(self.lightning_module.trainer)
 
     @override
     def optimizer_step(

@@ -167,6 +167,7 @@ def test_batch_size_of_the_current_batch_follows_lightning_inference():
 
 
 def test_training_batch_count_and_progress_are_where_resume_reads_them():
+    from lightning.pytorch.loops.fetchers import _DataFetcher
     from lightning.pytorch.loops.fit_loop import _FitLoop
     from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
     from lightning.pytorch.trainer.connectors.data_connector import _parse_num_batches
@@ -184,6 +185,13 @@ def test_training_batch_count_and_progress_are_where_resume_reads_them():
     source = inspect.getsource(_TrainingEpochLoop.advance)
     processed = source.index("self.batch_progress.increment_processed()")
     assert processed < source.index('"on_train_batch_end"') < source.index("self.batch_progress.increment_completed()")
+    # the fetcher marks the last batch from its length, counting the restored batches as fetched
+    assert "data_fetcher.fetched += self.batch_progress.current.ready" in inspect.getsource(
+        _TrainingEpochLoop.on_run_start
+    )
+    assert "self.done = self.fetched >= self.length" in inspect.getsource(_DataFetcher.__next__)
+    assert "self.batch_progress.is_last_batch = data_fetcher.done" in source
+    assert source.index("is_last_batch = data_fetcher.done") < source.index('"on_train_batch_start", batch')
     trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False)
     assert _lightning.micro_batches_trained_in_epoch(trainer) == 0
     assert not _lightning.refresh_training_batch_count(trainer)  # no training loader yet

@@ -89,18 +89,18 @@ def test_resume_on_the_same_world_size_continues_with_the_next_samples_and_the_s
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("world_size", [1, 3])
-def test_resume_on_another_world_size_reads_the_rest_of_the_epoch_once(tmp_path, world_size):
-    fit(tmp_path / "first", 2, every_n_train_steps=4)
-    done = 4  # batches per rank before the checkpoint: positions 0..15 of the epoch's order
+@pytest.mark.parametrize("step", [4, 6], ids=["inside-epoch", "last-batch-of-epoch"])
+def test_resume_on_another_world_size_reads_the_rest_of_the_epoch_once(tmp_path, world_size, step):
+    fit(tmp_path / "first", 2, every_n_train_steps=step)
     first = read_records(tmp_path / "first")
-    fit(tmp_path / "resumed", world_size, ckpt_path=tmp_path / "first" / "checkpoints" / "step=4.ckpt")
+    fit(tmp_path / "resumed", world_size, ckpt_path=tmp_path / "first" / "checkpoints" / f"step={step}.ckpt")
     resumed = read_records(tmp_path / "resumed")
-    remaining = N - 2 * done * BATCH
+    before = [i for r in range(2) for b in batches(first, r, 0)[:step] for i in b]
+    remaining = N - len(before)
     per_rank = -(-remaining // world_size)
     shards = [[i for b in batches(resumed, r, 0) for i in b] for r in range(world_size)]
     assert [len(s) for s in shards] == [per_rank] * world_size  # equal shards, padded at the end
     assert len({len(batches(resumed, r, 0)) for r in range(world_size)}) == 1
-    before = [i for r in range(2) for b in batches(first, r, 0)[:done] for i in b]
     padding = per_rank * world_size - remaining
     assert Counter(before + [i for s in shards for i in s]) == Counter(range(N)) + Counter({0: padding})
     # the next epoch is a whole one on the new world size: the batch count Lightning uses follows it
