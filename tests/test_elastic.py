@@ -24,6 +24,9 @@ def job_env() -> dict[str, str]:
     paths = [str(ROOT), str(ROOT / "tests")] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
     env["PYTHONPATH"] = os.pathsep.join(paths)
     env["OMP_NUM_THREADS"] = "1"
+    # torchrun's c10d rendezvous shares one TCPStore with every attempt's workers, without a per-attempt prefix:
+    # a restarted worker may read the gloo address of a dead one and fail to connect (seen 1 run in 3 here).
+    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     return env
 
 

@@ -25,6 +25,10 @@ MAX_RESTARTS=${MAX_RESTARTS:-3}
 CONFIG=${CONFIG:-configs/digits.yaml}
 ACCELERATOR=${ACCELERATOR:-auto}     # gpu on GPU nodes (NCCL), cpu for gloo
 
+# torchrun's c10d rendezvous shares its TCPStore with every attempt's workers, without a per-attempt prefix: a
+# restarted worker can read the address of a dead one and fail to connect (torch 2.13, gloo). Opt out of sharing.
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+
 # c10d rendezvous: the restarted workers of every node meet again at the same endpoint.
 exec torchrun \
     --nnodes="$NNODES" \
