@@ -10,11 +10,15 @@ from __future__ import annotations
 
 from typing import Any
 
+from lightning.fabric.utilities.data import sized_len
+from lightning.pytorch.loops.fetchers import _PrefetchDataFetcher
 from lightning.pytorch.overrides.distributed import (
     UnrepeatedDistributedSamplerWrapper,
     _IndexBatchSamplerWrapper,
 )
+from lightning.pytorch.trainer.connectors.data_connector import _parse_num_batches
 from lightning.pytorch.trainer.states import RunningStage
+from lightning.pytorch.utilities.combined_loader import _SUPPORTED_MODES
 from lightning.pytorch.utilities.data import _update_dataloader
 from torch.utils.data import DataLoader, DistributedSampler, Sampler, SequentialSampler
 
@@ -59,6 +63,51 @@ def micro_batches_done_in_epoch(trainer: Any) -> int:
     Internal: ``trainer.fit_loop.epoch_loop.batch_progress`` is not public API.
     """
     return int(trainer.fit_loop.epoch_loop.batch_progress.current.ready)
+
+
+def micro_batches_trained_in_epoch(trainer: Any) -> int:
+    """Training micro-batches of the current epoch whose step has run (``batch_progress.current.processed``):
+    during ``on_train_batch_end``, where ``ModelCheckpoint`` saves, the batch just trained counts, and it is
+    the count Lightning restores a mid-epoch resume to (it marks that batch completed when restarting)."""
+    return int(trainer.fit_loop.epoch_loop.batch_progress.current.processed)
+
+
+def refresh_training_batch_count(trainer: Any) -> bool:
+    """Make Lightning's count of training batches in this epoch follow the training loaders' current lengths;
+    True if it changed. Call it once the epoch's first batch is fetched.
+
+    ``_FitLoop.setup_data`` reads ``len(loader)`` once per fit (or per reload) into the combined loader's
+    ``limits``, ``fit_loop.max_batches`` (what ``trainer.num_training_batches`` returns and the end-of-epoch
+    check reads), ``val_check_batch``, and the data fetcher's ``length`` (which marks the last batch). A resumed
+    epoch on another world size has another length than the epochs after it, so they are re-read here, with
+    ``limit_train_batches`` applied as ``setup_data`` does, and the fetched batch's last-batch flag is
+    recomputed. Private: ``_combined_loader``, ``_mode``, ``_SUPPORTED_MODES``, ``_parse_num_batches``,
+    ``_data_fetcher`` and the fetcher's ``length``/``fetched``/``done``.
+    """
+    fit_loop = trainer.fit_loop
+    combined = fit_loop._combined_loader
+    if combined is None or combined.limits is None:
+        return False
+    limit_batches = trainer.limit_train_batches
+    limits = [
+        limit if sized_len(loader) is None else _parse_num_batches(RunningStage.TRAINING, len(loader), limit_batches)
+        for loader, limit in zip(combined.flattened, combined.limits, strict=True)
+    ]
+    if limits == combined.limits:
+        return False
+    combined.limits = limits
+    fit_loop.max_batches = len(_SUPPORTED_MODES[combined._mode]["iterator"](combined.flattened, limits))
+    interval = trainer.val_check_interval
+    if isinstance(interval, float) and trainer.val_check_batch not in (None, float("inf")):
+        # a fraction of the epoch, as `setup_data` sets it (ints and time-based intervals do not depend on it)
+        trainer.val_check_batch = max(1, int(fit_loop.max_batches * interval))
+    fetcher = fit_loop._data_fetcher
+    if isinstance(fetcher, _PrefetchDataFetcher) and fetcher.length is not None:
+        # `fetched` counts the batches the restored progress says are done, as `_DataFetcher.__next__` does
+        fetcher.length = fit_loop.max_batches
+        fetcher.done = fetcher.fetched >= fetcher.length
+        fit_loop.epoch_loop.batch_progress.is_last_batch = fetcher.done
+    return True
 
 
 def replace_sampler(dataloader: DataLoader, sampler: Sampler, stage: RunningStage) -> DataLoader:

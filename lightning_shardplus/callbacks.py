@@ -42,7 +42,10 @@ class VerifySharding(Callback):
                 trainer.current_epoch,
                 [indices for indices, _ in gathered],
                 sampler.dataset_length,
-                expect_full_coverage=all(done for _, done in gathered) and not sampler.drop_last,
+                # a resumed epoch read only what the checkpoint had left
+                expect_full_coverage=all(done for _, done in gathered)
+                and not sampler.drop_last
+                and sampler.start_position == 0,
             )
 
 

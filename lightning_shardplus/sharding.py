@@ -127,28 +127,93 @@ class PaddedShardSampler(_ShardSampler):
         check_bool("drop_last", drop_last)
         self.padding = padding
         self.drop_last = drop_last
-        n, w = self.dataset_length, num_replicas
-        self.num_samples = n // w if drop_last else math.ceil(n / w)
-        self.total_size = self.num_samples * w
+        # Mid-epoch resume (see `load_state_dict`): the epoch it applies to, the positions of that epoch's order
+        # already consumed, and the per-rank samples the resumed epoch counts as done without yielding them.
+        self.resumed_epoch: int | None = None
+        self.start_position = 0
+        self.samples_counted_before_start = 0
+        self._set_shard_size()
         # Debug aid for `verify_sharding`: what the last iteration yielded, and whether it ran to the end.
         self.record_indices = record_indices
         self.yielded_indices: list[int] = []
         self.completed_epoch = False
 
+    def _set_shard_size(self) -> None:
+        """``num_samples`` (this rank's indices) and ``total_size`` (positions read by all ranks) for the part of
+        the order from ``start_position`` on: the whole epoch, or what a resumed epoch has left."""
+        remaining, w = self.dataset_length - self.start_position, self.num_replicas
+        self.num_samples = remaining // w if self.drop_last else math.ceil(remaining / w)
+        self.total_size = self.num_samples * w
+
     @property
     def num_real_samples(self) -> int:
         """How many of this rank's indices are real samples; the rest, at the end of the shard, are padding."""
-        real_positions = max(0, min(self.dataset_length, self.total_size) - self.rank)
+        remaining = self.dataset_length - self.start_position
+        real_positions = max(0, min(remaining, self.total_size) - self.rank)
         return min(self.num_samples, math.ceil(real_positions / self.num_replicas))
 
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch of the next iteration; any other epoch than a resumed one is read from its start."""
+        super().set_epoch(epoch)
+        if self.resumed_epoch is not None and epoch != self.resumed_epoch:
+            self.resumed_epoch, self.start_position, self.samples_counted_before_start = None, 0, 0
+            self._set_shard_size()
+
+    def positions_consumed(self, samples_done: int) -> int:
+        """Positions of the epoch's global order consumed once every rank has trained on ``samples_done`` of
+        its indices, counted from the start of the epoch as the training loop counts them (a resumed epoch
+        counts what came before the resume); at most ``N``: padding positions count as the end of the epoch."""
+        taken = min(max(samples_done - self.samples_counted_before_start, 0), self.num_samples)
+        return min(self.start_position + taken * self.num_replicas, self.dataset_length)
+
+    def state_dict(self, samples_done: int = 0) -> dict[str, int]:
+        """What resumes this sampler's epoch on any number of ranks: the epoch, the seed and the positions of
+        the epoch's global order consumed after every rank trained on ``samples_done`` indices (see
+        :meth:`positions_consumed`); ``num_replicas`` is informative."""
+        return {
+            "epoch": self.epoch,
+            "seed": self.seed,
+            "positions_consumed": self.positions_consumed(samples_done),
+            "num_replicas": self.num_replicas,
+        }
+
+    def load_state_dict(self, state: dict[str, int], samples_counted: int = 0) -> None:
+        """Continue the epoch of ``state`` (from :meth:`state_dict`, written at any world size) where it
+        stopped.
+
+        Resharding rule: the positions ``c, c + 1, ..., N - 1`` of the epoch's order that no rank consumed
+        (``c = positions_consumed``) are split over this sampler's ``W`` ranks as a whole epoch is: rank ``r``
+        reads positions ``c + r + j * W`` and the shards are padded at the end to ``ceil((N - c) / W)`` indices
+        each (or cut to ``(N - c) // W`` with ``drop_last``). So every remaining sample is read exactly once,
+        whatever the world size or batch size, and a resume at the same world size reads exactly the indices
+        an uninterrupted run would have. ``samples_counted``: the per-rank samples the training loop counts as
+        done in this epoch already (batches done x batch size); ``len()`` adds them to the remaining shard,
+        since the loop compares its batch count with the loader's length. The next epoch is whole again.
+        """
+        consumed = int(state["positions_consumed"])
+        check_int("positions_consumed", consumed, minimum=0)
+        check_int("samples_counted", samples_counted, minimum=0)
+        if consumed > self.dataset_length:
+            raise ValueError(
+                f"`positions_consumed`={consumed} is not valid for a dataset of {self.dataset_length} samples: "
+                "the checkpoint was written for another training set."
+            )
+        self.seed = int(state["seed"])
+        self.epoch = self.resumed_epoch = int(state["epoch"])
+        self.start_position = consumed
+        self.samples_counted_before_start = samples_counted
+        self._set_shard_size()
+
     def _index_chunks(self) -> Iterator[torch.Tensor]:
-        """This rank's indices, padding included: positions ``rank + j * W`` of the order, then the padding."""
+        """This rank's indices, padding included: positions ``start + rank + j * W`` of the order, then the
+        padding."""
         n, w, real = self.dataset_length, self.num_replicas, self.num_real_samples
-        for positions in _chunks(self.rank, real, w):
+        start = self.start_position + self.rank
+        for positions in _chunks(start, real, w):
             yield self._order_at(positions)
         # Padding positions p >= N, kept as offsets p - N (p itself may pass 2**63 - 1): index 0, or the order's
         # first indices again (offset modulo N, as torch's DistributedSampler repeats its order).
-        for offsets in _chunks(self.rank + real * w - n, self.num_samples - real, w):
+        for offsets in _chunks(start + real * w - n, self.num_samples - real, w):
             if self.padding == "first":
                 yield torch.zeros_like(offsets)
             else:
@@ -168,7 +233,9 @@ class PaddedShardSampler(_ShardSampler):
             self.completed_epoch = True
 
     def __len__(self) -> int:
-        return self.num_samples
+        """This rank's indices in the epoch; in a resumed epoch also those counted as done before the resume
+        (``samples_counted`` of :meth:`load_state_dict`), so the loader's length is the epoch's batch count."""
+        return self.samples_counted_before_start + self.num_samples
 
 
 class ExactShardSampler(_ShardSampler):
@@ -223,6 +290,19 @@ def shard_bounds(length: int, num_replicas: int, rank: int) -> tuple[int, int]:
     base, extra = divmod(length, num_replicas)
     start = rank * base + min(rank, extra)
     return start, start + base + (1 if rank < extra else 0)
+
+
+CHECKPOINT_KEY = "shardplus_training_samplers"
+"""Where the strategy stores the training samplers' progress in a Lightning checkpoint."""
+
+
+def checkpoint_entry(batches_done: int, samplers_and_batch_sizes: Sequence[tuple[PaddedShardSampler, int]]) -> dict:
+    """The training samplers' progress after ``batches_done`` batches of the epoch (the training loop's count),
+    with each loader's batch size: the same on every rank, so rank 0's copy is enough."""
+    return {
+        "batches_done": batches_done,
+        "samplers": [sampler.state_dict(batches_done * batch_size) for sampler, batch_size in samplers_and_batch_sizes],
+    }
 
 
 class ShardingError(RuntimeError):

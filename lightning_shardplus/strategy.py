@@ -33,7 +33,7 @@ from torch.optim import Optimizer
 from torch.utils.data import DataLoader, DistributedSampler, Sampler
 from typing_extensions import override
 
-from lightning_shardplus import _lightning, aggregation, compression
+from lightning_shardplus import _lightning, aggregation, compression, sharding
 from lightning_shardplus._validation import check_bool, check_choice, check_int, check_positive_number
 from lightning_shardplus.callbacks import VerifySharding
 from lightning_shardplus.compression import GRADIENT_COMPRESSIONS, CommunicationCounter, GradientCompression
@@ -219,6 +219,10 @@ class ShardPlusStrategy(DDPStrategy):
         self.defer_logging_sync = False
         self._compression: compression.CastCompression | compression.PowerSGDCompression | None = None
         self._compression_checkpoint: dict[str, Any] | None = None  # from a checkpoint, until registered
+        # The training samplers' progress from a checkpoint, until the training loaders are built; and how many
+        # of its sampler states were given to samplers so far.
+        self._sampler_checkpoint: dict[str, Any] | None = None
+        self._sampler_states_used = 0
         self._user_accumulate_grad_batches: int | None = None
         self.average_training_metrics = average_training_metrics
 
@@ -414,6 +418,7 @@ class ShardPlusStrategy(DDPStrategy):
             trainer.accumulate_grad_batches = self._user_accumulate_grad_batches
         self._user_accumulate_grad_batches = None
         self._compression_checkpoint = None
+        self._sampler_checkpoint, self._sampler_states_used = None, 0
         super().teardown()
 
     # ------------------------------------------------------------------ aggregation
@@ -440,6 +445,8 @@ class ShardPlusStrategy(DDPStrategy):
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
+        # the training loaders are built: a later reload (reload_dataloaders_every_n_epochs) starts its epoch whole
+        self._sampler_checkpoint, self._sampler_states_used = None, 0
         trainer = self.lightning_module.trainer
         per_device = aggregation.micro_batch_size(trainer)
         micro_batches = self.micro_batches_per_step
@@ -450,6 +457,14 @@ class ShardPlusStrategy(DDPStrategy):
             f"({'mean' if self.average_aggregated_gradients else 'sum'} of aggregated gradients); "
             f"gradient compression {self.gradient_compression!r}"
         )
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        if batch_idx == 0:
+            # Lightning reads the training loaders' lengths once per fit; after a mid-epoch resume on another
+            # world size or batch size, the resumed epoch and the next have different lengths.
+            _lightning.refresh_training_batch_count(self.lightning_module.trainer)
 
     @override
     def optimizer_step(
@@ -555,13 +570,43 @@ class ShardPlusStrategy(DDPStrategy):
                 checkpoint[compression.CHECKPOINT_KEY] = compression.checkpoint_entry(
                     self.gradient_compression, gathered
                 )
+        samplers = self._training_sampler_progress() if "loops" in checkpoint else None
+        if samplers is not None:
+            checkpoint[sharding.CHECKPOINT_KEY] = samplers
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    def _training_sampler_progress(self) -> dict[str, Any] | None:
+        """The training samplers' progress at the last trained batch (see ``sharding.checkpoint_entry``), so
+        that a resume reads exactly the samples that were next; None outside fit or without our samplers."""
+        module = self.lightning_module
+        trainer = module._trainer if module is not None else None
+        if trainer is None or trainer.state.fn != TrainerFn.FITTING:
+            return None
+        samplers = []
+        for loader in aggregation.dataloaders(trainer.train_dataloader):
+            batch_size = _loader_batch_size(loader)
+            if isinstance(loader.sampler, PaddedShardSampler) and batch_size is not None:
+                samplers.append((loader.sampler, batch_size))
+        if not samplers:
+            return None
+        batches_done = _lightning.micro_batches_trained_in_epoch(trainer)
+        micro_batches = trainer.accumulate_grad_batches
+        if batches_done % micro_batches and batches_done < trainer.num_training_batches:
+            rank_zero_warn(
+                f"shardplus: a checkpoint is saved after micro-batch {batches_done} of the epoch, inside an "
+                f"aggregation window of {micro_batches}: the gradients accumulated so far are not in it, so a "
+                "run resumed from it does not equal an uninterrupted one. Save at optimizer steps (ModelCheckpoint "
+                "every_n_train_steps counts them)."
+            )
+        return sharding.checkpoint_entry(batches_done, samplers)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         # DDP restores checkpoints before `setup`, which builds this fit's compression state and restores this
         self._compression_checkpoint = checkpoint.get(compression.CHECKPOINT_KEY)
+        # and before the training loaders are built, whose samplers continue the checkpoint's epoch
+        self._sampler_checkpoint, self._sampler_states_used = checkpoint.get(sharding.CHECKPOINT_KEY), 0
         return checkpoint
 
     def _restore_compression(self, entry: dict[str, Any]) -> None:
@@ -616,7 +661,7 @@ class ShardPlusStrategy(DDPStrategy):
             raise ValueError(
                 "The training dataset is empty (len(train dataset) == 0): give it at least one sample."
             )
-        return PaddedShardSampler(
+        sampler = PaddedShardSampler(
             dataloader.dataset,
             self.num_replicas,
             self.global_rank,
@@ -625,3 +670,30 @@ class ShardPlusStrategy(DDPStrategy):
             padding=self.shard_padding,
             record_indices=self.verify_sharding,
         )
+        self._resume_sampler(sampler, _loader_batch_size(dataloader))
+        return sampler
+
+    def _resume_sampler(self, sampler: PaddedShardSampler, batch_size: int | None) -> None:
+        """Give ``sampler`` its state from the checkpoint being resumed, if any: the training loaders take the
+        checkpoint's sampler states in order. The epoch continues where the checkpoint stopped, resharded over
+        this run's ranks (see ``PaddedShardSampler.load_state_dict``)."""
+        entry = self._sampler_checkpoint
+        if entry is None or self._sampler_states_used >= len(entry["samplers"]):
+            return
+        state = entry["samplers"][self._sampler_states_used]
+        self._sampler_states_used += 1
+        if batch_size is None:
+            rank_zero_warn("shardplus: a training loader has no batch size; its epoch restarts from the beginning.")
+            return
+        if state["seed"] != sampler.seed:
+            rank_zero_warn(
+                f"shardplus: the checkpoint's training order has seed {state['seed']}, this run's seed is "
+                f"{sampler.seed}: the checkpoint's seed is kept, so that its epoch continues in the same order."
+            )
+        sampler.load_state_dict(state, samples_counted=int(entry["batches_done"]) * batch_size)
+
+
+def _loader_batch_size(loader: DataLoader) -> int | None:
+    """Samples per batch of ``loader`` (its ``batch_size``, or its batch sampler's); None when unknown."""
+    size = loader.batch_size if loader.batch_size is not None else getattr(loader.batch_sampler, "batch_size", None)
+    return size if isinstance(size, int) and size >= 1 else None

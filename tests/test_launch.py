@@ -258,7 +258,7 @@ def test_world_size_check_skips_processes_lightning_starts(monkeypatch):
 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="bash not found")
-@pytest.mark.parametrize("script", ["torchrun_multinode.sh", "slurm.sbatch", "mpirun.sh"])
+@pytest.mark.parametrize("script", ["torchrun_multinode.sh", "torchrun_restart.sh", "slurm.sbatch", "mpirun.sh"])
 def test_launch_examples_are_valid_bash(script):
     path = ROOT / "examples" / "launch" / script
     result = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True, timeout=30)
@@ -282,3 +282,12 @@ def test_slurm_overlay_config_parses(tmp_path):
     assert config["trainer"]["plugins"][0]["init_args"]["auto_requeue"] is True
     assert config["trainer"]["callbacks"][0]["init_args"]["save_last"] is True
     assert config["ckpt_path"] == "last"
+
+
+def test_resumable_overlay_checkpoints_at_optimizer_steps_with_a_last_checkpoint():
+    config = yaml.safe_load((ROOT / "examples" / "launch" / "resumable.yaml").read_text())
+    [checkpoint] = config["trainer"]["callbacks"]
+    assert checkpoint["class_path"] == "lightning.pytorch.callbacks.ModelCheckpoint"
+    assert checkpoint["init_args"]["save_last"] is True and checkpoint["init_args"]["every_n_train_steps"] > 0
+    script = (ROOT / "examples" / "launch" / "torchrun_restart.sh").read_text()
+    assert "--max-restarts" in script and "--ckpt_path last" in script and "resumable.yaml" in script

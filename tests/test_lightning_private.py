@@ -159,3 +159,39 @@ def test_batch_size_of_the_current_batch_follows_lightning_inference():
     assert _lightning.batch_size_of_current_batch(results) == 2
     results.batch, results.batch_size = "no tensor", None
     assert _lightning.batch_size_of_current_batch(results) is None
+
+
+# ==========================================================================================================
+# Resume (`sharding.PaddedShardSampler.load_state_dict`, `_lightning.refresh_training_batch_count`).
+# ==========================================================================================================
+
+
+def test_training_batch_count_and_progress_are_where_resume_reads_them():
+    from lightning.pytorch.loops.fetchers import _DataFetcher
+    from lightning.pytorch.loops.fit_loop import _FitLoop
+    from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
+    from lightning.pytorch.trainer.connectors.data_connector import _parse_num_batches
+    from lightning.pytorch.utilities.combined_loader import _SUPPORTED_MODES
+
+    # setup_data reads the loader lengths into `combined_loader.limits`, `max_batches` and `val_check_batch`
+    source = inspect.getsource(_FitLoop.setup_data)
+    assert "_parse_num_batches(stage, length, trainer.limit_train_batches)" in source
+    assert "combined_loader.limits = limits" in source
+    assert "max_batches = sized_len(combined_loader)" in source
+    assert "trainer.val_check_batch = int(self.max_batches * trainer.val_check_interval)" in source
+    assert _parse_num_batches(RunningStage.TRAINING, 10, 0.5) == 5
+    assert len(_SUPPORTED_MODES["max_size_cycle"]["iterator"]([range(5), range(7)], [3, 6])) == 6
+    # the batch just trained counts as processed, not yet completed, when on_train_batch_end saves a checkpoint
+    source = inspect.getsource(_TrainingEpochLoop.advance)
+    processed = source.index("self.batch_progress.increment_processed()")
+    assert processed < source.index('"on_train_batch_end"') < source.index("self.batch_progress.increment_completed()")
+    # the fetcher marks the last batch from its length, counting the restored batches as fetched
+    assert "data_fetcher.fetched += self.batch_progress.current.ready" in inspect.getsource(
+        _TrainingEpochLoop.on_run_start
+    )
+    assert "self.done = self.fetched >= self.length" in inspect.getsource(_DataFetcher.__next__)
+    assert "self.batch_progress.is_last_batch = data_fetcher.done" in source
+    assert source.index("is_last_batch = data_fetcher.done") < source.index('"on_train_batch_start", batch')
+    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False)
+    assert _lightning.micro_batches_trained_in_epoch(trainer) == 0
+    assert not _lightning.refresh_training_batch_count(trainer)  # no training loader yet

@@ -117,3 +117,93 @@ def test_check_epoch_shards_names_epoch_and_ranks():
     with pytest.raises(ShardingError, match=r"epoch 2.*3 of 4 samples.*\[1\]"):
         check_epoch_shards(2, [[0, 2], [3]], 4, expect_full_coverage=True)
     check_epoch_shards(2, [[0, 2], [3]], 4, expect_full_coverage=False)
+
+
+def _resumed_shards(n, w_before, w_after, samples_done, epoch, seed, padding="first", drop_last=False):
+    """Each rank's indices before a checkpoint after ``samples_done`` per rank, and after resuming on
+    ``w_after`` ranks from rank 0's state."""
+    kwargs = dict(seed=seed, padding=padding, drop_last=drop_last)
+    before = []
+    for rank in range(w_before):
+        sampler = PaddedShardSampler(n, w_before, rank, **kwargs)
+        sampler.set_epoch(epoch)
+        before.append(list(sampler)[:samples_done])
+    state = PaddedShardSampler(n, w_before, 0, **kwargs)
+    state.set_epoch(epoch)
+    state = state.state_dict(samples_done)
+    after = []
+    for rank in range(w_after):
+        sampler = PaddedShardSampler(n, w_after, rank, seed=seed + 1, padding=padding, drop_last=drop_last)
+        sampler.load_state_dict(state, samples_counted=7)
+        sampler.set_epoch(epoch)  # what Lightning does when the resumed epoch starts: keeps the resume
+        after.append(sampler)
+    return before, state, after
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    n=st.integers(min_value=1, max_value=300),
+    w_before=world_sizes,
+    w_after=world_sizes,
+    fraction=st.floats(min_value=0, max_value=1),
+    seed=seeds,
+    epoch=st.integers(min_value=0, max_value=5),
+    padding=st.sampled_from(["first", "wrap"]),
+)
+def test_resume_on_any_world_size_reads_every_remaining_sample_once(
+    n, w_before, w_after, fraction, seed, epoch, padding
+):
+    per_rank = math.ceil(n / w_before)
+    samples_done = int(fraction * per_rank)
+    before, state, after = _resumed_shards(n, w_before, w_after, samples_done, epoch, seed, padding)
+    assert state["positions_consumed"] == min(samples_done * w_before, n)
+    assert state["epoch"] == epoch and state["seed"] == seed and state["num_replicas"] == w_before
+    remaining = n - state["positions_consumed"]
+    shard = math.ceil(remaining / w_after)
+    shards = [list(sampler) for sampler in after]
+    assert all(len(s) == shard for s in shards)  # equal shards, padded only at the end
+    assert all(len(sampler) == 7 + shard for sampler in after)  # counted before the resume + remaining
+    real = [s[: sampler.num_real_samples] for s, sampler in zip(shards, after, strict=True)]
+    consumed = [before[p % w_before][p // w_before] for p in range(state["positions_consumed"])]
+    assert Counter(consumed + [i for s in real for i in s]) == Counter(range(n))  # each sample exactly once
+    if padding == "first":
+        assert all(i == 0 for s, sampler in zip(shards, after, strict=True) for i in s[sampler.num_real_samples :])
+    # the resumed shards continue the epoch's global order
+    order = epoch_permutation(n, seed=seed, epoch=epoch).tolist()
+    for rank, s in enumerate(real):
+        assert s == order[state["positions_consumed"] + rank :: w_after][: len(s)]
+    for sampler in after:  # the next epoch is whole again
+        sampler.set_epoch(epoch + 1)
+        assert len(sampler) == math.ceil(n / w_after) and sampler.start_position == 0
+
+
+@settings(max_examples=100, deadline=None)
+@given(n=st.integers(min_value=1, max_value=200), w=world_sizes, seed=seeds, done=st.integers(0, 250))
+def test_resume_on_the_same_world_size_reads_what_was_next(n, w, seed, done):
+    per_rank = math.ceil(n / w)
+    done = min(done, per_rank)
+    for rank in range(w):
+        full = PaddedShardSampler(n, w, rank, seed=seed, padding="wrap")
+        full.set_epoch(3)
+        state = full.state_dict(done)
+        resumed = PaddedShardSampler(n, w, rank, seed=seed, padding="wrap")
+        resumed.load_state_dict(state, samples_counted=done)
+        expected = list(full)[done:] if done * w < n else []
+        assert list(resumed) == expected
+        assert len(resumed) == (len(full) if done * w < n else done)
+
+
+def test_resume_state_after_a_resume_counts_from_the_resume():
+    # 20 samples, 2 ranks, 3 per rank done (6 positions); resumed on 3 ranks with 5 samples counted; then 2 more
+    # per rank: 6 + 2 * 3 = 12 positions consumed.
+    first = PaddedShardSampler(20, 2, 0)
+    resumed = PaddedShardSampler(20, 3, 1)
+    resumed.load_state_dict(first.state_dict(3), samples_counted=5)
+    assert resumed.state_dict(5 + 2)["positions_consumed"] == 12
+    assert resumed.state_dict(5)["positions_consumed"] == 6
+    assert resumed.state_dict(100)["positions_consumed"] == 20
+
+
+def test_resume_state_from_another_dataset_is_refused():
+    with pytest.raises(ValueError, match="positions_consumed`=30 is not valid for a dataset of 20 samples"):
+        PaddedShardSampler(20, 2, 0).load_state_dict({"epoch": 0, "seed": 0, "positions_consumed": 30})

@@ -1,0 +1,122 @@
+"""Mid-epoch resume: a run restarted from a checkpoint continues with exactly the samples that were next (same
+world size: same indices and bitwise the same weights as an uninterrupted run), or reshards the rest of the epoch
+over another world size so that every sample of the epoch is read exactly once, apart from the final padding."""
+
+from collections import Counter
+
+import pytest
+import torch
+from _models import IndexedDataset, RecordingModule, cpu_trainer, read_records
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
+from torch.utils.data import DataLoader
+
+import lightning_shardplus  # noqa: F401
+from lightning_shardplus import ShardPlusStrategy
+from lightning_shardplus.sharding import CHECKPOINT_KEY
+
+N, BATCH, EPOCHS = 22, 2, 2  # on 2 ranks: 11 samples, 6 batches per rank and epoch (the last one of 1 sample)
+
+
+def fit(directory, world_size, ckpt_path=None, every_n_train_steps=None, batch=BATCH, **strategy_kwargs):
+    """A 2-epoch fit on ``world_size`` ranks recording every rank's batches in ``directory``; returns the final
+    weights (rank 0's, which the fork launcher hands back to this process)."""
+    torch.manual_seed(0)
+    model = RecordingModule(directory)
+    callbacks = []
+    if every_n_train_steps:
+        callbacks.append(
+            ModelCheckpoint(
+                dirpath=directory / "checkpoints",
+                every_n_train_steps=every_n_train_steps,
+                save_top_k=-1,
+                filename="{step}",
+            )
+        )
+    trainer = cpu_trainer(
+        ShardPlusStrategy(start_method="fork", shuffle_seed=3, **strategy_kwargs),
+        world_size,
+        max_epochs=EPOCHS,
+        deterministic=True,
+        callbacks=callbacks,
+        enable_checkpointing=bool(callbacks),
+    )
+    trainer.fit(model, DataLoader(IndexedDataset(N), batch_size=batch, shuffle=True), ckpt_path=ckpt_path)
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def batches(rows, rank, epoch):
+    return [r["indices"] for r in rows if r["stage"] == "train" and r["rank"] == rank and r["epoch"] == epoch]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "strategy_kwargs",
+    [
+        {},
+        {"aggregation_frequency": 2},
+        {"gradient_compression": "powersgd"},
+    ],
+    ids=["plain", "aggregation", "powersgd"],
+)
+def test_resume_on_the_same_world_size_continues_with_the_next_samples_and_the_same_weights(tmp_path, strategy_kwargs):
+    if strategy_kwargs.get("gradient_compression") == "powersgd":
+        # PowerSGD from the 2nd step, so that the checkpoints hold error feedback and warm-start state
+        strategy_kwargs = strategy_kwargs | {
+            "ddp_comm_state": PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2)
+        }
+    steps_per_epoch = 6 // strategy_kwargs.get("aggregation_frequency", 1)
+    reference = fit(tmp_path / "reference", 2, every_n_train_steps=1, **strategy_kwargs)
+    expected = read_records(tmp_path / "reference")
+    micro = strategy_kwargs.get("aggregation_frequency", 1)
+    # inside epoch 0, at the end of epoch 0 (its last batch), inside epoch 1
+    for step in (2, steps_per_epoch, steps_per_epoch + 2):
+        checkpoint = tmp_path / "reference" / "checkpoints" / f"step={step}.ckpt"
+        entry = torch.load(checkpoint, weights_only=False)[CHECKPOINT_KEY]
+        assert entry["batches_done"] == (step - 1) % steps_per_epoch * micro + micro
+        resumed_dir = tmp_path / f"resumed{step}"
+        weights = fit(resumed_dir, 2, ckpt_path=checkpoint, **strategy_kwargs)
+        resumed = read_records(resumed_dir)
+        done_epochs, done_batches = divmod(step * micro, 6)
+        for rank in range(2):
+            assert batches(resumed, rank, done_epochs) == batches(expected, rank, done_epochs)[done_batches:]
+            for epoch in range(done_epochs + 1, EPOCHS):
+                assert batches(resumed, rank, epoch) == batches(expected, rank, epoch)
+        assert all(r["epoch"] >= done_epochs for r in resumed if r["stage"] == "train")
+        for key, value in reference.items():
+            assert torch.equal(weights[key], value), (step, key)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world_size", [1, 3])
+@pytest.mark.parametrize("step", [4, 6], ids=["inside-epoch", "last-batch-of-epoch"])
+def test_resume_on_another_world_size_reads_the_rest_of_the_epoch_once(tmp_path, world_size, step):
+    fit(tmp_path / "first", 2, every_n_train_steps=step)
+    first = read_records(tmp_path / "first")
+    fit(tmp_path / "resumed", world_size, ckpt_path=tmp_path / "first" / "checkpoints" / f"step={step}.ckpt")
+    resumed = read_records(tmp_path / "resumed")
+    before = [i for r in range(2) for b in batches(first, r, 0)[:step] for i in b]
+    remaining = N - len(before)
+    per_rank = -(-remaining // world_size)
+    shards = [[i for b in batches(resumed, r, 0) for i in b] for r in range(world_size)]
+    assert [len(s) for s in shards] == [per_rank] * world_size  # equal shards, padded at the end
+    assert len({len(batches(resumed, r, 0)) for r in range(world_size)}) == 1
+    padding = per_rank * world_size - remaining
+    assert Counter(before + [i for s in shards for i in s]) == Counter(range(N)) + Counter({0: padding})
+    # the next epoch is a whole one on the new world size: the batch count Lightning uses follows it
+    full = -(-N // world_size)
+    shards = [[i for b in batches(resumed, r, 1) for i in b] for r in range(world_size)]
+    assert [len(s) for s in shards] == [full] * world_size
+    assert Counter(i for s in shards for i in s) == Counter(range(N)) + Counter({0: full * world_size - N})
+
+
+@pytest.mark.timeout(120)
+def test_resume_with_another_batch_size_reads_the_rest_of_the_epoch_once(tmp_path):
+    fit(tmp_path / "first", 2, every_n_train_steps=3)
+    first = read_records(tmp_path / "first")
+    fit(tmp_path / "resumed", 2, ckpt_path=tmp_path / "first" / "checkpoints" / "step=3.ckpt", batch=4)
+    resumed = read_records(tmp_path / "resumed")
+    before = [i for r in range(2) for b in batches(first, r, 0)[:3] for i in b]
+    after = [i for r in range(2) for b in batches(resumed, r, 0) for i in b]
+    assert [len(batches(resumed, r, 0)) for r in range(2)] == [2, 2]  # 5 samples left per rank: 4 + 1
+    assert Counter(before + after) == Counter(range(N))
