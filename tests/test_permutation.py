@@ -114,7 +114,7 @@ def _rss_bytes() -> int:
 
 
 @pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="reads the resident set size from /proc")
-def test_a_billion_samples_take_no_memory_and_the_first_index_comes_at_once():
+def test_a_billion_samples_take_no_memory_and_the_first_index_needs_one_chunk():
     n = 10**9
     list(PaddedShardSampler(100, 8, 3))  # one-time library warm-up, whatever N
     sampler = PaddedShardSampler(n, 8, 3, seed=1)
@@ -126,6 +126,7 @@ def test_a_billion_samples_take_no_memory_and_the_first_index_comes_at_once():
         iterator = iter(sampler)
         first = next(iterator)
         first_s = time.perf_counter() - start
+        _, first_peak = tracemalloc.get_traced_memory()  # the work behind the first index: one chunk
         indices = [first] + [next(iterator) for _ in range(20_000)]
         for _ in range(300_000):  # several full chunks
             next(iterator)
@@ -134,7 +135,8 @@ def test_a_billion_samples_take_no_memory_and_the_first_index_comes_at_once():
         tracemalloc.stop()
     grown = _rss_bytes() - rss
     print(f"N=1e9: first index {first_s * 1e3:.2f} ms; RSS +{grown / 2**20:.1f} MiB, traced {peak / 2**20:.1f} MiB")
-    assert first_s < 0.1  # measured ~0.3-2 ms; generous for a loaded machine
+    # the time is the benchmark's to report (`bench --sampler`, README); here: no O(N) work before the first index
+    assert first_peak < 8 * 2**20
     assert grown < 64 * 2**20 and peak < 64 * 2**20
     assert len(set(indices)) == len(indices) and all(0 <= i < n for i in indices)
     assert indices[:5] == permuted(torch.arange(3, 3 + 5 * 8, 8), n, 1, 4).tolist()
