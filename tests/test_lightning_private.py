@@ -159,3 +159,17 @@ def test_batch_size_of_the_current_batch_follows_lightning_inference():
     assert _lightning.batch_size_of_current_batch(results) == 2
     results.batch, results.batch_size = "no tensor", None
     assert _lightning.batch_size_of_current_batch(results) is None
+
+
+def test_lightning_profiles_the_training_batch_fetch_under_the_action_name_the_scaling_report_reads():
+    import lightning.pytorch as pl
+    from lightning.pytorch.demos.boring_classes import BoringModel
+    from lightning.pytorch.profilers import SimpleProfiler
+
+    profiler = SimpleProfiler()
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, max_steps=3, limit_val_batches=0, logger=False, profiler=profiler,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )
+    trainer.fit(BoringModel())
+    assert len(profiler.recorded_durations[_lightning.TRAIN_DATALOADER_NEXT]) == 3
