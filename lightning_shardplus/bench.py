@@ -17,6 +17,14 @@ Every row also reports the step time and the Python-level ``torch.distributed`` 
 per optimizer step, counted in every worker (the metrics rows: 16 scalars logged per step with no sync,
 Lightning's ``sync_dist=True``, and shardplus averaging). ``--configs`` picks rows; the first is the baseline.
 
+Rows other than ``ddp``, ``shardplus`` and ``shardplus-plain`` run a
+:class:`~lightning_shardplus.callbacks.ScalingReport`: where each micro-batch's time goes (data, between steps,
+forward, backward, exposed communication, optimizer; medians over the runs). The ``shardplus-report`` row is
+``shardplus`` with the report: their ratio is the report's overhead. ``--quick`` runs the whole matrix in
+shorter runs (about a minute on 2 CPU cores); ``--json``, ``--plots DIR`` (two PNGs: samples/s per row with
+its spread, time per step by phase) and ``--markdown`` (the README's performance section) write the results;
+``--from-json`` renders a report written before without running anything.
+
 ``--sampler`` runs a different benchmark, in this process and without training: for each dataset length N, rank
 0's :class:`~lightning_shardplus.PaddedShardSampler` (on-the-fly permutation) beside torch's
 ``DistributedSampler`` (materialized ``randperm``, only up to ``--torch-max-length``): time to the first index,
@@ -28,9 +36,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import inspect
 import itertools
 import json
 import math
+import os
+import platform
 import re
 import statistics
 import tempfile
@@ -44,11 +55,13 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from lightning.fabric.accelerators.cuda import num_cuda_devices
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy, Strategy
 from torch.utils.data import DistributedSampler
 
 from lightning_shardplus.aggregation import effective_batch_size
+from lightning_shardplus.callbacks import STEP_PHASES, ScalingReport
 from lightning_shardplus.compression import CommunicationCounter
 from lightning_shardplus.datamodule import SyntheticDataModule
 from lightning_shardplus.demo import ClassifierModule
@@ -66,18 +79,33 @@ class BenchConfig:
     logged_scalars: int = 1
     sync_dist: bool = False
     count_gradients: bool = True  # counting runs a Python all-reduce hook: off for the rows compared with ddp
+    scaling_report: bool = True  # a ScalingReport callback: off for the rows compared with ddp
+
+
+def strategy_accepts(**kwargs: object) -> bool:
+    """Whether ``ShardPlusStrategy`` takes these keyword arguments (rows of features not there yet are left out)."""
+    parameters = inspect.signature(ShardPlusStrategy.__init__).parameters
+    return all(name in parameters for name in kwargs)
 
 
 def default_configs() -> list[BenchConfig]:
     def shardplus(**kwargs: object) -> Callable[[], Strategy]:
         return lambda: ShardPlusStrategy(start_method="fork", **kwargs)
 
+    def if_accepted(name: str, **kwargs: object) -> list[BenchConfig]:
+        """The row of a strategy argument that may not exist yet on this branch (none or one row)."""
+        return [BenchConfig(name, shardplus(**kwargs))] if strategy_accepts(**kwargs) else []
+
     return [
-        BenchConfig("ddp", lambda: DDPStrategy(start_method="fork")),
+        BenchConfig("ddp", lambda: DDPStrategy(start_method="fork"), scaling_report=False),
         # shardplus against ddp: its defaults (averaged training metrics: one all_reduce per step), and without
-        # any extra feature; neither runs the counting hook
-        BenchConfig("shardplus", shardplus(), count_gradients=False),
-        BenchConfig("shardplus-plain", shardplus(average_training_metrics=False), count_gradients=False),
+        # any extra feature; neither runs the counting hook nor the ScalingReport
+        BenchConfig("shardplus", shardplus(), count_gradients=False, scaling_report=False),
+        BenchConfig(
+            "shardplus-plain", shardplus(average_training_metrics=False), count_gradients=False, scaling_report=False
+        ),
+        # the defaults with the ScalingReport: its overhead is this row against "shardplus"
+        BenchConfig("shardplus-report", shardplus(), count_gradients=False),
         # gradient communication, counted: "none" is the uncompressed reference of the bytes
         BenchConfig("none", shardplus()),
         BenchConfig("agg4", shardplus(aggregation_frequency=4)),
@@ -85,6 +113,8 @@ def default_configs() -> list[BenchConfig]:
         BenchConfig("fp16", shardplus(gradient_compression="fp16")),
         BenchConfig("bf16", shardplus(gradient_compression="bf16")),
         BenchConfig("powersgd", shardplus(gradient_compression="powersgd")),
+        # bucket size chosen by measurement, once the strategy has it
+        *if_accepted("autotune", auto_tune_tensor_fusion=True),
         # 16 scalars logged per step: (a) no sync, (b) Lightning's sync_dist=True, (c) shardplus averaging
         BenchConfig("metrics16-nosync", shardplus(average_training_metrics=False), 16),
         BenchConfig("metrics16-sync_dist", shardplus(average_training_metrics=False), 16, sync_dist=True),
@@ -200,8 +230,14 @@ def run_once(config: BenchConfig, args: argparse.Namespace) -> dict[str, Any]:
         counted = isinstance(strategy, ShardPlusStrategy) and config.count_gradients and config.logged_scalars == 1
         counted = counted and not config.sync_dist
         counter = CommunicationCounter(Path(tmp) / "counts") if counted else None
+        scaling = Path(tmp) / "scaling.json"
+        report = (
+            ScalingReport(skip_first_steps=warmup_steps * frequency, output_file=scaling, verbose=False)
+            if config.scaling_report
+            else None
+        )
         trainer = pl.Trainer(
-            accelerator="cpu",
+            accelerator=args.accelerator,
             devices=args.devices,
             strategy=strategy,
             max_steps=timed_steps + warmup_steps,
@@ -213,6 +249,7 @@ def run_once(config: BenchConfig, args: argparse.Namespace) -> dict[str, Any]:
             callbacks=[
                 _Throughput(warmup_steps, out),
                 *([counter] if counter else []),
+                *([report] if report else []),
                 *([_Threads(args.threads)] if args.threads else []),
             ],
         )
@@ -223,6 +260,7 @@ def run_once(config: BenchConfig, args: argparse.Namespace) -> dict[str, Any]:
         timed = steps[warmup_steps:]
         for key in ("bytes", "rounds", "collectives"):
             result[f"{key}_per_step"] = _median_per_step(timed, key)
+        result["scaling"] = json.loads(scaling.read_text()) if report else None
         return result
 
 
@@ -248,9 +286,45 @@ def run(configs: list[BenchConfig], args: argparse.Namespace) -> dict[str, Any]:
             "runs": values,
             # the same in every run of a config (the counts do not depend on timing); the first run's
             **{key: runs[0][key] for key in ("bytes_per_step", "rounds_per_step", "collectives_per_step")},
+            "breakdown_ms_per_micro_batch": _median_breakdown([r["scaling"] for r in runs]),
         }
     settings = {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()}
-    return {"settings": settings, "baseline": configs[0].name, "results": rows}
+    return {"settings": settings, "machine": machine(args), "baseline": configs[0].name, "results": rows}
+
+
+def _median_breakdown(reports: list[dict[str, Any] | None]) -> dict[str, float] | None:
+    """Per phase, the median over runs of the ScalingReport's milliseconds per micro-batch; None without one."""
+    counted = [r for r in reports if r is not None and r.get("micro_batches")]
+    if not counted:
+        return None
+    return {phase: statistics.median(r["ms_per_micro_batch"][phase] for r in counted) for phase in STEP_PHASES}
+
+
+def _cpu_model() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    match = re.search(r"^model name\s*:\s*(.+)$", text, re.MULTILINE)
+    return match.group(1).strip() if match else platform.machine()
+
+
+def machine(args: argparse.Namespace) -> dict[str, Any]:
+    """What the benchmark ran on: CPU, cores, accelerator and processes, library versions."""
+    description: dict[str, Any] = {
+        "cpu": _cpu_model(),
+        "cpu_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "accelerator": args.accelerator,
+        "devices": args.devices,
+        "threads_per_process": args.threads,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "lightning": pl.__version__,
+        "os": f"{platform.system()} {platform.release()}",
+    }
+    if args.accelerator == "gpu":
+        description["gpu"] = torch.cuda.get_device_name(0)  # in this process only after the runs: fork-safe
+    return description
 
 
 def _count(value: float | None, unit: str = "") -> str:
@@ -277,6 +351,103 @@ def format_table(report: dict[str, Any]) -> str:
             f"{row['all_reduce_per_step']:g} | {row['barrier_per_step']:g} |"
         )
     return "\n".join(lines)
+
+
+def format_breakdown_table(report: dict[str, Any]) -> str:
+    """Milliseconds per micro-batch in each phase (ScalingReport, median over the runs) for the rows that ran it."""
+    lines = [
+        "| configuration | " + " | ".join(phase.replace("_", " ") for phase in STEP_PHASES) + " | total |",
+        "|---|" + "---:|" * (len(STEP_PHASES) + 1),
+    ]
+    for name, row in report["results"].items():
+        breakdown = row.get("breakdown_ms_per_micro_batch")
+        if breakdown:
+            cells = " | ".join(f"{breakdown[phase]:.2f}" for phase in STEP_PHASES)
+            lines.append(f"| {name} | {cells} | {sum(breakdown.values()):.2f} |")
+    return "\n".join(lines)
+
+
+def report_overhead(report: dict[str, Any]) -> float | None:
+    """ScalingReport's cost: 1 - samples/s of ``shardplus-report`` / ``shardplus`` (medians); None without both."""
+    rows = report["results"]
+    if "shardplus" not in rows or "shardplus-report" not in rows:
+        return None
+    return 1 - rows["shardplus-report"]["median_samples_per_s"] / rows["shardplus"]["median_samples_per_s"]
+
+
+def format_markdown(report: dict[str, Any]) -> str:
+    """The README's performance section: the machine, the command's settings, the two tables, the overhead."""
+    settings, description = report["settings"], report.get("machine", {})
+    gpu = f", {description['gpu']}" if description.get("gpu") else ""
+    flags = " --quick" if settings.get("quick") else ""
+    lines = [
+        "### Performance",
+        "",
+        f"Generated by `python -m lightning_shardplus.bench{flags} --markdown` on {description.get('cpu', '?')} "
+        f"({description.get('cpu_cores', '?')} cores{gpu}), {settings['devices']} {settings.get('accelerator', 'cpu')} "
+        f"processes, torch {description.get('torch', '?')}, Lightning {description.get('lightning', '?')}: "
+        f"an MLP {settings['input_dim']} -> {settings['layers']} x {settings['hidden_dim']} -> 10, global batch "
+        f"{settings['global_batch_size']}, {settings['steps']} timed micro-batches after {settings['warmup']} "
+        f"untimed, {settings['repeats']} runs per row alternating.",
+        "",
+        format_table(report),
+        "",
+        "Time per micro-batch by phase (ms, `ScalingReport`, median over the runs):",
+        "",
+        format_breakdown_table(report),
+    ]
+    overhead = report_overhead(report)
+    if overhead is not None:
+        lines += ["", f"`ScalingReport` overhead (`shardplus-report` against `shardplus`): {overhead:.1%}."]
+    return "\n".join(lines)
+
+
+def write_plots(report: dict[str, Any], directory: Path) -> list[Path]:
+    """Two PNGs of ``PLOT_SIZE`` pixels in ``directory``: samples/s per row (median bar, every run as a dot) and
+    the time per micro-batch by phase (stacked). Needs matplotlib (``pip install lightning-shardplus[bench]``)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as err:
+        raise SystemExit("--plots needs matplotlib: pip install 'lightning-shardplus[bench]'") from err
+    directory.mkdir(parents=True, exist_ok=True)
+    rows = report["results"]
+    names = list(rows)
+    width, height = PLOT_SIZE
+    paths = [directory / "samples_per_second.png", directory / "step_breakdown.png"]
+
+    figure, axes = plt.subplots(figsize=(width / PLOT_DPI, height / PLOT_DPI), dpi=PLOT_DPI, layout="constrained")
+    axes.bar(names, [rows[n]["median_samples_per_s"] for n in names], color="#4c72b0", label="median")
+    for index, name in enumerate(names):
+        runs = rows[name]["runs"]
+        axes.plot([index] * len(runs), runs, "o", color="black", markersize=3, label="runs" if index == 0 else None)
+    axes.set_ylabel("samples/s")
+    axes.set_title(f"Samples/s per configuration ({report['settings']['devices']} processes; bars: median)")
+    axes.tick_params(axis="x", labelrotation=60)
+    axes.legend()
+    figure.savefig(paths[0], dpi=PLOT_DPI)
+    plt.close(figure)
+
+    figure, axes = plt.subplots(figsize=(width / PLOT_DPI, height / PLOT_DPI), dpi=PLOT_DPI, layout="constrained")
+    broken = [n for n in names if rows[n].get("breakdown_ms_per_micro_batch")]
+    left = [0.0] * len(broken)
+    for phase in STEP_PHASES:
+        values = [rows[n]["breakdown_ms_per_micro_batch"][phase] for n in broken]
+        axes.barh(broken, values, left=left, label=phase.replace("_", " "))
+        left = [a + b for a, b in zip(left, values, strict=True)]
+    axes.invert_yaxis()
+    axes.set_xlabel("ms per micro-batch (median over runs)")
+    axes.set_title("Where each step's time goes (ScalingReport)")
+    axes.legend(loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=len(STEP_PHASES), fontsize="small")
+    figure.savefig(paths[1], dpi=PLOT_DPI)
+    plt.close(figure)
+    return paths
+
+
+PLOT_DPI = 100
+PLOT_SIZE = (1000, 500)  # pixels
 
 
 SAMPLER_SIZES = (10**6, 10**8, 10**9, 10**12)
@@ -384,16 +555,33 @@ def _length_list(text: str) -> list[int]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m lightning_shardplus.bench", description=__doc__)
-    parser.add_argument("--devices", type=int, default=2, help="CPU processes (default 2)")
     parser.add_argument(
-        "--repeats", type=int, default=5, help="runs per configuration, alternating (default 5)"
+        "--devices", type=int, default=None, help="processes: one per GPU with --accelerator=gpu, else 2 (default)"
     )
     parser.add_argument(
-        "--steps", type=int, default=100,
-        help="timed micro-batches per run: optimizer steps without aggregation (default 100)",
+        "--accelerator", choices=("auto", "cpu", "gpu"), default="cpu",
+        help="cpu (default): CPU processes on gloo; gpu: one process per GPU on NCCL; auto: gpu if there is one",
     )
     parser.add_argument(
-        "--warmup", type=int, default=10, help="untimed micro-batches at the start of each run"
+        "--repeats", type=int, default=None,
+        help=f"runs per configuration, alternating (default 5; --quick {QUICK['repeats']})",
+    )
+    parser.add_argument(
+        "--steps", type=int, default=None,
+        help=f"timed micro-batches per run (optimizer steps if not aggregating; default 100, --quick {QUICK['steps']})",
+    )
+    parser.add_argument(
+        "--warmup", type=int, default=None,
+        help=f"untimed micro-batches at the start of each run (default 10; --quick {QUICK['warmup']})",
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="the whole matrix in short runs: about a minute on 2 CPU cores"
+    )
+    parser.add_argument("--plots", type=Path, default=None, help="write the two PNG plots to this directory")
+    parser.add_argument("--markdown", action="store_true", help="also print the README's performance section")
+    parser.add_argument(
+        "--from-json", type=Path, default=None,
+        help="render a report written by --json (tables, --markdown, --plots) instead of running",
     )
     parser.add_argument(
         "--configs", default=None,
@@ -426,6 +614,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "permutation as a Python list (about 50 bytes per sample: 5 GB at 1e8; default 1e8)",
     )
     args = parser.parse_args(argv)
+    for name, value in (QUICK if args.quick else FULL).items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.accelerator == "auto":
+        args.accelerator = "gpu" if num_cuda_devices() > 0 else "cpu"
+    if args.devices is None:
+        args.devices = num_cuda_devices() if args.accelerator == "gpu" else 2
     if args.threads is not None and args.threads < 1:
         parser.error(f"--threads={args.threads} is not valid: expected >= 1")
     args.torch_max_length = args.torch_max_length[0] if args.torch_max_length else 0
@@ -448,6 +643,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+FULL = {"repeats": 5, "steps": 100, "warmup": 10}
+QUICK = {"repeats": 2, "steps": 24, "warmup": 6}
+
+
 def select_configs(names: list[str] | None) -> list[BenchConfig]:
     """The default configs named in ``names`` (all if None), in the default order."""
     configs = default_configs()
@@ -456,13 +655,28 @@ def select_configs(names: list[str] | None) -> list[BenchConfig]:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    if args.sampler:
+    if args.from_json is not None:
+        report = json.loads(args.from_json.read_text())
+    elif args.sampler:
         report = run_sampler(args)
-        print(format_sampler_table(report))
     else:
         report = run(select_configs(args.configs), args)
+    if "sampler_rows" in report:
+        print(format_sampler_table(report))
+    else:
         print(format_table(report))
+        print()
+        print(format_breakdown_table(report))
+        overhead = report_overhead(report)
+        if overhead is not None:
+            print(f"\nScalingReport overhead (shardplus-report against shardplus): {overhead:.1%}")
+        if args.markdown:
+            print("\n" + format_markdown(report))
+        if args.plots is not None:
+            for path in write_plots(report, args.plots):
+                print(f"wrote {path}")
     if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2))
     return report
 

@@ -400,6 +400,7 @@ class ScalingReport(CommunicationHookWrapper):
         output_file: a JSON file rank 0 writes the report to.
         batch_size_fn: samples in a batch; default: the datamodule's ``per_device_batch_size`` or the training
             DataLoader's ``batch_size``.
+        verbose: print the verdict and the figures on rank 0 when training ends.
     """
 
     def __init__(
@@ -409,6 +410,7 @@ class ScalingReport(CommunicationHookWrapper):
         threshold: float = 0.2,
         output_file: str | os.PathLike | None = None,
         batch_size_fn: Callable[[Any], int] | None = None,
+        verbose: bool = True,
     ) -> None:
         if single_device_samples_per_second is not None and not single_device_samples_per_second > 0:
             raise ValueError(
@@ -423,6 +425,8 @@ class ScalingReport(CommunicationHookWrapper):
         self.threshold = threshold
         self.output_file = None if output_file is None else Path(output_file)
         self.batch_size_fn = batch_size_fn
+        check_bool("verbose", verbose)
+        self.verbose = verbose
         self.report: dict[str, Any] | None = None
         self._totals = dict.fromkeys(_TOTALS, 0.0)
         self._seen = 0
@@ -548,16 +552,16 @@ class ScalingReport(CommunicationHookWrapper):
         )
         if not trainer.is_global_zero:
             return
-        if not self.report["micro_batches"]:
-            rank_zero_info(f"ScalingReport: {self.report['verdict']}")
-            return
-        rank_zero_info(f"ScalingReport: {self.report['verdict']}\n{format_scaling_report(self.report)}")
-        metrics = {f"scaling/{key}": value for key, value in _loggable(self.report).items()}
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=trainer.global_step)
+        if self.verbose:
+            rank_zero_info(f"ScalingReport: {self.report['verdict']}\n{format_scaling_report(self.report)}")
         if self.output_file is not None:
             self.output_file.parent.mkdir(parents=True, exist_ok=True)
             self.output_file.write_text(json.dumps(self.report, indent=2))
+        if not self.report["micro_batches"]:
+            return
+        metrics = {f"scaling/{key}": value for key, value in _loggable(self.report).items()}
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
 
 
 class _FetchTimingProfiler(Profiler):
