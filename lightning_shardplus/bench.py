@@ -289,7 +289,61 @@ def run(configs: list[BenchConfig], args: argparse.Namespace) -> dict[str, Any]:
             "breakdown_ms_per_micro_batch": _median_breakdown([r["scaling"] for r in runs]),
         }
     settings = {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()}
-    return {"settings": settings, "machine": machine(args), "baseline": configs[0].name, "results": rows}
+    report = {"settings": settings, "machine": machine(args), "baseline": configs[0].name, "results": rows}
+    if "shardplus-report" in rows:
+        report["scaling_report_cost_us_per_micro_batch"] = measure_report_cost()
+    return report
+
+
+class _Bucket:
+    """What ScalingReport's hook wrapper asks of a DDP bucket."""
+
+    def is_last(self) -> bool:
+        return True
+
+
+def measure_report_cost(micro_batches: int = 5000, profiled_actions: int = 40) -> float:
+    """ScalingReport's own work per micro-batch, in microseconds, timed in this process without training: its
+    six hooks, its communication-hook wrapper (one bucket) and its profiler wrapper (the batch fetch and
+    ``profiled_actions`` other actions Lightning profiles per step, less the same on Lightning's no-op profiler).
+    Not in it: running torch's Python ``allreduce_hook`` instead of DDP's built-in all-reduce (the A/B rows)."""
+    from lightning.pytorch.profilers import PassThroughProfiler
+
+    from lightning_shardplus._lightning import TRAIN_DATALOADER_NEXT
+    from lightning_shardplus.callbacks import _FetchTimingProfiler
+
+    report = ScalingReport(skip_first_steps=0, verbose=False)
+    report._world_size, report._batch_size = 2, 1
+    bare = PassThroughProfiler()
+    wrapped = _FetchTimingProfiler(PassThroughProfiler(), report)
+    hook = report.wrap(lambda state, bucket: None)
+    bucket, loss = _Bucket(), torch.zeros(())
+
+    def profile_actions(profiler: Any) -> None:
+        for _ in range(profiled_actions):
+            with profiler.profile("[Callback]Other.on_train_batch_start"):
+                pass
+
+    def one_step() -> None:
+        report.on_train_batch_start(None, None, None, 0)  # type: ignore[arg-type]
+        report.on_before_backward(None, None, loss)  # type: ignore[arg-type]
+        hook(None, bucket)
+        report.on_after_backward(None, None)  # type: ignore[arg-type]
+        report.on_train_batch_end(None, None, None, None, 0)  # type: ignore[arg-type]
+        wrapped.start(TRAIN_DATALOADER_NEXT)
+        wrapped.stop(TRAIN_DATALOADER_NEXT)
+        profile_actions(wrapped)
+
+    def seconds(step: Callable[[], None]) -> float:
+        start = time.perf_counter()
+        for _ in range(micro_batches):
+            step()
+        return time.perf_counter() - start
+
+    report._previous_end = time.perf_counter()
+    timings = [(seconds(one_step), seconds(lambda: profile_actions(bare))) for _ in range(7)]  # alternated
+    with_report, without = min(t[0] for t in timings), min(t[1] for t in timings)
+    return 1e6 * max(0.0, with_report - without) / micro_batches
 
 
 def _median_breakdown(reports: list[dict[str, Any] | None]) -> dict[str, float] | None:
@@ -367,12 +421,39 @@ def format_breakdown_table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def report_overhead(report: dict[str, Any]) -> float | None:
-    """ScalingReport's cost: 1 - samples/s of ``shardplus-report`` / ``shardplus`` (medians); None without both."""
+def report_overhead(report: dict[str, Any]) -> dict[str, float] | None:
+    """ScalingReport's cost, two ways. ``paired``: 1 - the median over repeats of samples/s of ``shardplus-report``
+    / ``shardplus`` in the same repeat (run next to each other: the machine's drift cancels), with the range of
+    those ratios; ``own_work``: :func:`measure_report_cost` as a share of ``shardplus-report``'s time per
+    micro-batch. None without both rows."""
     rows = report["results"]
     if "shardplus" not in rows or "shardplus-report" not in rows:
         return None
-    return 1 - rows["shardplus-report"]["median_samples_per_s"] / rows["shardplus"]["median_samples_per_s"]
+    ratios = [a / b for a, b in zip(rows["shardplus-report"]["runs"], rows["shardplus"]["runs"], strict=True)]
+    overhead = {"paired": 1 - statistics.median(ratios), "paired_min": 1 - max(ratios), "paired_max": 1 - min(ratios)}
+    cost = report.get("scaling_report_cost_us_per_micro_batch")
+    breakdown = rows["shardplus-report"].get("breakdown_ms_per_micro_batch")
+    if cost is not None and breakdown:
+        overhead["own_work"] = cost / (1000 * sum(breakdown.values()))
+    return overhead
+
+
+def format_overhead(report: dict[str, Any]) -> str | None:
+    """One sentence on :func:`report_overhead`; None without the two rows."""
+    overhead = report_overhead(report)
+    if overhead is None:
+        return None
+    text = (
+        f"`ScalingReport` overhead: {overhead['paired']:.1%} fewer samples/s for `shardplus-report` than `shardplus` "
+        f"(median of {len(report['results']['shardplus']['runs'])} paired runs; range {overhead['paired_min']:.1%} to "
+        f"{overhead['paired_max']:.1%})"
+    )
+    if "own_work" in overhead:
+        text += (
+            f"; its own work is {report['scaling_report_cost_us_per_micro_batch']:.1f} us per micro-batch, "
+            f"{overhead['own_work']:.2%} of a step"
+        )
+    return text + "."
 
 
 def format_markdown(report: dict[str, Any]) -> str:
@@ -396,9 +477,9 @@ def format_markdown(report: dict[str, Any]) -> str:
         "",
         format_breakdown_table(report),
     ]
-    overhead = report_overhead(report)
+    overhead = format_overhead(report)
     if overhead is not None:
-        lines += ["", f"`ScalingReport` overhead (`shardplus-report` against `shardplus`): {overhead:.1%}."]
+        lines += ["", overhead]
     return "\n".join(lines)
 
 
@@ -667,9 +748,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(format_table(report))
         print()
         print(format_breakdown_table(report))
-        overhead = report_overhead(report)
+        overhead = format_overhead(report)
         if overhead is not None:
-            print(f"\nScalingReport overhead (shardplus-report against shardplus): {overhead:.1%}")
+            print("\n" + overhead)
         if args.markdown:
             print("\n" + format_markdown(report))
         if args.plots is not None:

@@ -94,12 +94,13 @@ def test_quick_bench_writes_json_plots_and_markdown_and_renders_them_again(tmp_p
     for name in ("shardplus-report", "agg4", "fp16"):
         breakdown = rows[name]["breakdown_ms_per_micro_batch"]
         assert set(breakdown) == set(bench.STEP_PHASES) and breakdown["communication"] > 0
-    assert isinstance(bench.report_overhead(report), float)
+    overhead = bench.report_overhead(report)
+    assert overhead["paired_min"] <= overhead["paired"] <= overhead["paired_max"] and overhead["own_work"] > 0
     assert report["machine"]["cpu_cores"] >= 1 and report["machine"]["torch"]
     for name in ("samples_per_second.png", "step_breakdown.png"):
         assert _png_size(plots / name) == bench.PLOT_SIZE
     out = capsys.readouterr().out
-    assert "### Performance" in out and "| shardplus-report |" in out and "ScalingReport overhead" in out
+    assert "### Performance" in out and "| shardplus-report |" in out and "`ScalingReport` overhead" in out
     assert json.loads(json_path.read_text())["results"].keys() == rows.keys()
 
     rendered = bench.main([f"--from-json={json_path}", "--markdown"])  # the README section, without running
