@@ -357,7 +357,7 @@ _TOTALS = (*STEP_PHASES, "samples", "micro_batches")
 class ScalingReport(CommunicationHookWrapper):
     """Where each training step's time goes, summed over the fit and aggregated across ranks, with a verdict.
 
-    Each training micro-batch is cut into five phases by the wall clock of this process, at Lightning's hooks:
+    Each training micro-batch is cut into six phases by the wall clock of this process, at Lightning's hooks:
 
     - ``data``: waiting for the next batch: ``next()`` on the training loader (workers, ``__getitem__``,
       collate), timed at the point where Lightning profiles it (``train_dataloader_next``, through
@@ -375,6 +375,7 @@ class ScalingReport(CommunicationHookWrapper):
       What overlapped the backward computation is not in it. Zero with 1 rank (nothing to exchange). Needs
       ``ShardPlusStrategy``, which passes its communication hook through :meth:`wrap` (with
       ``gradient_compression="none"`` it then runs torch's ``allreduce_hook`` instead of DDP's built-in one);
+      under another strategy it stays in ``backward`` and the report says it was not measured;
     - ``optimizer``: ``on_after_backward`` to ``on_train_batch_end`` (gradient clipping, ``optimizer.step``,
       ``zero_grad``, Lightning's step logging).
 
@@ -396,7 +397,8 @@ class ScalingReport(CommunicationHookWrapper):
     Args:
         single_device_samples_per_second: samples/s of the same workload on one device, for the efficiency.
         skip_first_steps: micro-batches at the start of the fit that are not counted.
-        threshold: the share of a step from which data loading or exposed communication is called the bottleneck.
+        threshold: the share of a step from which data loading, exposed communication or the time between steps
+            is called the bottleneck.
         output_file: a JSON file rank 0 writes the report to.
         batch_size_fn: samples in a batch; default: the datamodule's ``per_device_batch_size`` or the training
             DataLoader's ``batch_size``.
@@ -437,6 +439,7 @@ class ScalingReport(CommunicationHookWrapper):
         self._fetch_seconds = 0.0  # in `next()` on the training loader since the previous micro-batch ended
         self._fetch_started: float | None = None
         self._profiler: _FetchTimingProfiler | None = None
+        self._hook_wrapped = False  # the strategy passed its communication hook through `wrap` for this fit
 
     def __getstate__(self) -> dict[str, Any]:  # the spawn launcher pickles the Trainer's callbacks
         return self.__dict__ | {"_profiler": None}
@@ -446,6 +449,7 @@ class ScalingReport(CommunicationHookWrapper):
     def wrap(self, hook: Callable) -> Callable:
         """``hook``, noting when DDP hands it the last bucket of a backward pass (its computation is done)."""
         report = self
+        self._hook_wrapped = True
 
         def timed_hook(state, bucket):  # no annotations: DDP checks them against its types
             if bucket.is_last():
@@ -456,6 +460,10 @@ class ScalingReport(CommunicationHookWrapper):
         return timed_hook
 
     # ------------------------------------------------------------------ Lightning hooks
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":
+            self._hook_wrapped = False  # the strategy wraps its hook after this, in its own setup
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._totals = dict.fromkeys(_TOTALS, 0.0)
@@ -549,6 +557,7 @@ class ScalingReport(CommunicationHookWrapper):
             threshold=self.threshold,
             single_device_samples_per_second=self.single_device_samples_per_second,
             micro_batches_per_step=_aggregation(trainer),
+            communication_measured=self._world_size < 2 or self._hook_wrapped,
         )
         if not trainer.is_global_zero:
             return
@@ -591,9 +600,11 @@ def summarize_scaling(
     threshold: float = 0.2,
     single_device_samples_per_second: float | None = None,
     micro_batches_per_step: int = 1,
+    communication_measured: bool = True,
 ) -> dict[str, Any]:
     """The report of :class:`ScalingReport` from each rank's totals (seconds per phase, samples, micro-batches):
-    per-micro-batch milliseconds and shares of each phase (means over ranks), samples/s, efficiency, verdict."""
+    per-micro-batch milliseconds and shares of each phase (means over ranks), samples/s, efficiency, verdict.
+    ``communication_measured=False``: exposed communication could not be told apart from backward."""
     world_size = len(per_rank)
     counted = [rank for rank in per_rank if rank["micro_batches"] > 0]
     if not counted:
@@ -622,6 +633,7 @@ def summarize_scaling(
         "samples_per_second": samples_per_second,
         "single_device_samples_per_second": single_device_samples_per_second,
         "scaling_efficiency": efficiency,
+        "communication_measured": communication_measured,
         "per_rank": per_rank,
     }
     report["verdict"] = scaling_verdict(report, threshold)
@@ -634,6 +646,8 @@ def scaling_verdict(report: dict[str, Any], threshold: float = 0.2) -> str:
     fractions = report["fractions"]
     efficiency = report.get("scaling_efficiency")
     suffix = "" if efficiency is None else f"; scaling efficiency {efficiency:.0%}"
+    if not report.get("communication_measured", True):
+        suffix += " (exposed communication not measured, counted in backward: needs ShardPlusStrategy)"
     advice = {
         "data": "data loading takes {:.0%} of each step: raise num_workers, set pin_memory/persistent_workers, "
         "or check with SyntheticDataModule that the model scales without your data",
