@@ -100,12 +100,12 @@ def test_quick_bench_writes_json_plots_and_markdown_and_renders_them_again(tmp_p
     for name in ("samples_per_second.png", "step_breakdown.png"):
         assert _png_size(plots / name) == bench.PLOT_SIZE
     out = capsys.readouterr().out
-    assert "### Performance" in out and "| shardplus-report |" in out and "`ScalingReport` overhead" in out
+    assert "### Benchmark matrix" in out and "| shardplus-report |" in out and "`ScalingReport` overhead" in out
     assert json.loads(json_path.read_text())["results"].keys() == rows.keys()
 
     rendered = bench.main([f"--from-json={json_path}", "--markdown"])  # the README section, without running
     assert rendered == json.loads(json_path.read_text())
-    assert capsys.readouterr().out.count("### Performance") == 1
+    assert capsys.readouterr().out.count("### Benchmark matrix") == 1
 
 
 def test_quick_fills_only_what_was_not_given_and_rows_of_missing_arguments_are_left_out():
