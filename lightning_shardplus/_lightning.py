@@ -375,3 +375,14 @@ def logs_this_step(trainer: pl.Trainer) -> bool:
     automatic optimization; every batch in manual optimization)."""
     accumulating = trainer.fit_loop._should_accumulate()  # private: `_FitLoop._should_accumulate`
     return not (accumulating and trainer.lightning_module.automatic_optimization)
+
+
+# ==========================================================================================================
+# Scaling report (`lightning_shardplus.callbacks.ScalingReport`): the time spent fetching training batches.
+#
+# Lightning times `next()` on the training loader through `trainer.profiler` (a public attribute; the default is
+# a `PassThroughProfiler`) under the action name below, which its training epoch loop builds from its private
+# class name (`_TrainingEpochLoop._on_before_fetch`). `tests/test_lightning_private.py` fails if it changes.
+# ==========================================================================================================
+
+TRAIN_DATALOADER_NEXT = "[_TrainingEpochLoop].train_dataloader_next"

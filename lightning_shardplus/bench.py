@@ -17,6 +17,16 @@ Every row also reports the step time and the Python-level ``torch.distributed`` 
 per optimizer step, counted in every worker (the metrics rows: 16 scalars logged per step with no sync,
 Lightning's ``sync_dist=True``, and shardplus averaging). ``--configs`` picks rows; the first is the baseline.
 
+Rows other than ``ddp``, ``shardplus``, ``shardplus-plain`` and the metrics rows run a
+:class:`~lightning_shardplus.callbacks.ScalingReport`: where each micro-batch's time goes (data, between steps,
+forward, backward, exposed communication, optimizer; medians over the runs). The ``shardplus-report`` row is
+``shardplus`` with the report: their ratio is the report's overhead. ``--quick`` runs the whole matrix in
+shorter runs (about a minute on 2 CPU cores); ``--json``, ``--plots DIR`` (two PNGs: samples/s per row with
+its spread, time per step by phase) and ``--markdown`` (the README's performance section) write the results;
+``--from-json`` renders a report written before without running anything. ``--accelerator gpu`` (or ``auto``
+with a GPU) runs one fork-launched process per GPU instead of CPU processes; the ScalingReport's figures are then
+host-side times.
+
 ``--sampler`` runs a different benchmark, in this process and without training: for each dataset length N, rank
 0's :class:`~lightning_shardplus.PaddedShardSampler` (on-the-fly permutation) beside torch's
 ``DistributedSampler`` (materialized ``randperm``, only up to ``--torch-max-length``): time to the first index,
@@ -28,9 +38,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import inspect
 import itertools
 import json
 import math
+import os
+import platform
 import re
 import statistics
 import tempfile
@@ -44,11 +57,13 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from lightning.fabric.accelerators.cuda import num_cuda_devices
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy, Strategy
 from torch.utils.data import DistributedSampler
 
 from lightning_shardplus.aggregation import effective_batch_size
+from lightning_shardplus.callbacks import STEP_PHASES, ScalingReport
 from lightning_shardplus.compression import CommunicationCounter
 from lightning_shardplus.datamodule import SyntheticDataModule
 from lightning_shardplus.demo import ClassifierModule
@@ -66,18 +81,33 @@ class BenchConfig:
     logged_scalars: int = 1
     sync_dist: bool = False
     count_gradients: bool = True  # counting runs a Python all-reduce hook: off for the rows compared with ddp
+    scaling_report: bool = True  # a ScalingReport callback: off for the rows compared with ddp
+
+
+def strategy_accepts(**kwargs: object) -> bool:
+    """Whether ``ShardPlusStrategy`` takes these keyword arguments (rows of features not there yet are left out)."""
+    parameters = inspect.signature(ShardPlusStrategy.__init__).parameters
+    return all(name in parameters for name in kwargs)
 
 
 def default_configs() -> list[BenchConfig]:
     def shardplus(**kwargs: object) -> Callable[[], Strategy]:
         return lambda: ShardPlusStrategy(start_method="fork", **kwargs)
 
+    def if_accepted(name: str, **kwargs: object) -> list[BenchConfig]:
+        """The row of a strategy argument that may not exist yet on this branch (none or one row)."""
+        return [BenchConfig(name, shardplus(**kwargs))] if strategy_accepts(**kwargs) else []
+
     return [
-        BenchConfig("ddp", lambda: DDPStrategy(start_method="fork")),
+        BenchConfig("ddp", lambda: DDPStrategy(start_method="fork"), scaling_report=False),
         # shardplus against ddp: its defaults (averaged training metrics: one all_reduce per step), and without
-        # any extra feature; neither runs the counting hook
-        BenchConfig("shardplus", shardplus(), count_gradients=False),
-        BenchConfig("shardplus-plain", shardplus(average_training_metrics=False), count_gradients=False),
+        # any extra feature; neither runs the counting hook nor the ScalingReport
+        BenchConfig("shardplus", shardplus(), count_gradients=False, scaling_report=False),
+        BenchConfig(
+            "shardplus-plain", shardplus(average_training_metrics=False), count_gradients=False, scaling_report=False
+        ),
+        # the defaults with the ScalingReport: its overhead is this row against "shardplus"
+        BenchConfig("shardplus-report", shardplus(), count_gradients=False),
         # gradient communication, counted: "none" is the uncompressed reference of the bytes
         BenchConfig("none", shardplus()),
         BenchConfig("agg4", shardplus(aggregation_frequency=4)),
@@ -85,11 +115,16 @@ def default_configs() -> list[BenchConfig]:
         BenchConfig("fp16", shardplus(gradient_compression="fp16")),
         BenchConfig("bf16", shardplus(gradient_compression="bf16")),
         BenchConfig("powersgd", shardplus(gradient_compression="powersgd")),
+        # bucket size chosen by measurement, once the strategy has it
+        *if_accepted("autotune", auto_tune_tensor_fusion=True),
         # 16 scalars logged per step: (a) no sync, (b) Lightning's sync_dist=True, (c) shardplus averaging
-        BenchConfig("metrics16-nosync", shardplus(average_training_metrics=False), 16),
-        BenchConfig("metrics16-sync_dist", shardplus(average_training_metrics=False), 16, sync_dist=True),
-        BenchConfig("metrics16-averaged", shardplus(), 16),
-        BenchConfig("metrics16-sync_dist-averaged", shardplus(), 16, sync_dist=True),
+        # (no ScalingReport: its all-reduce hook would be counted among the Python all_reduce calls)
+        BenchConfig("metrics16-nosync", shardplus(average_training_metrics=False), 16, scaling_report=False),
+        BenchConfig(
+            "metrics16-sync_dist", shardplus(average_training_metrics=False), 16, sync_dist=True, scaling_report=False
+        ),
+        BenchConfig("metrics16-averaged", shardplus(), 16, scaling_report=False),
+        BenchConfig("metrics16-sync_dist-averaged", shardplus(), 16, sync_dist=True, scaling_report=False),
     ]
 
 
@@ -200,8 +235,14 @@ def run_once(config: BenchConfig, args: argparse.Namespace) -> dict[str, Any]:
         counted = isinstance(strategy, ShardPlusStrategy) and config.count_gradients and config.logged_scalars == 1
         counted = counted and not config.sync_dist
         counter = CommunicationCounter(Path(tmp) / "counts") if counted else None
+        scaling = Path(tmp) / "scaling.json"
+        report = (
+            ScalingReport(skip_first_steps=warmup_steps * frequency, output_file=scaling, verbose=False)
+            if config.scaling_report
+            else None
+        )
         trainer = pl.Trainer(
-            accelerator="cpu",
+            accelerator=args.accelerator,
             devices=args.devices,
             strategy=strategy,
             max_steps=timed_steps + warmup_steps,
@@ -213,6 +254,7 @@ def run_once(config: BenchConfig, args: argparse.Namespace) -> dict[str, Any]:
             callbacks=[
                 _Throughput(warmup_steps, out),
                 *([counter] if counter else []),
+                *([report] if report else []),
                 *([_Threads(args.threads)] if args.threads else []),
             ],
         )
@@ -223,6 +265,7 @@ def run_once(config: BenchConfig, args: argparse.Namespace) -> dict[str, Any]:
         timed = steps[warmup_steps:]
         for key in ("bytes", "rounds", "collectives"):
             result[f"{key}_per_step"] = _median_per_step(timed, key)
+        result["scaling"] = json.loads(scaling.read_text()) if report else None
         return result
 
 
@@ -248,9 +291,97 @@ def run(configs: list[BenchConfig], args: argparse.Namespace) -> dict[str, Any]:
             "runs": values,
             # the same in every run of a config (the counts do not depend on timing); the first run's
             **{key: runs[0][key] for key in ("bytes_per_step", "rounds_per_step", "collectives_per_step")},
+            "breakdown_ms_per_micro_batch": _median_breakdown([r["scaling"] for r in runs]),
         }
     settings = {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()}
-    return {"settings": settings, "baseline": configs[0].name, "results": rows}
+    report = {"settings": settings, "machine": machine(args), "baseline": configs[0].name, "results": rows}
+    if "shardplus-report" in rows:
+        report["scaling_report_cost_us_per_micro_batch"] = measure_report_cost()
+    return report
+
+
+class _Bucket:
+    """What ScalingReport's hook wrapper asks of a DDP bucket."""
+
+    def is_last(self) -> bool:
+        return True
+
+
+def measure_report_cost(micro_batches: int = 5000, profiled_actions: int = 40) -> float:
+    """An upper bound of ScalingReport's own work per micro-batch, in microseconds, timed in this process without
+    training (the fastest of 7 rounds): its six hooks, its communication-hook wrapper (one bucket) and its
+    profiler wrapper around Lightning's no-op profiler (the batch fetch and ``profiled_actions`` other actions
+    Lightning profiles per step, including what the no-op profiler itself costs). Not in it: torch's Python
+    ``allreduce_hook`` run instead of DDP's built-in all-reduce (the paired rows measure everything)."""
+    from lightning.pytorch.profilers import PassThroughProfiler
+
+    from lightning_shardplus._lightning import TRAIN_DATALOADER_NEXT
+    from lightning_shardplus.callbacks import _FetchTimingProfiler
+
+    report = ScalingReport(skip_first_steps=0, verbose=False)
+    report._world_size, report._batch_size = 2, 1
+    wrapped = _FetchTimingProfiler(PassThroughProfiler(), report)
+    hook = report.wrap(lambda state, bucket: None)
+    bucket, loss = _Bucket(), torch.zeros(())
+
+    def profile_actions(profiler: Any) -> None:
+        for _ in range(profiled_actions):
+            with profiler.profile("[Callback]Other.on_train_batch_start"):
+                pass
+
+    def one_step() -> None:
+        report.on_train_batch_start(None, None, None, 0)  # type: ignore[arg-type]
+        report.on_before_backward(None, None, loss)  # type: ignore[arg-type]
+        hook(None, bucket)
+        report.on_after_backward(None, None)  # type: ignore[arg-type]
+        report.on_train_batch_end(None, None, None, None, 0)  # type: ignore[arg-type]
+        wrapped.start(TRAIN_DATALOADER_NEXT)
+        wrapped.stop(TRAIN_DATALOADER_NEXT)
+        profile_actions(wrapped)
+
+    def seconds(step: Callable[[], None]) -> float:
+        start = time.perf_counter()
+        for _ in range(micro_batches):
+            step()
+        return time.perf_counter() - start
+
+    report._previous_end = time.perf_counter()
+    return 1e6 * min(seconds(one_step) for _ in range(7)) / micro_batches
+
+
+def _median_breakdown(reports: list[dict[str, Any] | None]) -> dict[str, float] | None:
+    """Per phase, the median over runs of the ScalingReport's milliseconds per micro-batch; None without one."""
+    counted = [r for r in reports if r is not None and r.get("micro_batches")]
+    if not counted:
+        return None
+    return {phase: statistics.median(r["ms_per_micro_batch"][phase] for r in counted) for phase in STEP_PHASES}
+
+
+def _cpu_model() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    match = re.search(r"^model name\s*:\s*(.+)$", text, re.MULTILINE)
+    return match.group(1).strip() if match else platform.machine()
+
+
+def machine(args: argparse.Namespace) -> dict[str, Any]:
+    """What the benchmark ran on: CPU, cores, accelerator and processes, library versions."""
+    description: dict[str, Any] = {
+        "cpu": _cpu_model(),
+        "cpu_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "accelerator": args.accelerator,
+        "devices": args.devices,
+        "threads_per_process": args.threads,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "lightning": pl.__version__,
+        "os": f"{platform.system()} {platform.release()}",
+    }
+    if args.accelerator == "gpu":
+        description["gpu"] = torch.cuda.get_device_name(0)  # in this process only after the runs: fork-safe
+    return description
 
 
 def _count(value: float | None, unit: str = "") -> str:
@@ -277,6 +408,130 @@ def format_table(report: dict[str, Any]) -> str:
             f"{row['all_reduce_per_step']:g} | {row['barrier_per_step']:g} |"
         )
     return "\n".join(lines)
+
+
+def format_breakdown_table(report: dict[str, Any]) -> str:
+    """Milliseconds per micro-batch in each phase (ScalingReport, median over the runs) for the rows that ran it."""
+    lines = [
+        "| configuration | " + " | ".join(phase.replace("_", " ") for phase in STEP_PHASES) + " | total |",
+        "|---|" + "---:|" * (len(STEP_PHASES) + 1),
+    ]
+    for name, row in report["results"].items():
+        breakdown = row.get("breakdown_ms_per_micro_batch")
+        if breakdown:
+            cells = " | ".join(f"{breakdown[phase]:.2f}" for phase in STEP_PHASES)
+            lines.append(f"| {name} | {cells} | {sum(breakdown.values()):.2f} |")
+    return "\n".join(lines)
+
+
+def report_overhead(report: dict[str, Any]) -> dict[str, float] | None:
+    """ScalingReport's cost, two ways. ``paired``: 1 - the median over repeats of samples/s of ``shardplus-report``
+    / ``shardplus`` in the same repeat (run next to each other: the machine's drift cancels), with the range of
+    those ratios; ``own_work``: :func:`measure_report_cost` as a share of ``shardplus-report``'s time per
+    micro-batch. None without both rows."""
+    rows = report["results"]
+    if "shardplus" not in rows or "shardplus-report" not in rows:
+        return None
+    ratios = [a / b for a, b in zip(rows["shardplus-report"]["runs"], rows["shardplus"]["runs"], strict=True)]
+    overhead = {"paired": 1 - statistics.median(ratios), "paired_min": 1 - max(ratios), "paired_max": 1 - min(ratios)}
+    cost = report.get("scaling_report_cost_us_per_micro_batch")
+    breakdown = rows["shardplus-report"].get("breakdown_ms_per_micro_batch")
+    if cost is not None and breakdown:
+        overhead["own_work"] = cost / (1000 * sum(breakdown.values()))
+    return overhead
+
+
+def format_overhead(report: dict[str, Any]) -> str | None:
+    """One sentence on :func:`report_overhead`; None without the two rows."""
+    overhead = report_overhead(report)
+    if overhead is None:
+        return None
+    text = (
+        f"`ScalingReport` overhead: {overhead['paired']:.1%} fewer samples/s for `shardplus-report` than `shardplus` "
+        f"(median of {len(report['results']['shardplus']['runs'])} paired runs; range {overhead['paired_min']:.1%} to "
+        f"{overhead['paired_max']:.1%})"
+    )
+    if "own_work" in overhead:
+        text += (
+            f"; its own work, timed alone, is at most {report['scaling_report_cost_us_per_micro_batch']:.1f} us per "
+            f"micro-batch, {overhead['own_work']:.2%} of a step"
+        )
+    return text + "."
+
+
+def format_markdown(report: dict[str, Any]) -> str:
+    """The README's performance section: the machine, the command's settings, the two tables, the overhead."""
+    settings, description = report["settings"], report.get("machine", {})
+    gpu = f", {description['gpu']}" if description.get("gpu") else ""
+    flags = " --quick" if settings.get("quick") else ""
+    lines = [
+        "### Benchmark matrix",
+        "",
+        f"Generated by `python -m lightning_shardplus.bench{flags} --markdown` on {description.get('cpu', '?')} "
+        f"({description.get('cpu_cores', '?')} cores{gpu}), {settings['devices']} {settings.get('accelerator', 'cpu')} "
+        f"processes, torch {description.get('torch', '?')}, Lightning {description.get('lightning', '?')}: "
+        f"an MLP {settings['input_dim']} -> {settings['layers']} x {settings['hidden_dim']} -> 10, global batch "
+        f"{settings['global_batch_size']}, {settings['steps']} timed micro-batches after {settings['warmup']} "
+        f"untimed, {settings['repeats']} runs per row alternating.",
+        "",
+        format_table(report),
+        "",
+        "Time per micro-batch by phase (ms, `ScalingReport`, median over the runs):",
+        "",
+        format_breakdown_table(report),
+    ]
+    overhead = format_overhead(report)
+    if overhead is not None:
+        lines += ["", overhead]
+    return "\n".join(lines)
+
+
+def write_plots(report: dict[str, Any], directory: Path) -> list[Path]:
+    """Two PNGs of ``PLOT_SIZE`` pixels in ``directory``: samples/s per row (median bar, every run as a dot) and
+    the time per micro-batch by phase (stacked). Needs matplotlib (``pip install lightning-shardplus[bench]``)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as err:
+        raise SystemExit("--plots needs matplotlib: pip install 'lightning-shardplus[bench]'") from err
+    directory.mkdir(parents=True, exist_ok=True)
+    rows = report["results"]
+    names = list(rows)
+    width, height = PLOT_SIZE
+    paths = [directory / "samples_per_second.png", directory / "step_breakdown.png"]
+
+    figure, axes = plt.subplots(figsize=(width / PLOT_DPI, height / PLOT_DPI), dpi=PLOT_DPI, layout="constrained")
+    axes.bar(names, [rows[n]["median_samples_per_s"] for n in names], color="#4c72b0", label="median")
+    for index, name in enumerate(names):
+        runs = rows[name]["runs"]
+        axes.plot([index] * len(runs), runs, "o", color="black", markersize=3, label="runs" if index == 0 else None)
+    axes.set_ylabel("samples/s")
+    axes.set_title(f"Samples/s per configuration ({report['settings']['devices']} processes; bars: median)")
+    axes.tick_params(axis="x", labelrotation=60)
+    axes.legend()
+    figure.savefig(paths[0], dpi=PLOT_DPI)
+    plt.close(figure)
+
+    figure, axes = plt.subplots(figsize=(width / PLOT_DPI, height / PLOT_DPI), dpi=PLOT_DPI, layout="constrained")
+    broken = [n for n in names if rows[n].get("breakdown_ms_per_micro_batch")]
+    left = [0.0] * len(broken)
+    for phase in STEP_PHASES:
+        values = [rows[n]["breakdown_ms_per_micro_batch"][phase] for n in broken]
+        axes.barh(broken, values, left=left, label=phase.replace("_", " "))
+        left = [a + b for a, b in zip(left, values, strict=True)]
+    axes.invert_yaxis()
+    axes.set_xlabel("ms per micro-batch (median over runs)")
+    axes.set_title("Where each step's time goes (ScalingReport)")
+    axes.legend(loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=len(STEP_PHASES), fontsize="small")
+    figure.savefig(paths[1], dpi=PLOT_DPI)
+    plt.close(figure)
+    return paths
+
+
+PLOT_DPI = 100
+PLOT_SIZE = (1000, 500)  # pixels
 
 
 SAMPLER_SIZES = (10**6, 10**8, 10**9, 10**12)
@@ -384,16 +639,33 @@ def _length_list(text: str) -> list[int]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m lightning_shardplus.bench", description=__doc__)
-    parser.add_argument("--devices", type=int, default=2, help="CPU processes (default 2)")
     parser.add_argument(
-        "--repeats", type=int, default=5, help="runs per configuration, alternating (default 5)"
+        "--devices", type=int, default=None, help="processes: one per GPU with --accelerator=gpu, else 2 (default)"
     )
     parser.add_argument(
-        "--steps", type=int, default=100,
-        help="timed micro-batches per run: optimizer steps without aggregation (default 100)",
+        "--accelerator", choices=("auto", "cpu", "gpu"), default="cpu",
+        help="cpu (default): CPU processes on gloo; gpu: one process per GPU on NCCL; auto: gpu if there is one",
     )
     parser.add_argument(
-        "--warmup", type=int, default=10, help="untimed micro-batches at the start of each run"
+        "--repeats", type=int, default=None,
+        help=f"runs per configuration, alternating (default 5; --quick {QUICK['repeats']})",
+    )
+    parser.add_argument(
+        "--steps", type=int, default=None,
+        help=f"timed micro-batches per run (optimizer steps if not aggregating; default 100, --quick {QUICK['steps']})",
+    )
+    parser.add_argument(
+        "--warmup", type=int, default=None,
+        help=f"untimed micro-batches at the start of each run (default 10; --quick {QUICK['warmup']})",
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="the whole matrix in short runs: about a minute on 2 CPU cores"
+    )
+    parser.add_argument("--plots", type=Path, default=None, help="write the two PNG plots to this directory")
+    parser.add_argument("--markdown", action="store_true", help="also print the README's performance section")
+    parser.add_argument(
+        "--from-json", type=Path, default=None,
+        help="render a report written by --json (tables, --markdown, --plots) instead of running",
     )
     parser.add_argument(
         "--configs", default=None,
@@ -426,6 +698,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "permutation as a Python list (about 50 bytes per sample: 5 GB at 1e8; default 1e8)",
     )
     args = parser.parse_args(argv)
+    for name, value in (QUICK if args.quick else FULL).items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.accelerator == "auto":
+        args.accelerator = "gpu" if num_cuda_devices() > 0 else "cpu"
+    if args.devices is None:
+        args.devices = num_cuda_devices() if args.accelerator == "gpu" else 2
     if args.threads is not None and args.threads < 1:
         parser.error(f"--threads={args.threads} is not valid: expected >= 1")
     args.torch_max_length = args.torch_max_length[0] if args.torch_max_length else 0
@@ -448,6 +727,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+FULL = {"repeats": 5, "steps": 100, "warmup": 10}
+QUICK = {"repeats": 2, "steps": 24, "warmup": 6}
+
+
 def select_configs(names: list[str] | None) -> list[BenchConfig]:
     """The default configs named in ``names`` (all if None), in the default order."""
     configs = default_configs()
@@ -456,13 +739,28 @@ def select_configs(names: list[str] | None) -> list[BenchConfig]:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    if args.sampler:
+    if args.from_json is not None:
+        report = json.loads(args.from_json.read_text())
+    elif args.sampler:
         report = run_sampler(args)
-        print(format_sampler_table(report))
     else:
         report = run(select_configs(args.configs), args)
+    if "sampler_rows" in report:
+        print(format_sampler_table(report))
+    else:
         print(format_table(report))
+        print()
+        print(format_breakdown_table(report))
+        overhead = format_overhead(report)
+        if overhead is not None:
+            print("\n" + overhead)
+        if args.markdown:
+            print("\n" + format_markdown(report))
+        if args.plots is not None:
+            for path in write_plots(report, args.plots):
+                print(f"wrote {path}")
     if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2))
     return report
 

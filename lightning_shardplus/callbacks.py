@@ -2,20 +2,29 @@
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.profilers import Profiler
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
 from lightning_shardplus import aggregation
+from lightning_shardplus._lightning import TRAIN_DATALOADER_NEXT
 from lightning_shardplus._validation import check_bool, check_choice, check_int
-from lightning_shardplus.aggregation import effective_batch_size
+from lightning_shardplus.aggregation import effective_batch_size, micro_batch_size
+from lightning_shardplus.compression import CommunicationHookWrapper
 from lightning_shardplus.sharding import PaddedShardSampler, check_epoch_shards
 
 _dataloaders = aggregation.dataloaders
@@ -340,3 +349,346 @@ class ScaleLearningRate(Callback):
         for handle in self._handles:
             handle.remove()
         self._handles = []
+
+
+# ------------------------------------------------------------------------------------------- scaling report
+
+STEP_PHASES: tuple[str, ...] = ("data", "between_steps", "forward", "backward", "communication", "optimizer")
+_TOTALS = (*STEP_PHASES, "samples", "micro_batches")
+
+
+class ScalingReport(CommunicationHookWrapper):
+    """Where each training step's time goes, summed over the fit and aggregated across ranks, with a verdict.
+
+    Each training micro-batch is cut into six phases by the wall clock of this process, at Lightning's hooks:
+
+    - ``data``: waiting for the next batch: ``next()`` on the training loader (workers, ``__getitem__``,
+      collate), timed at the point where Lightning profiles it (``train_dataloader_next``, through
+      ``trainer.profiler``, which this callback wraps during training and hands to your profiler unchanged);
+    - ``between_steps``: the rest of the time from the end of the previous micro-batch (``on_train_batch_end``;
+      the start of the epoch, or the end of validation) to ``on_train_batch_start``: moving the batch to the
+      device, Lightning's per-step broadcast of the SIGTERM flag (a collective: waiting for a slower rank shows
+      here), logging, checkpointing, callbacks. Validation is not counted;
+    - ``forward``: ``on_train_batch_start`` to ``on_before_backward`` (``training_step``, the loss);
+    - ``backward``: ``on_before_backward`` to the moment DDP hands its *last* gradient bucket to the
+      communication hook, i.e. the end of the backward computation (to ``on_after_backward`` when nothing is
+      communicated: 1 rank, aggregated micro-batches, no ``ShardPlusStrategy``);
+    - ``communication``: exposed gradient communication, from that moment to ``on_after_backward``, when
+      ``backward()`` has returned: DDP has waited for every bucket's all-reduce and written the gradients back.
+      What overlapped the backward computation is not in it. Zero with 1 rank (nothing to exchange). Needs
+      ``ShardPlusStrategy``, which passes its communication hook through :meth:`wrap` (with
+      ``gradient_compression="none"`` it then runs torch's ``allreduce_hook`` instead of DDP's built-in one);
+      under another strategy it stays in ``backward`` and the report says it was not measured;
+    - ``optimizer``: ``on_after_backward`` to ``on_train_batch_end`` (gradient clipping, ``optimizer.step``,
+      ``zero_grad``, Lightning's step logging).
+
+    The first ``skip_first_steps`` micro-batches (worker start, DDP's bucket rebuild) are not counted. Each rank
+    sums locally; one ``all_gather`` of nine numbers when training ends combines them, so the callback is
+    cheap enough to leave on (the benchmark's ``shardplus-report`` row measures it). Samples/s is the samples of
+    all ranks over the slowest rank's counted time; with ``single_device_samples_per_second`` (one device's
+    figure for the same model and per-device batch) the scaling efficiency is ``samples/s / (world size x
+    baseline)``.
+
+    The figures are wall-clock times on the CPU side: on a GPU, where kernels run asynchronously, the time of a
+    phase is the time the host spent in it, not the device. For rolling throughput and FLOPs during training
+    use Lightning's ``ThroughputMonitor`` beside it; this report gives the whole fit's verdict.
+
+    When training ends, rank 0 prints the verdict (``rank_zero_info``), logs ``scaling/*`` figures to every
+    logger of the Trainer, and writes the report as JSON to ``output_file`` if given; every rank keeps it in
+    :attr:`report`.
+
+    Args:
+        single_device_samples_per_second: samples/s of the same workload on one device, for the efficiency.
+        skip_first_steps: micro-batches at the start of the fit that are not counted.
+        threshold: the share of a step from which data loading, exposed communication or the time between steps
+            is called the bottleneck.
+        output_file: a JSON file rank 0 writes the report to.
+        batch_size_fn: samples in a batch; default: the datamodule's ``per_device_batch_size`` or the training
+            DataLoader's ``batch_size``.
+        verbose: print the verdict and the figures on rank 0 when training ends.
+    """
+
+    def __init__(
+        self,
+        single_device_samples_per_second: float | None = None,
+        skip_first_steps: int = 2,
+        threshold: float = 0.2,
+        output_file: str | os.PathLike | None = None,
+        batch_size_fn: Callable[[Any], int] | None = None,
+        verbose: bool = True,
+    ) -> None:
+        if single_device_samples_per_second is not None and not single_device_samples_per_second > 0:
+            raise ValueError(
+                f"`single_device_samples_per_second`={single_device_samples_per_second!r} is not valid: "
+                "expected a number > 0."
+            )
+        check_int("skip_first_steps", skip_first_steps, minimum=0)
+        if not 0 < threshold < 1:
+            raise ValueError(f"`threshold`={threshold!r} is not valid: expected a number in (0, 1).")
+        self.single_device_samples_per_second = single_device_samples_per_second
+        self.skip_first_steps = skip_first_steps
+        self.threshold = threshold
+        self.output_file = None if output_file is None else Path(output_file)
+        self.batch_size_fn = batch_size_fn
+        check_bool("verbose", verbose)
+        self.verbose = verbose
+        self.report: dict[str, Any] | None = None
+        self._totals = dict.fromkeys(_TOTALS, 0.0)
+        self._seen = 0
+        self._world_size = 1
+        self._batch_size: int | None = None
+        self._previous_end: float | None = None
+        self._marks: dict[str, float] = {}
+        self._fetch_seconds = 0.0  # in `next()` on the training loader since the previous micro-batch ended
+        self._fetch_started: float | None = None
+        self._profiler: _FetchTimingProfiler | None = None
+        self._hook_wrapped = False  # the strategy passed its communication hook through `wrap` for this fit
+
+    def __getstate__(self) -> dict[str, Any]:  # the spawn launcher pickles the Trainer's callbacks
+        return self.__dict__ | {"_profiler": None}
+
+    # ------------------------------------------------------------------ the hook wrapper
+
+    def wrap(self, hook: Callable) -> Callable:
+        """``hook``, noting when DDP hands it the last bucket of a backward pass (its computation is done)."""
+        report = self
+        self._hook_wrapped = True
+
+        def timed_hook(state, bucket):  # no annotations: DDP checks them against its types
+            if bucket.is_last():
+                report._marks["last_bucket"] = time.perf_counter()
+            return hook(state, bucket)
+
+        timed_hook.__qualname__ = f"timed({getattr(hook, '__qualname__', repr(hook))})"
+        return timed_hook
+
+    # ------------------------------------------------------------------ Lightning hooks
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":
+            self._hook_wrapped = False  # the strategy wraps its hook after this, in its own setup
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._totals = dict.fromkeys(_TOTALS, 0.0)
+        self._seen = 0
+        self._world_size = trainer.world_size
+        self._batch_size = micro_batch_size(trainer)
+        self.report = None
+        if not isinstance(trainer.profiler, _FetchTimingProfiler):
+            self._profiler = _FetchTimingProfiler(trainer.profiler, self)
+            trainer.profiler = self._profiler
+
+    def _restore_profiler(self, trainer: pl.Trainer) -> None:
+        if self._profiler is not None and trainer.profiler is self._profiler:
+            trainer.profiler = self._profiler.wrapped
+        self._profiler = None
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._restore_profiler(trainer)
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._restore_profiler(trainer)
+
+    def _fetch_start(self) -> None:
+        self._fetch_started = time.perf_counter()
+
+    def _fetch_stop(self) -> None:
+        if self._fetch_started is not None:
+            self._fetch_seconds += time.perf_counter() - self._fetch_started
+            self._fetch_started = None
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._previous_end = time.perf_counter()
+        self._fetch_seconds = 0.0
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not trainer.sanity_checking:
+            self._previous_end = time.perf_counter()
+            self._fetch_seconds = 0.0
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        now = time.perf_counter()
+        previous_end = now if self._previous_end is None else self._previous_end
+        self._marks = {"start": now, "previous_end": previous_end, "fetch": self._fetch_seconds}
+        self._fetch_seconds = 0.0
+
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+        self._marks.setdefault("before_backward", time.perf_counter())
+
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._marks["after_backward"] = time.perf_counter()
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        end = self._previous_end = time.perf_counter()
+        marks, self._marks = self._marks, {}
+        self._seen += 1
+        if self._seen <= self.skip_first_steps or "start" not in marks:
+            return
+        start = marks["start"]
+        before_backward = marks.get("before_backward", end)
+        after_backward = marks.get("after_backward", before_backward)
+        last_bucket = marks.get("last_bucket")
+        if self._world_size < 2 or last_bucket is None or not before_backward <= last_bucket <= after_backward:
+            last_bucket = after_backward  # nothing communicated, or not in this backward
+        gap = start - marks["previous_end"]
+        fetch = min(marks["fetch"], gap)
+        phases = {
+            "data": fetch,
+            "between_steps": gap - fetch,
+            "forward": before_backward - start,
+            "backward": last_bucket - before_backward,
+            "communication": after_backward - last_bucket,
+            "optimizer": end - after_backward,
+        }
+        for phase, seconds in phases.items():
+            self._totals[phase] += max(0.0, seconds)
+        size = self.batch_size_fn(batch) if self.batch_size_fn is not None else self._batch_size
+        self._totals["samples"] += size or 0
+        self._totals["micro_batches"] += 1
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._restore_profiler(trainer)
+        local = torch.tensor([self._totals[key] for key in _TOTALS], dtype=torch.float64, device=pl_module.device)
+        gathered = trainer.strategy.all_gather(local)  # the one collective of this callback
+        per_rank = [[float(value) for value in row] for row in gathered.reshape(-1, len(_TOTALS)).cpu()]
+        self.report = summarize_scaling(
+            [dict(zip(_TOTALS, row, strict=True)) for row in per_rank],
+            threshold=self.threshold,
+            single_device_samples_per_second=self.single_device_samples_per_second,
+            micro_batches_per_step=_aggregation(trainer),
+            communication_measured=self._world_size < 2 or self._hook_wrapped,
+        )
+        if not trainer.is_global_zero:
+            return
+        if self.verbose:
+            rank_zero_info(f"ScalingReport: {self.report['verdict']}\n{format_scaling_report(self.report)}")
+        if self.output_file is not None:
+            self.output_file.parent.mkdir(parents=True, exist_ok=True)
+            self.output_file.write_text(json.dumps(self.report, indent=2))
+        if not self.report["micro_batches"]:
+            return
+        metrics = {f"scaling/{key}": value for key, value in _loggable(self.report).items()}
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
+
+
+class _FetchTimingProfiler(Profiler):
+    """``trainer.profiler`` during training with a :class:`ScalingReport`: times Lightning's training batch fetch
+    for the report and passes every action on to the profiler it wraps (by default Lightning's no-op one)."""
+
+    def __init__(self, wrapped: Profiler, report: ScalingReport) -> None:
+        super().__init__()
+        self.wrapped, self.report = wrapped, report
+
+    def start(self, action_name: str) -> None:
+        if action_name == TRAIN_DATALOADER_NEXT:
+            self.report._fetch_start()
+        self.wrapped.start(action_name)
+
+    def stop(self, action_name: str) -> None:
+        self.wrapped.stop(action_name)
+        if action_name == TRAIN_DATALOADER_NEXT:
+            self.report._fetch_stop()
+
+    def summary(self) -> str:
+        return self.wrapped.summary()
+
+
+def summarize_scaling(
+    per_rank: list[dict[str, float]],
+    threshold: float = 0.2,
+    single_device_samples_per_second: float | None = None,
+    micro_batches_per_step: int = 1,
+    communication_measured: bool = True,
+) -> dict[str, Any]:
+    """The report of :class:`ScalingReport` from each rank's totals (seconds per phase, samples, micro-batches):
+    per-micro-batch milliseconds and shares of each phase (means over ranks), samples/s, efficiency, verdict.
+    ``communication_measured=False``: exposed communication could not be told apart from backward."""
+    world_size = len(per_rank)
+    counted = [rank for rank in per_rank if rank["micro_batches"] > 0]
+    if not counted:
+        return {
+            "world_size": world_size,
+            "micro_batches": 0,
+            "verdict": "no training step was counted (fewer steps than `skip_first_steps`)",
+        }
+    ms_per_micro_batch = {
+        phase: statistics.fmean(1000 * rank[phase] / rank["micro_batches"] for rank in counted) for phase in STEP_PHASES
+    }
+    step_ms = sum(ms_per_micro_batch.values())
+    fractions = {phase: (ms / step_ms if step_ms > 0 else 0.0) for phase, ms in ms_per_micro_batch.items()}
+    slowest = max(sum(rank[phase] for phase in STEP_PHASES) for rank in counted)
+    samples = sum(rank["samples"] for rank in counted)
+    samples_per_second = samples / slowest if slowest > 0 and samples > 0 else None
+    efficiency = None
+    if samples_per_second is not None and single_device_samples_per_second:
+        efficiency = samples_per_second / (world_size * single_device_samples_per_second)
+    report = {
+        "world_size": world_size,
+        "micro_batches": int(min(rank["micro_batches"] for rank in counted)),
+        "micro_batches_per_optimizer_step": micro_batches_per_step,
+        "ms_per_micro_batch": ms_per_micro_batch,
+        "fractions": fractions,
+        "samples_per_second": samples_per_second,
+        "single_device_samples_per_second": single_device_samples_per_second,
+        "scaling_efficiency": efficiency,
+        "communication_measured": communication_measured,
+        "per_rank": per_rank,
+    }
+    report["verdict"] = scaling_verdict(report, threshold)
+    return report
+
+
+def scaling_verdict(report: dict[str, Any], threshold: float = 0.2) -> str:
+    """One line on what limits scaling: data loading, exposed communication or the time between steps when any
+    takes at least ``threshold`` of a step (the largest first), else the computation."""
+    fractions = report["fractions"]
+    efficiency = report.get("scaling_efficiency")
+    suffix = "" if efficiency is None else f"; scaling efficiency {efficiency:.0%}"
+    if not report.get("communication_measured", True):
+        suffix += " (exposed communication not measured, counted in backward: needs ShardPlusStrategy)"
+    advice = {
+        "data": "data loading takes {:.0%} of each step: raise num_workers, set pin_memory/persistent_workers, "
+        "or check with SyntheticDataModule that the model scales without your data",
+        "communication": "gradient communication not hidden behind backward takes {:.0%} of each step: try "
+        "gradient_compression ('fp16', 'powersgd'), aggregation_frequency > 1, or another "
+        "tensor_fusion_threshold_mb",
+        "between_steps": "the time between steps takes {:.0%} of each step (moving batches to the device, logging, "
+        "checkpointing, callbacks, waiting for a slower rank): log less often, or look for the slow rank",
+    }
+    limits = sorted((phase for phase in advice if fractions[phase] >= threshold), key=lambda p: -fractions[p])
+    if limits:
+        return "; ".join(advice[phase].format(fractions[phase]) for phase in limits) + suffix
+    compute = fractions["forward"] + fractions["backward"] + fractions["optimizer"]
+    return f"compute-bound: forward/backward/optimizer take {compute:.0%} of each step" + suffix
+
+
+def format_scaling_report(report: dict[str, Any]) -> str:
+    """The report as a few aligned lines: milliseconds and share of each phase, samples/s, efficiency."""
+    if not report.get("micro_batches"):
+        return report["verdict"]
+    lines = [
+        f"{phase:>13}: {report['ms_per_micro_batch'][phase]:9.2f} ms/step {report['fractions'][phase]:6.1%}"
+        for phase in STEP_PHASES
+    ]
+    rate = report["samples_per_second"]
+    lines.append(f"{'samples/s':>13}: " + ("unknown" if rate is None else f"{rate:.1f}"))
+    lines.append(f"{'ranks':>13}: {report['world_size']}, {report['micro_batches']} steps counted per rank")
+    if report["scaling_efficiency"] is not None:
+        lines.append(f"{'efficiency':>13}: {report['scaling_efficiency']:.1%}")
+    return "\n".join(lines)
+
+
+def _loggable(report: dict[str, Any]) -> dict[str, float]:
+    figures: dict[str, float] = {}
+    for phase in STEP_PHASES:
+        figures[f"{phase}_ms"] = report["ms_per_micro_batch"][phase]
+        figures[f"{phase}_fraction"] = report["fractions"][phase]
+    for key in ("samples_per_second", "scaling_efficiency"):
+        if report.get(key) is not None:
+            figures[key] = report[key]
+    return figures

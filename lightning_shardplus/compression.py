@@ -411,7 +411,18 @@ def _counting_collective(name: str, original: Callable) -> Callable:
     return collective
 
 
-class CommunicationCounter(Callback):
+class CommunicationHookWrapper(Callback):
+    """A callback that wraps the gradient communication hook. ``ShardPlusStrategy`` passes its hook through the
+    :meth:`wrap` of every such callback among the Trainer's callbacks, registering torch's ``allreduce_hook`` (the
+    Python equivalent of DDP's built-in all-reduce) when no hook was chosen, so that there is one to wrap."""
+
+    def wrap(self, hook: Callable) -> Callable:
+        """``hook`` with this callback's instrumentation; it must return the future that ``hook`` returns
+        (or one completing with its value)."""
+        raise NotImplementedError
+
+
+class CommunicationCounter(CommunicationHookWrapper):
     """Counts what the gradient communication hook sends, per training micro-batch and per optimizer step.
 
     Add it to the Trainer's callbacks: ``ShardPlusStrategy`` wraps its communication hook with :meth:`wrap`

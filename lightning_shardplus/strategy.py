@@ -36,7 +36,7 @@ from typing_extensions import override
 from lightning_shardplus import _lightning, aggregation, compression, sharding
 from lightning_shardplus._validation import check_bool, check_choice, check_int, check_positive_number
 from lightning_shardplus.callbacks import VerifySharding
-from lightning_shardplus.compression import GRADIENT_COMPRESSIONS, CommunicationCounter, GradientCompression
+from lightning_shardplus.compression import GRADIENT_COMPRESSIONS, CommunicationHookWrapper, GradientCompression
 from lightning_shardplus.datamodule import ShardPlusDataModule, per_device_batch_size
 from lightning_shardplus.launch import check_launcher_world_size
 from lightning_shardplus.metrics import AverageTrainingMetrics, ExactEvaluation
@@ -514,7 +514,8 @@ class ShardPlusStrategy(DDPStrategy):
     def register_communication_hook(self) -> None:
         """Register the gradient communication hook on the current DDP wrapper (``self.model``): the hook of
         ``gradient_compression`` or the user's ``ddp_comm_hook``, wrapped by ``ddp_comm_wrapper`` and by any
-        :class:`~lightning_shardplus.compression.CommunicationCounter` among the Trainer's callbacks.
+        :class:`~lightning_shardplus.compression.CommunicationHookWrapper` among the Trainer's callbacks
+        (``CommunicationCounter``, ``ScalingReport``).
 
         Call it again after re-wrapping DDP (``self.model = self._setup_model(self.lightning_module)``): the
         compression state (PowerSGD's error feedback and warm start) carries over to the new wrapper. A
@@ -528,16 +529,16 @@ class ShardPlusStrategy(DDPStrategy):
         if self._compression is not None:
             hook, state = self._compression.hook_for(model, backend)
         trainer = self.lightning_module._trainer if self.lightning_module is not None else None
-        counters = [cb for cb in trainer.callbacks if isinstance(cb, CommunicationCounter)] if trainer else []
-        if hook is None and (self._ddp_comm_wrapper is not None or counters):
+        wrappers = [cb for cb in trainer.callbacks if isinstance(cb, CommunicationHookWrapper)] if trainer else []
+        if hook is None and (self._ddp_comm_wrapper is not None or wrappers):
             # DDP's all-reduce, as a hook that can be wrapped
             hook, state = default_hooks.allreduce_hook, None
         if hook is None:
             return
         if self._ddp_comm_wrapper is not None:
             hook = self._ddp_comm_wrapper(hook)
-        for counter in counters:
-            hook = counter.wrap(hook)
+        for wrapper in wrappers:
+            hook = wrapper.wrap(hook)
         try:
             model.register_comm_hook(state, hook)
         except Exception as err:

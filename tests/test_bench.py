@@ -1,6 +1,8 @@
 """The benchmark runs its rows and counts the communication of each (a tiny workload: a smoke test, not a
 measurement)."""
 
+import json
+
 import pytest
 
 from lightning_shardplus import bench
@@ -66,3 +68,50 @@ def test_sampler_bench_rows_for_small_lengths(tmp_path, capsys):
     assert (tmp_path / "sampler.json").exists()
     with pytest.raises(SystemExit):
         bench.parse_args(["--sampler", "--sampler-sizes=9223372036854775808"])
+
+
+def _png_size(path):
+    """(width, height) from a PNG's signature and IHDR chunk; fails on anything that is not a PNG."""
+    header = path.read_bytes()[:24]
+    assert header[:8] == b"\x89PNG\r\n\x1a\n" and header[12:16] == b"IHDR"
+    return int.from_bytes(header[16:20], "big"), int.from_bytes(header[20:24], "big")
+
+
+@pytest.mark.timeout(180)
+def test_quick_bench_writes_json_plots_and_markdown_and_renders_them_again(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    json_path, plots = tmp_path / "bench" / "quick.json", tmp_path / "plots"
+    tiny = ["--global-batch-size=8", "--input-dim=8", "--hidden-dim=16", "--layers=1"]
+    report = bench.main(
+        ["--quick", "--steps=6", "--warmup=3", *tiny, "--configs=ddp,shardplus,shardplus-report,agg4,fp16"]
+        + [f"--json={json_path}", f"--plots={plots}", "--markdown"]
+    )
+    assert report["settings"]["quick"] and report["settings"]["repeats"] == bench.QUICK["repeats"]
+    rows = report["results"]
+    assert all(len(row["runs"]) == bench.QUICK["repeats"] for row in rows.values())
+    assert rows["ddp"]["breakdown_ms_per_micro_batch"] is None  # the rows compared with ddp run no report
+    assert rows["shardplus"]["breakdown_ms_per_micro_batch"] is None
+    for name in ("shardplus-report", "agg4", "fp16"):
+        breakdown = rows[name]["breakdown_ms_per_micro_batch"]
+        assert set(breakdown) == set(bench.STEP_PHASES) and breakdown["communication"] > 0
+    overhead = bench.report_overhead(report)
+    assert overhead["paired_min"] <= overhead["paired"] <= overhead["paired_max"] and overhead["own_work"] > 0
+    assert report["machine"]["cpu_cores"] >= 1 and report["machine"]["torch"]
+    for name in ("samples_per_second.png", "step_breakdown.png"):
+        assert _png_size(plots / name) == bench.PLOT_SIZE
+    out = capsys.readouterr().out
+    assert "### Benchmark matrix" in out and "| shardplus-report |" in out and "`ScalingReport` overhead" in out
+    assert json.loads(json_path.read_text())["results"].keys() == rows.keys()
+
+    rendered = bench.main([f"--from-json={json_path}", "--markdown"])  # the README section, without running
+    assert rendered == json.loads(json_path.read_text())
+    assert capsys.readouterr().out.count("### Benchmark matrix") == 1
+
+
+def test_quick_fills_only_what_was_not_given_and_rows_of_missing_arguments_are_left_out():
+    args = bench.parse_args(["--quick", "--steps=3"])
+    assert (args.steps, args.repeats, args.warmup) == (3, bench.QUICK["repeats"], bench.QUICK["warmup"])
+    assert bench.parse_args([]).repeats == bench.FULL["repeats"]
+    names = [config.name for config in bench.default_configs()]
+    assert ("autotune" in names) == bench.strategy_accepts(auto_tune_tensor_fusion=True)
+    assert not bench.strategy_accepts(no_such_argument=True)

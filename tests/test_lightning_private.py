@@ -195,3 +195,17 @@ def test_training_batch_count_and_progress_are_where_resume_reads_them():
     trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False)
     assert _lightning.micro_batches_trained_in_epoch(trainer) == 0
     assert not _lightning.refresh_training_batch_count(trainer)  # no training loader yet
+
+
+def test_lightning_profiles_the_training_batch_fetch_under_the_action_name_the_scaling_report_reads():
+    import lightning.pytorch as pl
+    from lightning.pytorch.demos.boring_classes import BoringModel
+    from lightning.pytorch.profilers import SimpleProfiler
+
+    profiler = SimpleProfiler()
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, max_steps=3, limit_val_batches=0, logger=False, profiler=profiler,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )
+    trainer.fit(BoringModel())
+    assert len(profiler.recorded_durations[_lightning.TRAIN_DATALOADER_NEXT]) == 3

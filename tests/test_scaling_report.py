@@ -1,0 +1,137 @@
+"""ScalingReport: where a training step's time goes (data, forward, backward, exposed communication,
+optimizer), aggregated over ranks, and its verdict."""
+
+import json
+import logging
+import time
+
+import pytest
+import torch
+from _models import cpu_trainer
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.profilers import SimpleProfiler
+from lightning.pytorch.strategies import DDPStrategy
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_shardplus import ShardPlusDataModule, ShardPlusStrategy
+from lightning_shardplus._lightning import TRAIN_DATALOADER_NEXT
+from lightning_shardplus.callbacks import STEP_PHASES, ScalingReport, scaling_verdict, summarize_scaling
+from lightning_shardplus.demo import ClassifierModule
+
+
+class SlowDataset(Dataset):
+    """In-memory samples, each taking ``delay`` seconds to read: the slow-storage workload."""
+
+    def __init__(self, length: int, dim: int, delay: float) -> None:
+        generator = torch.Generator().manual_seed(0)
+        self.inputs = torch.randn(length, dim, generator=generator)
+        self.labels = torch.randint(0, 10, (length,), generator=generator)
+        self.delay = delay
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, index: int):
+        if self.delay:
+            time.sleep(self.delay)  # the workload: reading from slow storage, not a synchronization
+        return self.inputs[index], self.labels[index]
+
+
+def fit_with_report(tmp_path, devices: int, delay: float, **report_kwargs) -> dict:
+    """A short fit of a small MLP on ``devices`` CPU processes; rank 0's report."""
+    output = tmp_path / f"report-{devices}-{delay}.json"
+    dim, batch = 256, 64 * devices
+    datamodule = ShardPlusDataModule(global_batch_size=batch, train_dataset=SlowDataset(batch * 12, dim, delay))
+    trainer = cpu_trainer(
+        ShardPlusStrategy(start_method="fork", average_training_metrics=False),
+        devices,
+        max_epochs=1,
+        limit_val_batches=0,
+        logger=CSVLogger(tmp_path / "logs", name=f"run{devices}-{delay}"),
+        callbacks=[ScalingReport(output_file=output, **report_kwargs)],
+    )
+    trainer.fit(ClassifierModule(input_dim=dim, hidden_dims=[1024, 1024]), datamodule)
+    return json.loads(output.read_text())
+
+
+@pytest.mark.timeout(120)
+def test_a_slow_dataset_is_reported_as_the_bottleneck(tmp_path):
+    report = fit_with_report(tmp_path, devices=2, delay=0.002)  # 128 ms of reading per 64-sample batch
+    assert report["world_size"] == 2 and report["micro_batches"] == 10  # 12 batches, the first 2 not counted
+    assert report["fractions"]["data"] > 0.5
+    assert report["verdict"].startswith("data loading takes") and "num_workers" in report["verdict"]
+    assert report["ms_per_micro_batch"]["data"] > 100
+    assert report["samples_per_second"] > 0
+    logged = (next((tmp_path / "logs").rglob("metrics.csv"))).read_text()
+    assert "scaling/data_fraction" in logged and "scaling/samples_per_second" in logged
+
+
+@pytest.mark.timeout(120)
+def test_in_memory_data_is_not_the_bottleneck_and_communication_is_measured_on_two_ranks(tmp_path):
+    report = fit_with_report(tmp_path, devices=2, delay=0.0, single_device_samples_per_second=1000.0)
+    assert report["fractions"]["data"] < 0.2
+    assert "data loading" not in report["verdict"]
+    assert report["ms_per_micro_batch"]["communication"] > 0 and report["communication_measured"]
+    assert all(rank["communication"] > 0 for rank in report["per_rank"])
+    assert report["scaling_efficiency"] == pytest.approx(report["samples_per_second"] / 2000.0)
+    assert report["verdict"].endswith(f"scaling efficiency {report['scaling_efficiency']:.0%}")
+    assert sum(report["fractions"].values()) == pytest.approx(1.0)
+
+
+@pytest.mark.timeout(120)
+def test_under_stock_ddp_exposed_communication_is_reported_as_not_measured(tmp_path):
+    output = tmp_path / "report.json"
+    datamodule = ShardPlusDataModule(global_batch_size=16, train_dataset=SlowDataset(16 * 6, 8, 0.0))
+    report = ScalingReport(output_file=output)
+    trainer = cpu_trainer(DDPStrategy(start_method="fork"), 2, max_epochs=1, callbacks=[report])
+    trainer.fit(ClassifierModule(input_dim=8, hidden_dims=[16]), datamodule)
+    written = json.loads(output.read_text())
+    assert written["world_size"] == 2 and written["micro_batches"] == 4
+    assert not written["communication_measured"] and written["ms_per_micro_batch"]["communication"] == 0
+    assert "exposed communication not measured" in written["verdict"]
+
+
+@pytest.mark.timeout(120)
+def test_communication_is_zero_with_one_rank(tmp_path):
+    report = fit_with_report(tmp_path, devices=1, delay=0.0)
+    assert report["world_size"] == 1 and report["micro_batches"] == 10
+    assert report["ms_per_micro_batch"]["communication"] == 0 and report["communication_measured"]
+    assert report["ms_per_micro_batch"]["backward"] > 0 and report["ms_per_micro_batch"]["forward"] > 0
+
+
+def test_verdict_names_the_larger_bottleneck_first_and_otherwise_the_computation():
+    def totals(**seconds):
+        return {**dict.fromkeys(STEP_PHASES, 0.0), **seconds, "samples": 100.0, "micro_batches": 10.0}
+
+    both = summarize_scaling([totals(data=3.0, communication=4.0, forward=3.0)] * 2)
+    assert both["verdict"].startswith("gradient communication not hidden behind backward takes 40%")
+    assert "; data loading takes 30%" in both["verdict"]
+    assert both["samples_per_second"] == pytest.approx(200 / 10.0)
+    compute = summarize_scaling([totals(data=0.1, forward=0.5, backward=0.3, optimizer=0.1)])
+    assert scaling_verdict(compute) == "compute-bound: forward/backward/optimizer take 90% of each step"
+    unmeasured = summarize_scaling([totals(forward=1.0)] * 2, communication_measured=False)
+    assert unmeasured["verdict"].endswith(
+        "(exposed communication not measured, counted in backward: needs ShardPlusStrategy)"
+    )
+    assert summarize_scaling([totals()] * 0 + [{**totals(), "micro_batches": 0.0}])["micro_batches"] == 0
+    with pytest.raises(ValueError, match="threshold"):
+        ScalingReport(threshold=1.5)
+    with pytest.raises(ValueError, match="single_device_samples_per_second"):
+        ScalingReport(single_device_samples_per_second=0)
+
+
+@pytest.mark.timeout(60)
+def test_in_one_process_the_verdict_is_printed_and_the_users_profiler_still_sees_everything(caplog):
+    profiler = SimpleProfiler()
+    report = ScalingReport()
+    trainer = cpu_trainer("auto", 1, max_steps=8, profiler=profiler, callbacks=[report])
+    loader = DataLoader(SlowDataset(128, 8, delay=0.002), batch_size=8)
+    with caplog.at_level(logging.INFO):
+        trainer.fit(ClassifierModule(input_dim=8, hidden_dims=[16]), loader)
+    assert report.report["micro_batches"] == 6 and report.report["samples_per_second"] > 0
+    assert report.report["fractions"]["data"] > 0.5 and report.report["ms_per_micro_batch"]["communication"] == 0
+    assert "ScalingReport: data loading takes" in caplog.text and "samples/s" in caplog.text
+    assert report.report["communication_measured"]  # 1 process: nothing to exchange
+    assert trainer.profiler is profiler  # handed back when training ended
+    assert len(profiler.recorded_durations[TRAIN_DATALOADER_NEXT]) == 8
+    assert len(profiler.recorded_durations["run_training_batch"]) == 8
