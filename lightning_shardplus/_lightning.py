@@ -326,3 +326,23 @@ def logs_this_step(trainer: pl.Trainer) -> bool:
     automatic optimization; every batch in manual optimization)."""
     accumulating = trainer.fit_loop._should_accumulate()  # private: `_FitLoop._should_accumulate`
     return not (accumulating and trainer.lightning_module.automatic_optimization)
+
+
+# ---------------------------------------------------------------- DDP re-wrap (fusion autotuning)
+
+
+def rewrap_ddp(strategy: Any, ddp_kwargs: dict[str, Any]) -> None:
+    """Wrap the LightningModule in a new ``DistributedDataParallel`` built with ``ddp_kwargs`` merged into the
+    strategy's (``None`` values remove a key): the way ``DDPStrategy.configure_ddp`` wraps it, through the
+    private ``_setup_model`` and ``_ddp_kwargs``. A collective: every rank must call it at the same step."""
+    set_ddp_kwargs(strategy, ddp_kwargs)
+    strategy.model = strategy._setup_model(strategy.lightning_module)
+
+
+def set_ddp_kwargs(strategy: Any, ddp_kwargs: dict[str, Any]) -> None:
+    """Merge ``ddp_kwargs`` into the keyword arguments the strategy gives DDP (private ``_ddp_kwargs``)."""
+    for key, value in ddp_kwargs.items():
+        if value is None:
+            strategy._ddp_kwargs.pop(key, None)
+        else:
+            strategy._ddp_kwargs[key] = value
