@@ -150,6 +150,8 @@ class AutotuneSettings:
 
 def _sizes(name: str, values: Any, minimum_count: int) -> tuple[float, ...]:
     try:
+        if isinstance(values, (str, bytes)):
+            raise TypeError
         sizes = tuple(float(v) for v in values if not isinstance(v, bool))
         valid = len(sizes) == len(values) and len(sizes) >= minimum_count
     except TypeError:
