@@ -9,16 +9,18 @@ boundary (never inside an aggregation window), and the communication hook is reg
 How a decision is reached (Horovod's autotuner, made robust on a noisy machine and bounded in steps):
 
 - A *sample* is ``warmup_steps`` discarded optimizer steps after a re-wrap (DDP cuts its buckets after the first
-  step of a new wrapper) followed by ``steps_per_sample`` timed steps. A step's time is the wall time between
-  the starts of consecutive optimizer steps (a window of ``aggregation_frequency`` micro-batches); steps that
-  span an epoch end or a validation are not counted. The sample's score is the median step time on each rank,
-  reduced with MAX across ranks (the slowest rank sets the pace): one all_reduce per sample, not per step.
+  step of a new wrapper; the run's first sample discards 2 more) followed by ``steps_per_sample`` timed steps.
+  A step's time is the wall time between the starts of consecutive optimizer steps (a window of
+  ``aggregation_frequency`` micro-batches); steps that span an epoch end or a validation are not counted. The
+  sample's score is the median step time on each rank, reduced with MAX across ranks (the slowest rank sets the
+  pace): one all_reduce per sample, not per step.
 - Candidates are raced in interleaved rounds (each round visits every remaining candidate, in reverse order
   every other round, so the machine's drift spreads over all of them); a candidate's time is the median of its
-  samples. From ``min_rounds`` on, candidates slower than the best by more than twice the measured noise are
-  dropped, and the finalists are measured again; the race stops as soon as one is left, when the finalists
-  are within the noise of each other, or after ``max_rounds``. Within the noise the default (or, for the first
-  bucket, a uniform bucket size) is preferred: a change has to be measurably better.
+  samples. After the first round, candidates more than 30% slower than the best are dropped; from ``min_rounds``
+  on, those slower than the best by more than twice the measured noise, and the finalists are measured again.
+  The race stops as soon as one is left, when the finalists are within the noise of each other, or after
+  ``max_rounds``. Within the noise the default (or, for the first bucket, a uniform bucket size) is preferred:
+  a change has to be measurably better.
 - Where torch's DDP takes ``bucket_cap_mb_list`` (torch >= 2.13: per-bucket caps, in gradient-ready order) the
   first bucket is raced next, with the chosen size for the others: a small first bucket lets the all-reduce
   start before the backward pass ends.
@@ -58,6 +60,8 @@ DEFAULT_CANDIDATES_MB: tuple[float, ...] = (1.0, 4.0, 16.0, 25.0, 64.0)
 # DDP's own first bucket when `bucket_cap_mb` is not given (dist._DEFAULT_FIRST_BUCKET_BYTES)
 DEFAULT_FIRST_BUCKET_CANDIDATES_MB: tuple[float, ...] = (1.0,)
 DEFAULT_CACHE_PATH = Path("~/.cache/lightning_shardplus/fusion.json")
+# Untimed steps added to the first sample of a run: its first steps (data loading starts, allocations) are slower.
+FIRST_SAMPLE_EXTRA_WARMUP = 2
 # Whether this torch's DDP takes per-bucket caps (the first bucket can then be tuned on its own).
 SUPPORTS_FIRST_BUCKET = "bucket_cap_mb_list" in inspect.signature(DistributedDataParallel.__init__).parameters
 
@@ -99,11 +103,13 @@ class AutotuneSettings:
 
     candidates_mb: tuple[float, ...] = DEFAULT_CANDIDATES_MB
     first_bucket_candidates_mb: tuple[float, ...] = DEFAULT_FIRST_BUCKET_CANDIDATES_MB
-    steps_per_sample: int = 10
-    warmup_steps: int = 2
+    steps_per_sample: int = 8
+    warmup_steps: int = 1
     min_rounds: int = 2
     max_rounds: int = 4
     noise_floor: float = 0.01
+    # after the first round, candidates this much slower than the best are dropped (one sample each: a wide margin)
+    first_round_margin: float = 0.3
     # set by the user: only the first bucket is searched, with this size for the others
     fixed_bucket_cap_mb: float | None = None
 
@@ -134,10 +140,11 @@ class AutotuneSettings:
     def max_tuning_steps(self) -> int:
         """Optimizer steps the search takes at most (it usually stops earlier)."""
         sample = self.warmup_steps + self.steps_per_sample
+        extra = FIRST_SAMPLE_EXTRA_WARMUP
         largest = max(self.candidates_mb + ((self.fixed_bucket_cap_mb,) if self.fixed_bucket_cap_mb else ()))
         first = len(self.first_stage) * self.max_rounds * sample
         second = len(self.second_stage(largest)) * self.max_rounds * sample
-        return first + second
+        return first + second + extra
 
     def describe(self) -> dict[str, Any]:
         """The search space, as it enters the cache key."""
@@ -174,7 +181,8 @@ class CandidateRace:
     visit the remaining candidates in alternating order; after each round from ``min_rounds`` on, candidates
     whose median is more than ``2 x noise`` above the best are dropped; the race ends with one candidate, with
     all finalists within ``noise`` of the best, or after ``max_rounds``. ``noise`` is the median relative
-    deviation of samples from their candidate's median, at least ``noise_floor``."""
+    deviation of samples from their candidate's median, at least ``noise_floor``. After the first round, with one
+    sample each, only candidates slower than the best by more than ``first_round_margin`` are dropped."""
 
     def __init__(
         self,
@@ -183,6 +191,7 @@ class CandidateRace:
         max_rounds: int,
         noise_floor: float,
         preferred: BucketSetting | None = None,
+        first_round_margin: float = math.inf,
     ) -> None:
         if not candidates:
             raise ValueError("CandidateRace needs at least one candidate")
@@ -190,6 +199,7 @@ class CandidateRace:
         self.samples: dict[BucketSetting, list[float]] = {c: [] for c in candidates}
         self.min_rounds, self.max_rounds, self.noise_floor = min_rounds, max_rounds, noise_floor
         self.preferred = preferred
+        self.first_round_margin = first_round_margin
         self.round = 0
         self.winner: BucketSetting | None = candidates[0] if len(candidates) == 1 else None
         self._queue = list(self.live)
@@ -231,7 +241,10 @@ class CandidateRace:
 
     def _end_round(self) -> None:
         self.round += 1
-        if self.round >= self.min_rounds:
+        if self.round == 1 and self.round < self.min_rounds:
+            fastest = min(self.median(c) for c in self.live)
+            self.live = [c for c in self.live if self.median(c) <= fastest * (1 + self.first_round_margin)]
+        if self.round >= self.min_rounds or len(self.live) == 1:
             noise, fastest = self.noise, min(self.median(c) for c in self.live)
             self.live = [c for c in self.live if self.median(c) <= fastest * (1 + 2 * noise)]
             close = all(self.median(c) <= fastest * (1 + noise) for c in self.live)
@@ -450,6 +463,7 @@ class FusionAutotuner:
                 self.settings.max_rounds,
                 self.settings.noise_floor,
                 preferred=BucketSetting(DEFAULT_BUCKET_CAP_MB),
+                first_round_margin=self.settings.first_round_margin,
             )
         else:
             self._race = self._second_stage(self.settings.fixed_bucket_cap_mb or DEFAULT_BUCKET_CAP_MB)
@@ -469,6 +483,7 @@ class FusionAutotuner:
             self.settings.max_rounds,
             self.settings.noise_floor,
             preferred=BucketSetting(bucket_cap_mb),
+            first_round_margin=self.settings.first_round_margin,
         )
 
     # -- driving
@@ -480,7 +495,8 @@ class FusionAutotuner:
     def start(self, global_step: int = 0) -> None:
         """DDP is wrapped with :attr:`initial_setting`; the first sample starts at the next step boundary."""
         if self.tuning:
-            self._sample = _Sample(self.initial_setting, global_step, self.settings.warmup_steps)
+            warmup = self.settings.warmup_steps + FIRST_SAMPLE_EXTRA_WARMUP
+            self._sample = _Sample(self.initial_setting, global_step, warmup)
             self._started_at = self.clock()
             if self.log_path is not None and self.collectives.is_decider:
                 self.log_path.parent.mkdir(parents=True, exist_ok=True)

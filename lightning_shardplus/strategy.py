@@ -170,8 +170,8 @@ class ShardPlusStrategy(DDPStrategy):
         autotune_first_bucket_candidates_mb: sizes of the first bucket raced against a uniform size once the
             bucket size is chosen (default 1 MB, DDP's own first bucket; torch >= 2.13, ``bucket_cap_mb_list``).
             An empty list tunes the bucket size only.
-        autotune_steps_per_sample: timed optimizer steps per sample (default 10).
-        autotune_warmup_steps: optimizer steps not timed after each re-wrap (default 2; DDP cuts its buckets
+        autotune_steps_per_sample: timed optimizer steps per sample (default 8).
+        autotune_warmup_steps: optimizer steps not timed after each re-wrap (default 1: DDP cuts its buckets
             after the first step of a new wrapper).
         autotune_cache: JSON cache of tuned results: True for ``~/.cache/lightning_shardplus/fusion.json``, a
             path, or False to always search.
@@ -218,8 +218,8 @@ class ShardPlusStrategy(DDPStrategy):
         autotune_log: str | None = None,
         autotune_candidates_mb: list[float] | None = None,
         autotune_first_bucket_candidates_mb: list[float] | None = None,
-        autotune_steps_per_sample: int = 10,
-        autotune_warmup_steps: int = 2,
+        autotune_steps_per_sample: int = 8,
+        autotune_warmup_steps: int = 1,
         autotune_cache: str | bool = True,
         average_training_metrics: bool = True,
         find_unused_parameters: bool = False,

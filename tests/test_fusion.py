@@ -148,10 +148,11 @@ def test_steps_that_span_an_interruption_are_not_timed():
     tuner.on_step_boundary(0)
     clock.now += 100  # a validation
     tuner.interrupt()
-    for step in range(1, 4):  # 1: nothing ended that can be timed; 2: the warm-up step; 3: timed
+    # 1: nothing ended that can be timed; 2-4: the warm-up (1, and 2 more in the run's first sample); 5: timed
+    for step in range(1, 6):
         tuner.on_step_boundary(step)
         clock.step()
-    tuner.on_step_boundary(4, counted=False)  # an epoch end
+    tuner.on_step_boundary(6, counted=False)  # an epoch end
     clock.step()
     assert tuner._sample.intervals == [1.0]  # the warm-up, then one counted step
 
@@ -286,7 +287,7 @@ def test_tuning_on_two_ranks_finishes_logs_caches_and_a_second_run_starts_from_t
     assert torch.allclose(flat(tuned[0]), flat(plain[0]), atol=1e-6, rtol=0)
     assert torch.equal(flat(tuned[0]), flat(tuned[1]))
     rows = list(csv.DictReader(open(log)))
-    assert len(rows) >= 2 * len(CANDIDATES) and {float(row["bucket_cap_mb"]) for row in rows} == set(CANDIDATES)
+    assert len(rows) >= len(CANDIDATES) and {float(row["bucket_cap_mb"]) for row in rows} == set(CANDIDATES)
     assert all(float(row["step_ms"]) > 0 and row["timed_steps"] == "2" for row in rows)
     (entry,) = json.loads(cache.read_text()).values()
     assert entry["bucket_cap_mb"] == winner
