@@ -17,10 +17,11 @@ How a decision is reached (Horovod's autotuner, made robust on a noisy machine a
 - Candidates are raced in interleaved rounds (each round visits every remaining candidate, in reverse order
   every other round, so the machine's drift spreads over all of them); a candidate's time is the median of its
   samples. After the first round, candidates more than 30% slower than the best are dropped; from ``min_rounds``
-  on, those slower than the best by more than twice the measured noise, and the finalists are measured again.
-  The race stops as soon as one is left, when the finalists are within the noise of each other, or after
-  ``max_rounds``. Within the noise the default (or, for the first bucket, a uniform bucket size) is preferred:
-  a change has to be measurably better.
+  on, those slower than the best by more than two standard errors (from the noise measured across samples),
+  and the finalists are measured again. The race stops as soon as one is left, when the finalists are within
+  ``tolerance`` (2%) of each other (a difference not worth more steps), or after ``max_rounds``. Within the
+  tolerance the default (or, for the first bucket, a uniform bucket size) is preferred: a change has to be
+  measurably better.
 - Where torch's DDP takes ``bucket_cap_mb_list`` (torch >= 2.13: per-bucket caps, in gradient-ready order) the
   first bucket is raced next, with the chosen size for the others: a small first bucket lets the all-reduce
   start before the backward pass ends.
@@ -108,6 +109,7 @@ class AutotuneSettings:
     min_rounds: int = 2
     max_rounds: int = 4
     noise_floor: float = 0.01
+    tolerance: float = 0.02  # finalists this close are as good as each other: stop
     # after the first round, candidates this much slower than the best are dropped (one sample each: a wide margin)
     first_round_margin: float = 0.3
     # set by the user: only the first bucket is searched, with this size for the others
@@ -178,11 +180,12 @@ class CandidateRace:
     """Successive elimination over bucket settings, from one score (seconds per step) per sample.
 
     :meth:`next_setting` says what to measure next (None: decided), :meth:`record` takes its score. Rounds
-    visit the remaining candidates in alternating order; after each round from ``min_rounds`` on, candidates
-    whose median is more than ``2 x noise`` above the best are dropped; the race ends with one candidate, with
-    all finalists within ``noise`` of the best, or after ``max_rounds``. ``noise`` is the median relative
-    deviation of samples from their candidate's median, at least ``noise_floor``. After the first round, with one
-    sample each, only candidates slower than the best by more than ``first_round_margin`` are dropped."""
+    visit the remaining candidates in alternating order. After each round from ``min_rounds`` on, candidates
+    slower than the best by more than two standard errors (:meth:`margin`, from ``noise``: the median relative
+    deviation of samples from their candidate's median, at least ``noise_floor``) are dropped; the race ends
+    with one candidate left, with all finalists within ``tolerance`` of the best (a difference not worth more
+    steps), or after ``max_rounds``. After the first round, with one sample each, only candidates slower than
+    the best by more than ``first_round_margin`` are dropped."""
 
     def __init__(
         self,
@@ -192,6 +195,7 @@ class CandidateRace:
         noise_floor: float,
         preferred: BucketSetting | None = None,
         first_round_margin: float = math.inf,
+        tolerance: float = 0.02,
     ) -> None:
         if not candidates:
             raise ValueError("CandidateRace needs at least one candidate")
@@ -199,7 +203,7 @@ class CandidateRace:
         self.samples: dict[BucketSetting, list[float]] = {c: [] for c in candidates}
         self.min_rounds, self.max_rounds, self.noise_floor = min_rounds, max_rounds, noise_floor
         self.preferred = preferred
-        self.first_round_margin = first_round_margin
+        self.first_round_margin, self.tolerance = first_round_margin, tolerance
         self.round = 0
         self.winner: BucketSetting | None = candidates[0] if len(candidates) == 1 else None
         self._queue = list(self.live)
@@ -231,11 +235,17 @@ class CandidateRace:
             deviations += [abs(s - middle) / middle for s in samples if len(samples) > 1 and math.isfinite(s)]
         return max(self.noise_floor, statistics.median(deviations) if deviations else 0.0)
 
+    def margin(self, setting: BucketSetting, fastest: BucketSetting) -> float:
+        """How much slower than ``fastest`` (relative) ``setting`` may measure and still be as fast: two standard
+        errors of the difference of their medians, from the pooled noise."""
+        n, m = len(self.samples[setting]), len(self.samples[fastest])
+        return 2 * self.noise * math.sqrt(1 / max(n, 1) + 1 / max(m, 1))
+
     def best(self) -> BucketSetting:
-        """The fastest remaining candidate; the preferred one where it is within the noise of it."""
+        """The fastest remaining candidate; the preferred one where it is within ``tolerance`` of it."""
         fastest = min(self.live, key=self.median)
         preferred = self.preferred
-        if preferred in self.live and self.median(preferred) <= self.median(fastest) * (1 + self.noise):
+        if preferred in self.live and self.median(preferred) <= self.median(fastest) * (1 + self.tolerance):
             return preferred
         return fastest
 
@@ -245,9 +255,9 @@ class CandidateRace:
             fastest = min(self.median(c) for c in self.live)
             self.live = [c for c in self.live if self.median(c) <= fastest * (1 + self.first_round_margin)]
         if self.round >= self.min_rounds or len(self.live) == 1:
-            noise, fastest = self.noise, min(self.median(c) for c in self.live)
-            self.live = [c for c in self.live if self.median(c) <= fastest * (1 + 2 * noise)]
-            close = all(self.median(c) <= fastest * (1 + noise) for c in self.live)
+            fastest = min(self.live, key=self.median)
+            self.live = [c for c in self.live if self.median(c) <= self.median(fastest) * (1 + self.margin(c, fastest))]
+            close = all(self.median(c) <= self.median(fastest) * (1 + self.tolerance) for c in self.live)
             if len(self.live) == 1 or close or self.round >= self.max_rounds:
                 self.winner = self.best()
                 return
@@ -464,6 +474,7 @@ class FusionAutotuner:
                 self.settings.noise_floor,
                 preferred=BucketSetting(DEFAULT_BUCKET_CAP_MB),
                 first_round_margin=self.settings.first_round_margin,
+                tolerance=self.settings.tolerance,
             )
         else:
             self._race = self._second_stage(self.settings.fixed_bucket_cap_mb or DEFAULT_BUCKET_CAP_MB)
@@ -484,6 +495,7 @@ class FusionAutotuner:
             self.settings.noise_floor,
             preferred=BucketSetting(bucket_cap_mb),
             first_round_margin=self.settings.first_round_margin,
+            tolerance=self.settings.tolerance,
         )
 
     # -- driving

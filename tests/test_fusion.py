@@ -60,6 +60,23 @@ def test_the_race_remeasures_finalists_and_is_bounded_by_max_rounds():
     assert race.round == 3 and len(order) == 6 and race.winner == A
 
 
+def test_after_one_round_only_the_clearly_slower_are_dropped():
+    race = CandidateRace([A, B, C], 2, 4, 0.01, first_round_margin=0.3)
+    for setting, seconds in ((A, 1.4), (B, 1.0), (C, 1.25)):
+        assert race.next_setting() == setting
+        race.record(setting, seconds)
+    assert race.next_setting() == C and race.live == [B, C]  # A is 40% slower; C, 25%, gets a second sample
+
+
+def test_one_burst_of_contention_does_not_decide_the_race():
+    # B is 10% faster, but its second sample ran while another process took the CPU
+    race = CandidateRace([B, DEFAULT], 2, 4, 0.01, preferred=DEFAULT)
+    samples = {B: iter([1.0, 1.8, 1.0, 1.01, 1.0]), DEFAULT: iter([1.1, 1.1, 1.11, 1.1, 1.1])}
+    while (setting := race.next_setting()) is not None:
+        race.record(setting, next(samples[setting]))
+    assert race.winner == B and race.round >= 3  # measured again rather than decided on the burst
+
+
 def test_within_noise_the_default_is_kept():
     race, _ = race_with({B: 1.0, DEFAULT: 1.005})
     assert race.winner == DEFAULT
