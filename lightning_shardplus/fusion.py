@@ -16,7 +16,7 @@ How a decision is reached (Horovod's autotuner, made robust on a noisy machine a
   pace): one all_reduce per sample, not per step.
 - Candidates are raced in interleaved rounds (each round visits every remaining candidate, in reverse order
   every other round, so the machine's drift spreads over all of them); a candidate's time is the median of its
-  samples. After the first round, candidates more than 30% slower than the best are dropped; from ``min_rounds``
+  samples. After the first round, candidates more than 50% slower than the best are dropped; from ``min_rounds``
   on, those slower than the best by more than two standard errors (from the noise measured across samples),
   and the finalists are measured again. The race stops as soon as one is left, when the finalists are within
   ``tolerance`` (2%) of each other (a difference not worth more steps), or after ``max_rounds``. Within the
@@ -111,7 +111,7 @@ class AutotuneSettings:
     noise_floor: float = 0.01
     tolerance: float = 0.02  # finalists this close are as good as each other: stop
     # after the first round, candidates this much slower than the best are dropped (one sample each: a wide margin)
-    first_round_margin: float = 0.3
+    first_round_margin: float = 0.5
     # set by the user: only the first bucket is searched, with this size for the others
     fixed_bucket_cap_mb: float | None = None
 

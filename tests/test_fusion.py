@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from _models import cpu_trainer
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers import CSVLogger
 from test_compression import MLP, PARAMETERS, counts, flat, loader
 
 from lightning_shardplus import ShardPlusStrategy, fusion
@@ -266,10 +267,14 @@ class RecordSteps(Callback):
         (self.out_dir / f"rank{trainer.global_rank}.json").write_text(json.dumps(data))
 
 
-def tuned_fit(tmp_path, name, callbacks=(), epochs=6, size=96, **kwargs):
+def tuned_fit(tmp_path, name, callbacks=(), epochs=6, size=96, trainer_kwargs=None, **kwargs):
     recorder = RecordSteps(tmp_path / f"steps-{name}")
     trainer = cpu_trainer(
-        ShardPlusStrategy(start_method="fork", **kwargs), 2, max_epochs=epochs, callbacks=[recorder, *callbacks]
+        ShardPlusStrategy(start_method="fork", **kwargs),
+        2,
+        max_epochs=epochs,
+        callbacks=[recorder, *callbacks],
+        **(trainer_kwargs or {}),
     )
     trainer.fit(MLP(tmp_path / name), loader(size=size))
     runs = [json.loads((tmp_path / f"steps-{name}" / f"rank{r}.json").read_text()) for r in range(2)]
@@ -319,9 +324,20 @@ def test_tuning_on_two_ranks_finishes_logs_caches_and_a_second_run_starts_from_t
 @pytest.mark.timeout(120)
 def test_the_communication_hook_runs_through_tuning_and_after_it(tmp_path):
     counter = CommunicationCounter(tmp_path / "counts")
+    logger = CSVLogger(tmp_path / "logs", name="", version="")
     runs, weights = tuned_fit(
-        tmp_path, "fp16", callbacks=[counter], gradient_compression="fp16", autotune_cache=False, **TUNING
+        tmp_path,
+        "fp16",
+        callbacks=[counter],
+        trainer_kwargs={"logger": logger, "log_every_n_steps": 1},
+        gradient_compression="fp16",
+        autotune_cache=False,
+        **TUNING,
     )
+    logged = list(csv.DictReader(open(tmp_path / "logs" / "metrics.csv")))
+    (row,) = [row for row in logged if row.get("fusion/bucket_cap_mb")]  # the result, once, to the logger
+    assert float(row["fusion/bucket_cap_mb"]) == runs[0]["result"]["setting"]["bucket_cap_mb"]
+    assert float(row["fusion/step_ms"]) > 0 and float(row["fusion/default_step_ms"]) > 0
     steps = counts(tmp_path / "counts")["steps"]
     assert len(steps) == len(runs[0]["steps"]) and runs[0]["result"]["tuning_steps"] < len(steps)
     assert wrappers(runs[0]) > 2
