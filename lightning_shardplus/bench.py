@@ -625,14 +625,22 @@ def run_fusion_shape(shape: tuple[str, int, int, int], args: argparse.Namespace)
     # included), relative to a 2,000-step run; the tuned speed as measured while tuning, against the same drift.
     during = report["tuning_step_ms"] / 1000 if report["tuning_step_ms"] else tuned_s
     cost = (report["tuning_s"] - report["tuning_steps"] * during) / (FUSION_REFERENCE_RUN_STEPS * during)
+    def paired(label: str) -> float:
+        """Median over rounds of (label's step time / tuned step time) within the same round: drift cancels."""
+        rounds = zip(report["samples_s"][label], report["samples_s"][report["tuned"]], strict=True)
+        return statistics.median(other / tuned for other, tuned in rounds)
+
     return {
         "shape": name,
         "parameters": parameters,
         "tuned": report["tuned"],
         "best_fixed": best_fixed,
         "ms_per_step": {label: 1000 * seconds for label, seconds in step_s.items()},
+        # throughput ratios (tuned / other): from the medians, and paired round by round
         "tuned_vs_best_fixed": fixed[best_fixed] / tuned_s,
         "tuned_vs_default": step_s[default_label] / tuned_s if default_label in step_s else None,
+        "tuned_vs_best_fixed_paired": paired(best_fixed),
+        "tuned_vs_default_paired": paired(default_label) if default_label in step_s else None,
         "tuning_steps": report["tuning_steps"],
         "tuning_cost_of_2000_steps": cost,
         "samples_per_setting": len(next(iter(report["samples_s"].values()))),
@@ -666,16 +674,22 @@ def _add_fusion_arguments(parser: argparse.ArgumentParser) -> None:
 
 def format_fusion_table(report: dict[str, Any]) -> str:
     lines = [
-        "| shape | parameters | tuned | best fixed | tuned / best fixed (throughput) | tuned / 25 MB | tuning steps "
+        "| shape | parameters | tuned | best fixed | tuned / best fixed (throughput; paired) | tuned / 25 MB (paired) "
+        "| tuning steps "
         f"| tuning cost (of a {FUSION_REFERENCE_RUN_STEPS}-step run) | ms/step per setting |",
         "|---|---:|---|---|---:|---:|---:|---:|---|",
     ]
     for row in report["fusion_rows"]:
         times = ", ".join(f"{label}: {ms:.1f}" for label, ms in row["ms_per_step"].items())
-        default = "-" if row["tuned_vs_default"] is None else f"{row['tuned_vs_default']:.3f}"
+        default = (
+            "-"
+            if row["tuned_vs_default"] is None
+            else f"{row['tuned_vs_default']:.3f} ({row['tuned_vs_default_paired']:.3f})"
+        )
         lines.append(
             f"| {row['shape']} | {row['parameters'] / 1e6:.2f}M | {row['tuned']} | {row['best_fixed']} | "
-            f"{row['tuned_vs_best_fixed']:.3f} | {default} | {row['tuning_steps']} | "
+            f"{row['tuned_vs_best_fixed']:.3f} ({row['tuned_vs_best_fixed_paired']:.3f}) | {default} | "
+            f"{row['tuning_steps']} | "
             f"{100 * row['tuning_cost_of_2000_steps']:.2f}% | {times} |"
         )
     return "\n".join(lines)
