@@ -479,7 +479,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 # setting interleaved (DDP re-wrapped between samples): the tuned setting's throughput relative to the best
 # fixed candidate and to the 25 MB default, and what tuning cost relative to a 2,000-step run.
 
-FUSION_SHAPES = "many-small:256:256:24,few-large:1024:2048:2"
+FUSION_SHAPES = "many-small:256:256:24,few-large:1024:2048:3"
 FUSION_REFERENCE_RUN_STEPS = 2000
 
 
@@ -636,6 +636,7 @@ def run_fusion_shape(shape: tuple[str, int, int, int], args: argparse.Namespace)
         "tuned": report["tuned"],
         "best_fixed": best_fixed,
         "ms_per_step": {label: 1000 * seconds for label, seconds in step_s.items()},
+        "samples_ms": {label: [round(1000 * v, 2) for v in values] for label, values in report["samples_s"].items()},
         # throughput ratios (tuned / other): from the medians, and paired round by round
         "tuned_vs_best_fixed": fixed[best_fixed] / tuned_s,
         "tuned_vs_default": step_s[default_label] / tuned_s if default_label in step_s else None,

@@ -372,3 +372,20 @@ def test_tuning_with_aggregation_rewraps_only_between_optimizer_steps(tmp_path):
     assert runs[0]["result"]["complete"]
     assert torch.equal(flat(weights[0]), flat(weights[1]))
     assert math.isfinite(flat(weights[0]).sum())
+
+
+def test_a_run_that_ends_while_tuning_reports_the_best_so_far_and_caches_nothing(tmp_path):
+    times = {BucketSetting(s): t for s, t in ((1.0, 0.9), (4.0, 0.5), (25.0, 0.7))}
+    clock = FakeClock(times)
+    settings = AutotuneSettings(candidates_mb=(1, 4, 25), steps_per_sample=2, warmup_steps=1)
+    tuner = FusionAutotuner(settings, None, None, tmp_path / "cache.json", "key", clock=clock)
+    clock.setting = tuner.initial_setting
+    tuner.start()
+    for step in range(16):  # the first round only
+        if (setting := tuner.on_step_boundary(step)) is not None:
+            clock.setting = setting
+        clock.step()
+    assert tuner.tuning
+    result = tuner.finish_early()
+    assert result.setting == BucketSetting(4.0) and not result.complete
+    assert "best so far, not cached" in result.summary() and not (tmp_path / "cache.json").exists()
