@@ -140,13 +140,13 @@ class AutotuneSettings:
 
     @property
     def max_tuning_steps(self) -> int:
-        """Optimizer steps the search takes at most (it usually stops earlier)."""
+        """Optimizer steps the search takes at most (it usually stops earlier), not counting steps that span an
+        epoch end or a validation (they are not timed)."""
         sample = self.warmup_steps + self.steps_per_sample
-        extra = FIRST_SAMPLE_EXTRA_WARMUP
-        largest = max(self.candidates_mb + ((self.fixed_bucket_cap_mb,) if self.fixed_bucket_cap_mb else ()))
+        largest = self.fixed_bucket_cap_mb or max(self.candidates_mb)  # the most first-bucket candidates
         first = len(self.first_stage) * self.max_rounds * sample
         second = len(self.second_stage(largest)) * self.max_rounds * sample
-        return first + second + extra
+        return first + second + FIRST_SAMPLE_EXTRA_WARMUP
 
     def describe(self) -> dict[str, Any]:
         """The search space, as it enters the cache key."""
@@ -180,12 +180,14 @@ class CandidateRace:
     """Successive elimination over bucket settings, from one score (seconds per step) per sample.
 
     :meth:`next_setting` says what to measure next (None: decided), :meth:`record` takes its score. Rounds
-    visit the remaining candidates in alternating order. After each round from ``min_rounds`` on, candidates
-    slower than the best by more than two standard errors (:meth:`margin`, from ``noise``: the median relative
-    deviation of samples from their candidate's median, at least ``noise_floor``) are dropped; the race ends
-    with one candidate left, with all finalists within ``tolerance`` of the best (a difference not worth more
-    steps), or after ``max_rounds``. After the first round, with one sample each, only candidates slower than
-    the best by more than ``first_round_margin`` are dropped."""
+    visit the remaining candidates in alternating order. Candidates are compared *paired*: by the median over
+    the rounds that measured both of the ratio of their scores (:meth:`ratio`), so that a change of the
+    machine's load between rounds cancels. After each round from ``min_rounds`` on, candidates slower than the
+    leader by more than two standard errors (:meth:`margin`, from ``noise``: the median relative deviation of
+    the paired ratios, at least ``noise_floor``) are dropped; the race ends with one candidate left, with all
+    finalists within ``tolerance`` of the leader (a difference not worth more steps), or after ``max_rounds``.
+    After the first round, with one sample each, only candidates slower than the leader by more than
+    ``first_round_margin`` are dropped."""
 
     def __init__(
         self,
@@ -201,6 +203,7 @@ class CandidateRace:
             raise ValueError("CandidateRace needs at least one candidate")
         self.live = list(candidates)
         self.samples: dict[BucketSetting, list[float]] = {c: [] for c in candidates}
+        self.by_round: dict[BucketSetting, dict[int, float]] = {c: {} for c in candidates}
         self.min_rounds, self.max_rounds, self.noise_floor = min_rounds, max_rounds, noise_floor
         self.preferred = preferred
         self.first_round_margin, self.tolerance = first_round_margin, tolerance
@@ -222,42 +225,63 @@ class CandidateRace:
             raise RuntimeError(f"CandidateRace: expected a sample of {self._queue[:1]}, got {setting}")
         self._queue.pop(0)
         self.samples[setting].append(seconds_per_step)
+        self.by_round[setting][self.round] = seconds_per_step
 
     def median(self, setting: BucketSetting) -> float:
-        samples = [s for s in self.samples[setting] if math.isfinite(s)]
+        """The median of ``setting``'s scores (seconds per step), for reports."""
+        samples = [s for s in self.samples.get(setting, ()) if math.isfinite(s)]
         return statistics.median(samples) if samples else math.inf
+
+    def _ratios(self, setting: BucketSetting, reference: BucketSetting) -> list[float]:
+        mine, theirs = self.by_round.get(setting, {}), self.by_round.get(reference, {})
+        return [mine[r] / theirs[r] for r in mine if r in theirs and theirs[r] > 0]
+
+    def ratio(self, setting: BucketSetting, reference: BucketSetting) -> float:
+        """Median over the rounds that measured both of ``setting``'s score / ``reference``'s (1.05: 5% slower);
+        inf when they share no round."""
+        if setting == reference:
+            return 1.0
+        ratios = self._ratios(setting, reference)
+        return statistics.median(ratios) if ratios else math.inf
+
+    def leader(self) -> BucketSetting:
+        """The fastest remaining candidate: the lowest median, unless another is faster paired with it."""
+        leader = min(self.live, key=self.median)
+        challenger = min(self.live, key=lambda c: self.ratio(c, leader))
+        return challenger if self.ratio(challenger, leader) < 1 else leader
 
     @property
     def noise(self) -> float:
-        deviations = []
-        for setting, samples in self.samples.items():
-            middle = self.median(setting)
-            deviations += [abs(s - middle) / middle for s in samples if len(samples) > 1 and math.isfinite(s)]
+        """The median relative deviation of paired ratios (against the leader) from their median."""
+        leader, deviations = self.leader(), []
+        for setting in self.samples:
+            ratios = self._ratios(setting, leader) if setting != leader else []
+            if len(ratios) > 1:
+                middle = statistics.median(ratios)
+                deviations += [abs(r - middle) / middle for r in ratios]
         return max(self.noise_floor, statistics.median(deviations) if deviations else 0.0)
 
-    def margin(self, setting: BucketSetting, fastest: BucketSetting) -> float:
-        """How much slower than ``fastest`` (relative) ``setting`` may measure and still be as fast: two standard
-        errors of the difference of their medians, from the pooled noise."""
-        n, m = len(self.samples[setting]), len(self.samples[fastest])
-        return 2 * self.noise * math.sqrt(1 / max(n, 1) + 1 / max(m, 1))
+    def margin(self, setting: BucketSetting, leader: BucketSetting) -> float:
+        """How much slower than ``leader`` (relative) ``setting`` may measure and still be as fast: two standard
+        errors of their paired ratio."""
+        return 2 * self.noise / math.sqrt(max(len(self._ratios(setting, leader)), 1))
 
     def best(self) -> BucketSetting:
-        """The fastest remaining candidate; the preferred one where it is within ``tolerance`` of it."""
-        fastest = min(self.live, key=self.median)
-        preferred = self.preferred
-        if preferred in self.live and self.median(preferred) <= self.median(fastest) * (1 + self.tolerance):
+        """The leader; the preferred candidate where it is within ``tolerance`` of it."""
+        leader, preferred = self.leader(), self.preferred
+        if preferred in self.live and self.ratio(preferred, leader) <= 1 + self.tolerance:
             return preferred
-        return fastest
+        return leader
 
     def _end_round(self) -> None:
         self.round += 1
         if self.round == 1 and self.round < self.min_rounds:
-            fastest = min(self.median(c) for c in self.live)
-            self.live = [c for c in self.live if self.median(c) <= fastest * (1 + self.first_round_margin)]
+            leader = self.leader()
+            self.live = [c for c in self.live if self.ratio(c, leader) <= 1 + self.first_round_margin]
         if self.round >= self.min_rounds or len(self.live) == 1:
-            fastest = min(self.live, key=self.median)
-            self.live = [c for c in self.live if self.median(c) <= self.median(fastest) * (1 + self.margin(c, fastest))]
-            close = all(self.median(c) <= self.median(fastest) * (1 + self.tolerance) for c in self.live)
+            leader = self.leader()
+            self.live = [c for c in self.live if self.ratio(c, leader) <= 1 + self.margin(c, leader)]
+            close = all(self.ratio(c, leader) <= 1 + self.tolerance for c in self.live)
             if len(self.live) == 1 or close or self.round >= self.max_rounds:
                 self.winner = self.best()
                 return
@@ -328,10 +352,14 @@ class FusionResult:
     tuning_s: float = 0.0  # wall time of the tuning steps, re-wraps included
     from_cache: bool = False
     complete: bool = True
+    paired_gain: float | None = None  # the default's step time / the chosen one's, paired round by round
 
     @property
     def gain(self) -> float | None:
-        """Default step time / chosen step time (1.10: 10% more steps per second)."""
+        """Default step time / chosen step time (1.10: 10% more steps per second): paired within rounds where
+        measured so, else the ratio of the medians."""
+        if self.paired_gain is not None and math.isfinite(self.paired_gain):
+            return self.paired_gain
         if not self.step_s or not self.default_step_s:
             return None
         return self.default_step_s / self.step_s
@@ -588,10 +616,23 @@ class FusionAutotuner:
             tuning_steps=self._steps,
             tuning_s=self.clock() - self._started_at,
             complete=complete,
+            paired_gain=self._paired_gain(winner, default) if self.collectives.is_decider else None,
         )
         self._race = self._first_stage = None
         if complete and self.collectives.is_decider and self.cache_path is not None and self.cache_key is not None:
             store_cached(self.cache_path, self.cache_key, self.result.cache_entry())
+
+    def _paired_gain(self, winner: BucketSetting, default: BucketSetting) -> float | None:
+        """default / winner step time, paired: through the winner's uniform size when its first bucket differs
+        (measured against the default in the first stage, against the winner in the second)."""
+        first, second = self._first_stage, self._race
+        uniform = BucketSetting(winner.bucket_cap_mb)
+        if first is None or default not in first.samples or uniform not in first.samples:
+            return None
+        gain = first.ratio(default, uniform)
+        if winner != uniform:
+            gain = gain * second.ratio(uniform, winner) if second is not None and second is not first else math.inf
+        return gain if math.isfinite(gain) else None
 
     def _log_row(self, sample: _Sample, score: float) -> None:
         if self.log_path is None:

@@ -31,12 +31,14 @@ A, B, C, DEFAULT = (BucketSetting(size) for size in (1.0, 4.0, 16.0, 25.0))
 
 
 def race_with(times, rounds=(2, 4), noise_floor=0.01, preferred=DEFAULT, jitter=None):
-    """Run a race where setting ``s`` measures ``times[s]`` (times ``jitter[k]`` on its k-th sample)."""
+    """Run a race where setting ``s`` measures ``times[s]`` times ``jitter[k]`` on its k-th sample (``jitter``: a
+    list for all settings, the same load in a round; or a list per setting)."""
     race = CandidateRace(list(times), *rounds, noise_floor, preferred=preferred)
     seen = {s: 0 for s in times}
     order = []
     while (setting := race.next_setting()) is not None:
-        factor = jitter[seen[setting] % len(jitter)] if jitter else 1.0
+        factors = (jitter.get(setting, [1.0]) if isinstance(jitter, dict) else jitter) or [1.0]
+        factor = factors[seen[setting] % len(factors)]
         race.record(setting, times[setting] * factor)
         seen[setting] += 1
         order.append(setting)
@@ -52,12 +54,14 @@ def test_the_race_interleaves_drops_the_slow_and_stops_once_one_is_left():
 
 
 def test_the_race_remeasures_finalists_and_is_bounded_by_max_rounds():
-    # B and C 3% apart with 4% jitter: neither dropped nor within noise after round 2 -> measured again
-    race, order = race_with({A: 2.0, B: 1.0, C: 1.03}, rounds=(2, 5), jitter=[1.0, 1.04, 1.0])
+    # B and C 3% apart with 4% noise of their own: neither dropped nor within tolerance after round 2
+    jitter = {B: [1.0, 1.04, 1.0], C: [1.04, 1.0, 1.0]}
+    race, order = race_with({A: 2.0, B: 1.0, C: 1.03}, rounds=(2, 5), jitter=jitter)
     assert race.winner == B and race.round <= 5
     assert order.count(A) == 2 and order.count(B) > 2
-    # 10% apart with 6.5% noise after two rounds: kept, not close; the third round is the last
-    race, order = race_with({A: 1.0, B: 1.1}, rounds=(2, 3), noise_floor=0.0, jitter=[1.0, 1.14, 1.0, 1.0])
+    # 10% apart, paired ratios 1.1 x (1 +- 0.12): kept, not close; the third round is the last
+    jitter = {A: [1.0, 1.12, 1.0], B: [1.12, 1.0, 1.0]}
+    race, order = race_with({A: 1.0, B: 1.1}, rounds=(2, 3), noise_floor=0.0, jitter=jitter)
     assert race.round == 3 and len(order) == 6 and race.winner == A
 
 
@@ -76,6 +80,13 @@ def test_one_burst_of_contention_does_not_decide_the_race():
     while (setting := race.next_setting()) is not None:
         race.record(setting, next(samples[setting]))
     assert race.winner == B and race.round >= 3  # measured again rather than decided on the burst
+
+
+def test_a_load_change_between_rounds_cancels_in_the_paired_comparison():
+    # the second round runs 50% slower for everyone (another job took the CPU): B is still 3% faster than C
+    race, order = race_with({B: 1.0, C: 1.03, DEFAULT: 1.2}, rounds=(2, 4), jitter=[1.0, 1.5])
+    assert race.winner == B and race.round == 2 and len(order) == 6
+    assert race.ratio(C, B) == pytest.approx(1.03) and race.noise == 0.01  # the floor: no noise left
 
 
 def test_within_noise_the_default_is_kept():
