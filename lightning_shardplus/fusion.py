@@ -368,13 +368,14 @@ class FusionResult:
         """One readable line: chosen size, its step time, the default's, the gain."""
         if self.from_cache:
             return f"shardplus: tensor fusion: bucket {self.setting.label} from the autotune cache (no search)"
-        chosen = f"{1000 * self.step_s:.2f} ms/step" if self.step_s else "unmeasured"
+        chosen = f"{1000 * self.step_s:.2f} ms/step (median)" if self.step_s else "unmeasured"
         default = (
             f"{1000 * self.default_step_s:.2f} ms/step at the {DEFAULT_BUCKET_CAP_MB:g} MB default"
             if self.default_step_s
             else "the default not measured"
         )
-        gain = f", {100 * (self.gain - 1):+.1f}% steps/s" if self.gain else ""
+        paired = " (paired round by round)" if self.paired_gain is not None else ""
+        gain = f", {100 * (self.gain - 1):+.1f}% steps/s{paired}" if self.gain else ""
         status = "" if self.complete else " (training ended before the search did: best so far, not cached)"
         return (
             f"shardplus: tensor fusion tuned: bucket {self.setting.label}: {chosen} vs {default}{gain}; "

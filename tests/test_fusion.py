@@ -141,8 +141,8 @@ def test_the_autotuner_finds_the_fastest_logs_each_sample_and_caches(tmp_path):
     assert result.gain == pytest.approx(0.7 / 0.45) and result.complete
     assert step <= settings.max_tuning_steps and result.tuning_steps == step - 1  # steps that ended
     line = result.summary()
-    assert "bucket 4 MB (first bucket 1 MB): 450.00 ms/step vs 700.00 ms/step at the 25 MB default" in line
-    assert "+55.6% steps/s" in line
+    assert "bucket 4 MB (first bucket 1 MB): 450.00 ms/step (median) vs 700.00 ms/step at the 25 MB default" in line
+    assert "+55.6% steps/s (paired round by round)" in line
     rows = list(csv.DictReader(open(tmp_path / "log.csv")))
     assert len(rows) == tuner.samples_taken and rows[0]["bucket_cap_mb"] == "1" and rows[0]["timed_steps"] == "3"
     assert {row["stage"] for row in rows} == {"bucket", "first_bucket"}
