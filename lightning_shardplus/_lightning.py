@@ -386,3 +386,23 @@ def logs_this_step(trainer: pl.Trainer) -> bool:
 # ==========================================================================================================
 
 TRAIN_DATALOADER_NEXT = "[_TrainingEpochLoop].train_dataloader_next"
+
+
+# ---------------------------------------------------------------- DDP re-wrap (fusion autotuning)
+
+
+def rewrap_ddp(strategy: Any, ddp_kwargs: dict[str, Any]) -> None:
+    """Wrap the LightningModule in a new ``DistributedDataParallel`` built with ``ddp_kwargs`` merged into the
+    strategy's (``None`` values remove a key): the way ``DDPStrategy.configure_ddp`` wraps it, through the
+    private ``_setup_model`` and ``_ddp_kwargs``. A collective: every rank must call it at the same step."""
+    set_ddp_kwargs(strategy, ddp_kwargs)
+    strategy.model = strategy._setup_model(strategy.lightning_module)
+
+
+def set_ddp_kwargs(strategy: Any, ddp_kwargs: dict[str, Any]) -> None:
+    """Merge ``ddp_kwargs`` into the keyword arguments the strategy gives DDP (private ``_ddp_kwargs``)."""
+    for key, value in ddp_kwargs.items():
+        if value is None:
+            strategy._ddp_kwargs.pop(key, None)
+        else:
+            strategy._ddp_kwargs[key] = value

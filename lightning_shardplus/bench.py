@@ -697,6 +697,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="with --sampler: largest N run with torch's DistributedSampler, which materializes the whole "
         "permutation as a Python list (about 50 bytes per sample: 5 GB at 1e8; default 1e8)",
     )
+    _add_fusion_arguments(parser)
     args = parser.parse_args(argv)
     for name, value in (QUICK if args.quick else FULL).items():
         if getattr(args, name) is None:
@@ -743,10 +744,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         report = json.loads(args.from_json.read_text())
     elif args.sampler:
         report = run_sampler(args)
+    elif args.fusion:
+        report = run_fusion(args)
     else:
         report = run(select_configs(args.configs), args)
     if "sampler_rows" in report:
         print(format_sampler_table(report))
+    elif "fusion_rows" in report:
+        print(format_fusion_table(report))
     else:
         print(format_table(report))
         print()
@@ -763,6 +768,231 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2))
     return report
+
+
+
+# ---------------------------------------------------------------------------------------------------- --fusion
+#
+# Tensor-fusion autotuning: per model shape, one fit on --devices CPU ranks that tunes the bucket size
+# (auto_tune_tensor_fusion, no cache) and then, in the same processes, measures the fixed candidates and the tuned
+# setting interleaved (DDP re-wrapped between samples): the tuned setting's throughput relative to the best
+# fixed candidate and to the 25 MB default, and what tuning cost relative to a 2,000-step run.
+
+FUSION_SHAPES = "many-small:256:256:24,few-large:1024:2048:3"
+FUSION_REFERENCE_RUN_STEPS = 2000
+
+
+def _fusion_shapes(text: str) -> list[tuple[str, int, int, int]]:
+    """``name:input_dim:hidden_dim:layers,...``."""
+    shapes = []
+    for item in text.split(","):
+        name, *numbers = item.strip().split(":")
+        if len(numbers) != 3 or not all(n.isdigit() and int(n) > 0 for n in numbers):
+            raise argparse.ArgumentTypeError(f"{item!r}: expected name:input_dim:hidden_dim:layers")
+        shapes.append((name, *(int(n) for n in numbers)))
+    return shapes
+
+
+class _InterleavedBuckets(Callback):
+    """Once tuning is over: samples of ``warmup + steps`` optimizer steps under each setting (the fixed candidates
+    and the tuned one), in rounds of alternating order, DDP re-wrapped between samples; then stops the fit.
+    A sample's time is the median step on each rank, MAX over ranks; rank 0 writes them to ``out``."""
+
+    def __init__(self, candidates_mb: list[float], steps: int, warmup: int, rounds: int, out: Path) -> None:
+        self.candidates_mb, self.steps, self.warmup, self.rounds, self.out = candidates_mb, steps, warmup, rounds, out
+        self.schedule: list[Any] | None = None
+        self.samples: list[list[float]] = []
+        self.boundaries = 0
+        self.last = 0.0
+        self.done = False
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, i: int) -> None:
+        from lightning_shardplus.fusion import BucketSetting
+
+        strategy = trainer.strategy
+        assert isinstance(strategy, ShardPlusStrategy)
+        if strategy.fusion_result is None or i % trainer.accumulate_grad_batches:
+            return
+        now = time.perf_counter()
+        last, self.last = self.last, now
+        if self.schedule is None:  # the first step after tuning
+            fixed = [BucketSetting(size) for size in self.candidates_mb]
+            tuned = strategy.fusion_result.setting
+            settings = fixed + ([tuned] if tuned not in fixed else [])
+            self.settings = settings
+            self.schedule = [s for r in range(self.rounds) for s in (settings if r % 2 == 0 else settings[::-1])]
+            self.samples = [[] for _ in self.schedule]
+            strategy.rewrap_ddp(self.schedule[0])
+            return
+        if self.done:
+            return
+        # boundary k ends step k after the first re-wrap: step k belongs to sample (k - 1) // length
+        self.boundaries += 1
+        length = self.warmup + self.steps
+        sample, position = divmod(self.boundaries - 1, length)
+        if position >= self.warmup and i > 0:  # a step that spans an epoch end is not timed
+            self.samples[sample].append(now - last)
+        if self.boundaries % length == 0:
+            following = self.boundaries // length
+            if following == len(self.schedule):
+                self.done = trainer.should_stop = True
+            elif self.schedule[following] != self.schedule[following - 1]:
+                strategy.rewrap_ddp(self.schedule[following])
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        assert self.schedule is not None, "tuning did not finish: raise max_steps"
+        assert self.done, "the interleaved measurement did not finish: raise max_steps"
+        medians = [statistics.median(s) if s else 0.0 for s in self.samples]
+        tensor = torch.tensor(medians, dtype=torch.float64)
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        if trainer.is_global_zero:
+            result = trainer.strategy.fusion_result
+            per_setting: dict[str, list[float]] = {}
+            for setting, seconds in zip(self.schedule, tensor.tolist(), strict=False):
+                per_setting.setdefault(setting.label, []).append(seconds)
+            self.out.write_text(
+                json.dumps(
+                    {
+                        "settings": [s.label for s in self.settings],
+                        "tuned": result.setting.label,
+                        "samples_s": per_setting,
+                        "tuning_steps": result.tuning_steps,
+                        "tuning_s": result.tuning_s,
+                        "tuning_step_ms": None if result.step_s is None else 1000 * result.step_s,
+                        "summary": result.summary(),
+                    }
+                )
+            )
+
+
+def run_fusion_shape(shape: tuple[str, int, int, int], args: argparse.Namespace) -> dict[str, Any]:
+    """Tune, then measure interleaved, on one model shape; returns the row."""
+    from lightning_shardplus.fusion import DEFAULT_CANDIDATES_MB, AutotuneSettings
+
+    name, input_dim, hidden_dim, layers = shape
+    candidates = list(args.fusion_candidates or DEFAULT_CANDIDATES_MB)
+    with tempfile.TemporaryDirectory() as tmp:
+        out, log = Path(tmp) / "fusion.json", Path(tmp) / "samples.csv"
+        pl.seed_everything(0, verbose=False)
+        strategy = ShardPlusStrategy(
+            start_method="fork",
+            auto_tune_tensor_fusion=True,
+            autotune_candidates_mb=candidates,
+            autotune_steps_per_sample=args.fusion_steps,
+            autotune_warmup_steps=args.fusion_warmup,
+            autotune_cache=False,
+            autotune_log=str(log),
+        )
+        settings = AutotuneSettings(
+            candidates_mb=tuple(candidates), steps_per_sample=args.fusion_steps, warmup_steps=args.fusion_warmup
+        )
+        measured = (len(candidates) + 1) * args.fusion_rounds * (args.fusion_warmup + args.fusion_steps)
+        max_steps = settings.max_tuning_steps + measured + 10
+        model = ClassifierModule(input_dim=input_dim, hidden_dims=[hidden_dim] * layers)
+        parameters = sum(p.numel() for p in model.parameters())
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            devices=args.devices,
+            strategy=strategy,
+            max_steps=max_steps,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            limit_val_batches=0,
+            callbacks=[
+                _InterleavedBuckets(candidates, args.fusion_steps, args.fusion_warmup, args.fusion_rounds, out),
+                *([_Threads(args.threads)] if args.threads else []),
+            ],
+        )
+        datamodule = SyntheticDataModule(
+            global_batch_size=args.global_batch_size,
+            num_samples=args.global_batch_size * (max_steps + 1),
+            val_samples=0,
+            input_shape=(input_dim,),
+        )
+        trainer.fit(model, datamodule)
+        report = json.loads(out.read_text())
+        report["csv"] = log.read_text().splitlines()
+    step_s = {label: statistics.median(values) for label, values in report["samples_s"].items()}
+    fixed = {f"{size:g} MB": step_s[f"{size:g} MB"] for size in candidates}
+    best_fixed = min(fixed, key=fixed.__getitem__)
+    tuned_s = step_s[report["tuned"]]
+    default_label = "25 MB"
+    # What the tuning steps cost beyond running them all at the tuned speed (re-wraps and bucket rebuilds
+    # included), relative to a 2,000-step run; the tuned speed as measured while tuning, against the same drift.
+    during = report["tuning_step_ms"] / 1000 if report["tuning_step_ms"] else tuned_s
+    cost = (report["tuning_s"] - report["tuning_steps"] * during) / (FUSION_REFERENCE_RUN_STEPS * during)
+    def paired(label: str) -> float:
+        """Median over rounds of (label's step time / tuned step time) within the same round: drift cancels."""
+        rounds = zip(report["samples_s"][label], report["samples_s"][report["tuned"]], strict=True)
+        return statistics.median(other / tuned for other, tuned in rounds)
+
+    return {
+        "shape": name,
+        "parameters": parameters,
+        "tuned": report["tuned"],
+        "best_fixed": best_fixed,
+        "ms_per_step": {label: 1000 * seconds for label, seconds in step_s.items()},
+        "samples_ms": {label: [round(1000 * v, 2) for v in values] for label, values in report["samples_s"].items()},
+        # throughput ratios (tuned / other): from the medians, and paired round by round
+        "tuned_vs_best_fixed": fixed[best_fixed] / tuned_s,
+        "tuned_vs_default": step_s[default_label] / tuned_s if default_label in step_s else None,
+        "tuned_vs_best_fixed_paired": paired(best_fixed),
+        "tuned_vs_default_paired": paired(default_label) if default_label in step_s else None,
+        "tuning_steps": report["tuning_steps"],
+        "tuning_cost_of_2000_steps": cost,
+        "samples_per_setting": len(next(iter(report["samples_s"].values()))),
+        "csv_rows": len(report["csv"]) - 1,
+        "csv": report["csv"],
+        "summary": report["summary"],
+    }
+
+
+def run_fusion(args: argparse.Namespace) -> dict[str, Any]:
+    rows = [run_fusion_shape(shape, args) for shape in args.fusion_shapes]
+    settings = {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()}
+    return {"settings": settings, "fusion_rows": rows}
+
+
+def _add_fusion_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--fusion", action="store_true",
+        help="benchmark tensor-fusion autotuning instead (see the end of this module): per --fusion-shapes, tune, "
+        "then measure the fixed candidates and the tuned setting interleaved",
+    )
+    parser.add_argument("--fusion-shapes", type=_fusion_shapes, default=_fusion_shapes(FUSION_SHAPES),
+                        help=f"with --fusion: name:input_dim:hidden_dim:layers,... (default {FUSION_SHAPES})")
+    parser.add_argument("--fusion-candidates", type=lambda t: [float(v) for v in t.split(",")], default=None,
+                        help="with --fusion: candidate bucket sizes in MB (default: the strategy's)")
+    parser.add_argument("--fusion-steps", type=int, default=8, help="with --fusion: timed steps per sample (8)")
+    parser.add_argument("--fusion-warmup", type=int, default=1, help="with --fusion: untimed steps per sample (1)")
+    parser.add_argument("--fusion-rounds", type=int, default=5,
+                        help="with --fusion: interleaved rounds measured after tuning (default 5)")
+
+
+def format_fusion_table(report: dict[str, Any]) -> str:
+    lines = [
+        "| shape | parameters | tuned | best fixed | tuned / best fixed (throughput; paired) | tuned / 25 MB (paired) "
+        "| tuning steps "
+        f"| tuning cost (of a {FUSION_REFERENCE_RUN_STEPS}-step run) | ms/step per setting |",
+        "|---|---:|---|---|---:|---:|---:|---:|---|",
+    ]
+    for row in report["fusion_rows"]:
+        times = ", ".join(f"{label}: {ms:.1f}" for label, ms in row["ms_per_step"].items())
+        default = (
+            "-"
+            if row["tuned_vs_default"] is None
+            else f"{row['tuned_vs_default']:.3f} ({row['tuned_vs_default_paired']:.3f})"
+        )
+        lines.append(
+            f"| {row['shape']} | {row['parameters'] / 1e6:.2f}M | {row['tuned']} | {row['best_fixed']} | "
+            f"{row['tuned_vs_best_fixed']:.3f} ({row['tuned_vs_best_fixed_paired']:.3f}) | {default} | "
+            f"{row['tuning_steps']} | "
+            f"{100 * row['tuning_cost_of_2000_steps']:.2f}% | {times} |"
+        )
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -3,13 +3,14 @@ aggregation, gradient compression and tuned fusion.
 
 The strategy validates its arguments and wires the algorithm modules into Lightning's hooks; the algorithms
 themselves live in :mod:`lightning_shardplus.sharding`, :mod:`lightning_shardplus.aggregation`,
-:mod:`lightning_shardplus.compression` and :mod:`lightning_shardplus.metrics` (fusion autotuning: later).
+:mod:`lightning_shardplus.compression`, :mod:`lightning_shardplus.metrics` and :mod:`lightning_shardplus.fusion`.
 """
 
 from __future__ import annotations
 
 import inspect
 import logging
+import math
 import os
 from collections.abc import Callable
 from datetime import timedelta
@@ -33,7 +34,7 @@ from torch.optim import Optimizer
 from torch.utils.data import DataLoader, DistributedSampler, Sampler
 from typing_extensions import override
 
-from lightning_shardplus import _lightning, aggregation, compression, sharding
+from lightning_shardplus import _lightning, aggregation, compression, fusion, sharding
 from lightning_shardplus._validation import check_bool, check_choice, check_int, check_positive_number
 from lightning_shardplus.callbacks import VerifySharding
 from lightning_shardplus.compression import GRADIENT_COMPRESSIONS, CommunicationHookWrapper, GradientCompression
@@ -105,7 +106,23 @@ class ShardPlusStrategy(DDPStrategy):
             evaluated exactly once; False keeps Lightning's padded ``DistributedSampler``.
         verify_sharding: debug aid: at the end of each training epoch the ranks check together that their
             shards were disjoint and covered the dataset.
-        tensor_fusion_threshold_mb: DDP's gradient bucket size (``bucket_cap_mb``).
+        tensor_fusion_threshold_mb: DDP's gradient bucket size (``bucket_cap_mb``); None: 25 MB, or the tuned
+            size with ``auto_tune_tensor_fusion``. A size given here is kept as it is, also when tuning.
+        auto_tune_tensor_fusion: choose the bucket size by measuring the first optimizer steps of training under
+            each of ``autotune_candidates_mb`` (25 MB among them), DDP re-wrapped between samples; training goes
+            on with the fastest, and the result is cached (``autotune_cache``) so that the next run with the same
+            model, world size, device, backend and torch starts tuned. With a ``tensor_fusion_threshold_mb`` of
+            your own only the first bucket is tuned. See :mod:`lightning_shardplus.fusion`.
+        autotune_log: CSV file with one row per measured sample (written by rank 0).
+        autotune_candidates_mb: bucket sizes raced (default 1, 4, 16, 25, 64 MB).
+        autotune_first_bucket_candidates_mb: sizes of the first bucket raced against a uniform size once the
+            bucket size is chosen (default 1 MB, DDP's own first bucket; torch >= 2.13, ``bucket_cap_mb_list``).
+            An empty list tunes the bucket size only.
+        autotune_steps_per_sample: timed optimizer steps per sample (default 8).
+        autotune_warmup_steps: optimizer steps not timed after each re-wrap (default 1: DDP cuts its buckets
+            after the first step of a new wrapper).
+        autotune_cache: JSON cache of tuned results: True for ``~/.cache/lightning_shardplus/fusion.json``, a
+            path, or False to always search.
         average_training_metrics: values logged with ``on_step=True`` from ``training_step`` and the
             training-batch hooks are replaced by their batch-weighted mean over all ranks (``sync_dist=True``
             sum/max/min values by that reduction) before loggers, the progress bar or ``callback_metrics`` see
@@ -144,7 +161,14 @@ class ShardPlusStrategy(DDPStrategy):
         shuffle_seed: int | None = None,
         exact_evaluation: bool = True,
         verify_sharding: bool = False,
-        tensor_fusion_threshold_mb: float = 25.0,
+        tensor_fusion_threshold_mb: float | None = None,
+        auto_tune_tensor_fusion: bool = False,
+        autotune_log: str | None = None,
+        autotune_candidates_mb: list[float] | None = None,
+        autotune_first_bucket_candidates_mb: list[float] | None = None,
+        autotune_steps_per_sample: int = 8,
+        autotune_warmup_steps: int = 1,
+        autotune_cache: str | bool = True,
         average_training_metrics: bool = True,
         find_unused_parameters: bool = False,
         static_graph: bool = False,
@@ -173,7 +197,28 @@ class ShardPlusStrategy(DDPStrategy):
             check_int("shuffle_seed", shuffle_seed, minimum=0)
         check_bool("exact_evaluation", exact_evaluation)
         check_bool("verify_sharding", verify_sharding)
-        check_positive_number("tensor_fusion_threshold_mb", tensor_fusion_threshold_mb)
+        if tensor_fusion_threshold_mb is not None:
+            check_positive_number("tensor_fusion_threshold_mb", tensor_fusion_threshold_mb)
+        check_bool("auto_tune_tensor_fusion", auto_tune_tensor_fusion)
+        if autotune_log is not None and not isinstance(autotune_log, (str, os.PathLike)):
+            raise TypeError(f"`autotune_log`={autotune_log!r} is not valid: expected a file path or None.")
+        if not isinstance(autotune_cache, (bool, str, os.PathLike)):
+            raise TypeError(f"`autotune_cache`={autotune_cache!r} is not valid: expected True, False or a file path.")
+        # checks the search settings (candidates, steps) even when tuning is off: a YAML typo fails early
+        autotune_settings = fusion.AutotuneSettings(
+            candidates_mb=fusion.DEFAULT_CANDIDATES_MB if autotune_candidates_mb is None else autotune_candidates_mb,
+            first_bucket_candidates_mb=fusion.DEFAULT_FIRST_BUCKET_CANDIDATES_MB
+            if autotune_first_bucket_candidates_mb is None
+            else autotune_first_bucket_candidates_mb,
+            steps_per_sample=autotune_steps_per_sample,
+            warmup_steps=autotune_warmup_steps,
+            fixed_bucket_cap_mb=None if tensor_fusion_threshold_mb is None else float(tensor_fusion_threshold_mb),
+        )
+        if auto_tune_tensor_fusion and ddp_kwargs.get("bucket_cap_mb_list") is not None:
+            raise ValueError(
+                f"`bucket_cap_mb_list`={ddp_kwargs['bucket_cap_mb_list']!r} and `auto_tune_tensor_fusion`=True both "
+                "set DDP's bucket sizes: give one of them."
+            )
         check_bool("average_training_metrics", average_training_metrics)
         if "bucket_cap_mb" in ddp_kwargs:
             raise TypeError(
@@ -204,7 +249,9 @@ class ShardPlusStrategy(DDPStrategy):
             static_graph=static_graph,
             gradient_as_bucket_view=gradient_as_bucket_view,
             broadcast_buffers=broadcast_buffers,
-            bucket_cap_mb=float(tensor_fusion_threshold_mb),
+            bucket_cap_mb=fusion.DEFAULT_BUCKET_CAP_MB
+            if tensor_fusion_threshold_mb is None
+            else float(tensor_fusion_threshold_mb),
             **ddp_kwargs,
         )
         self.aggregation_frequency = aggregation_frequency
@@ -214,7 +261,14 @@ class ShardPlusStrategy(DDPStrategy):
         self.shuffle_seed = shuffle_seed
         self.exact_evaluation = exact_evaluation
         self.verify_sharding = verify_sharding
-        self.tensor_fusion_threshold_mb = float(tensor_fusion_threshold_mb)
+        # the bucket size in use: 25 MB unless given, or the tuned one once tuning has decided
+        self.tensor_fusion_threshold_mb = self._ddp_kwargs["bucket_cap_mb"]
+        self.auto_tune_tensor_fusion = auto_tune_tensor_fusion
+        self.autotune_log = autotune_log
+        self.autotune_cache: str | bool = autotune_cache
+        self.autotune_settings = autotune_settings
+        self.fusion_result: fusion.FusionResult | None = None  # what tuning decided, on rank 0 with timings
+        self._fusion_tuner: fusion.FusionAutotuner | None = None
         # Set by ExactEvaluation while an evaluation epoch runs: logged values are reduced at its end instead.
         self.defer_logging_sync = False
         self._compression: compression.CastCompression | compression.PowerSGDCompression | None = None
@@ -371,6 +425,8 @@ class ShardPlusStrategy(DDPStrategy):
     @override
     def on_validation_start(self) -> None:
         super().on_validation_start()
+        if self._fusion_tuner is not None:
+            self._fusion_tuner.interrupt()  # the training step in progress is not timed
         self._share_rank_zero_buffers()
 
     # Evaluation runs the LightningModule directly, not through the DDP forward: there are no gradients to
@@ -419,6 +475,7 @@ class ShardPlusStrategy(DDPStrategy):
         self._user_accumulate_grad_batches = None
         self._compression_checkpoint = None
         self._sampler_checkpoint, self._sampler_states_used = None, 0
+        self._fusion_tuner = None
         super().teardown()
 
     # ------------------------------------------------------------------ aggregation
@@ -457,6 +514,7 @@ class ShardPlusStrategy(DDPStrategy):
             f"({'mean' if self.average_aggregated_gradients else 'sum'} of aggregated gradients); "
             f"gradient compression {self.gradient_compression!r}"
         )
+        self._start_fusion_tuning()
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
@@ -465,6 +523,7 @@ class ShardPlusStrategy(DDPStrategy):
             # Lightning reads the training loaders' lengths once per fit; after a mid-epoch resume on another
             # world size or batch size, the resumed epoch and the next have different lengths.
             _lightning.refresh_training_batch_count(self.lightning_module.trainer)
+        self._tune_fusion_at_step_boundary(batch_idx)
 
     @override
     def optimizer_step(
@@ -498,6 +557,117 @@ class ShardPlusStrategy(DDPStrategy):
             return result
 
         return closure_then_normalize
+
+    # ------------------------------------------------------------------ tensor fusion
+
+    @override
+    def configure_ddp(self) -> None:
+        """Wrap in DDP; with ``auto_tune_tensor_fusion``, with the cached tuned setting or the first candidate."""
+        self._fusion_tuner = None
+        trainer = self.lightning_module.trainer
+        if self.auto_tune_tensor_fusion and trainer.state.fn == TrainerFn.FITTING:
+            tuner = self._fusion_tuner = self._build_fusion_tuner()
+            self._set_bucket_setting(tuner.initial_setting)
+            self.fusion_result = tuner.result  # set when the cache had it (or there was nothing to search)
+        super().configure_ddp()
+
+    def _build_fusion_tuner(self) -> fusion.FusionAutotuner:
+        module = self.lightning_module
+        parameters = [p for p in module.parameters() if p.requires_grad]
+        # what the best bucket size depends on, beside the parameters, world size, device, backend and torch
+        extra = {
+            "search": self.autotune_settings.describe(),
+            "gradient_compression": self.gradient_compression,
+            "ddp_comm_hook": getattr(self._ddp_comm_hook, "__qualname__", None),
+            "micro_batches_per_step": self.micro_batches_per_step,
+            **{
+                k: self._ddp_kwargs.get(k)
+                for k in ("find_unused_parameters", "static_graph", "gradient_as_bucket_view")
+            },
+        }
+        key = fusion.cache_key(parameters, self.world_size, self.root_device.type, self._backend(), extra)
+        cache = fusion.DEFAULT_CACHE_PATH if self.autotune_cache is True else (self.autotune_cache or None)
+        return fusion.FusionAutotuner(
+            self.autotune_settings,
+            fusion.Collectives.torch_distributed(self.root_device),
+            log_path=self.autotune_log,
+            cache_path=cache,
+            cache_key=key,
+            gradient_bytes=sum(p.numel() * p.element_size() for p in parameters),
+        )
+
+    def _set_bucket_setting(self, setting: fusion.BucketSetting) -> None:
+        _lightning.set_ddp_kwargs(self, setting.ddp_kwargs())
+        self.tensor_fusion_threshold_mb = setting.bucket_cap_mb
+
+    def rewrap_ddp(self, setting: fusion.BucketSetting) -> None:
+        """Wrap the module in a new DDP with ``setting``'s bucket sizes and register the communication hook on it
+        again. A collective: call it on every rank at the same optimizer-step boundary (outside ``no_sync``)."""
+        self._set_bucket_setting(setting)
+        _lightning.rewrap_ddp(self, {})
+        self.register_communication_hook()
+
+    def _tune_fusion_at_step_boundary(self, batch_idx: int) -> None:
+        """While tuning: time the step that just ended and re-wrap DDP when the tuner moves to another setting."""
+        tuner = self._fusion_tuner
+        if tuner is None or not tuner.tuning:
+            return
+        trainer = self.lightning_module.trainer
+        if batch_idx % trainer.accumulate_grad_batches:
+            return  # inside an aggregation window: DDP is re-wrapped only between optimizer steps
+        # the step that ended at an epoch's first batch spans the epoch end: not timed
+        setting = tuner.on_step_boundary(trainer.global_step, counted=batch_idx > 0)
+        if setting is not None:
+            self.rewrap_ddp(setting)
+        if not tuner.tuning:
+            self._report_fusion(trainer)
+
+    def _start_fusion_tuning(self) -> None:
+        tuner = self._fusion_tuner
+        if tuner is None:
+            return
+        if not tuner.tuning:
+            self._report_fusion(self.lightning_module.trainer)
+            return
+        trainer = self.lightning_module.trainer
+        settings = self.autotune_settings
+        tuner.start(trainer.global_step)
+        sizes = settings.first_stage or [fusion.BucketSetting(self.tensor_fusion_threshold_mb)]
+        rank_zero_info(
+            f"shardplus: tuning the tensor-fusion bucket size among {', '.join(s.label for s in sizes)}: at most "
+            f"{settings.max_tuning_steps} optimizer steps"
+        )
+        total = trainer.estimated_stepping_batches
+        if math.isfinite(total) and total < settings.max_tuning_steps:
+            rank_zero_warn(
+                f"shardplus: this run has {int(total)} optimizer steps, tensor-fusion tuning may take up to "
+                f"{settings.max_tuning_steps}: it may end before tuning does (then nothing is cached). Give fewer "
+                "`autotune_candidates_mb` or a smaller `autotune_steps_per_sample`."
+            )
+
+    @override
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        tuner = self._fusion_tuner
+        if tuner is not None and tuner.tuning:
+            tuner.finish_early()
+            self._report_fusion(self.lightning_module.trainer)
+
+    def _report_fusion(self, trainer: pl.Trainer) -> None:
+        """The summary line, and the result to the Lightning loggers (rank 0, which holds the timings)."""
+        assert self._fusion_tuner is not None
+        result = self.fusion_result = self._fusion_tuner.result
+        if result is None:
+            return
+        where = []
+        if self.autotune_log and not result.from_cache:
+            where.append(f"samples in {self.autotune_log}")
+        if self._fusion_tuner.cache_path is not None and result.complete:
+            where.append(f"cache {self._fusion_tuner.cache_path}")
+        rank_zero_info(result.summary() + (f" ({'; '.join(where)})" if where else ""))
+        if self.is_global_zero:
+            for logger in trainer.loggers:
+                logger.log_metrics(result.metrics(), step=trainer.global_step)
 
     # ------------------------------------------------------------------ compression
 

@@ -115,3 +115,30 @@ def test_quick_fills_only_what_was_not_given_and_rows_of_missing_arguments_are_l
     names = [config.name for config in bench.default_configs()]
     assert ("autotune" in names) == bench.strategy_accepts(auto_tune_tensor_fusion=True)
     assert not bench.strategy_accepts(no_such_argument=True)
+
+
+@pytest.mark.timeout(120)
+def test_fusion_bench_tunes_then_measures_every_setting_interleaved(tmp_path, capsys):
+    report = bench.main(
+        [
+            "--fusion",
+            "--fusion-shapes=small:8:16:2,wide:16:32:1",
+            "--fusion-candidates=0.0002,0.001,25",
+            "--fusion-steps=2",
+            "--fusion-warmup=1",
+            "--fusion-rounds=2",
+            "--global-batch-size=8",
+            f"--json={tmp_path / 'fusion.json'}",
+        ]
+    )
+    rows = report["fusion_rows"]
+    assert [row["shape"] for row in rows] == ["small", "wide"]
+    for row in rows:
+        assert {"0.0002 MB", "0.001 MB", "25 MB"} <= set(row["ms_per_step"]) and row["tuned"] in row["ms_per_step"]
+        assert row["samples_per_setting"] == 2 and row["csv_rows"] >= 3  # each candidate at least once
+        assert row["tuned_vs_best_fixed"] > 0 and row["tuned_vs_default"] > 0 and row["tuning_steps"] > 0
+    table = capsys.readouterr().out
+    assert "| small | " in table and "tuned / best fixed" in table
+    assert (tmp_path / "fusion.json").exists()
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--fusion", "--fusion-shapes=small:8:16"])

@@ -209,3 +209,19 @@ def test_lightning_profiles_the_training_batch_fetch_under_the_action_name_the_s
     )
     trainer.fit(BoringModel())
     assert len(profiler.recorded_durations[_lightning.TRAIN_DATALOADER_NEXT]) == 3
+
+
+# ==========================================================================================================
+# Fusion autotuning: the re-wrap goes through DDPStrategy's private `_setup_model` and `_ddp_kwargs`.
+# ==========================================================================================================
+
+
+def test_ddp_is_wrapped_from_the_strategy_ddp_kwargs_by_setup_model():
+    assert "_setup_model" in vars(DDPStrategy)
+    assert "self.model = self._setup_model(self.model)" in inspect.getsource(DDPStrategy.configure_ddp)
+    assert "**self._ddp_kwargs" in inspect.getsource(DDPStrategy._setup_model)
+    strategy = ShardPlusStrategy(tensor_fusion_threshold_mb=4)
+    _lightning.set_ddp_kwargs(strategy, {"bucket_cap_mb": 8.0, "bucket_cap_mb_list": [1.0, 8.0]})
+    assert strategy._ddp_kwargs["bucket_cap_mb"] == 8.0 and strategy._ddp_kwargs["bucket_cap_mb_list"] == [1.0, 8.0]
+    _lightning.set_ddp_kwargs(strategy, {"bucket_cap_mb_list": None})
+    assert "bucket_cap_mb_list" not in strategy._ddp_kwargs

@@ -1,0 +1,659 @@
+"""Tensor-fusion autotuning: DDP's gradient bucket size (``bucket_cap_mb``) chosen by measuring real training
+steps.
+
+``ShardPlusStrategy(auto_tune_tensor_fusion=True)`` measures the first optimizer steps of training under each
+candidate bucket size and keeps the fastest. Nothing is thrown away: every measured step is a real training
+step; between samples DDP is re-wrapped with the next candidate on every rank at the same optimizer-step
+boundary (never inside an aggregation window), and the communication hook is registered again.
+
+How a decision is reached (Horovod's autotuner, made robust on a noisy machine and bounded in steps):
+
+- A *sample* is ``warmup_steps`` discarded optimizer steps after a re-wrap (DDP cuts its buckets after the first
+  step of a new wrapper; the run's first sample discards 2 more) followed by ``steps_per_sample`` timed steps.
+  A step's time is the wall time between the starts of consecutive optimizer steps (a window of
+  ``aggregation_frequency`` micro-batches); steps that span an epoch end or a validation are not counted. The
+  sample's score is the median step time on each rank, reduced with MAX across ranks (the slowest rank sets the
+  pace): one all_reduce per sample, not per step.
+- Candidates are raced in interleaved rounds (each round visits every remaining candidate, in reverse order
+  every other round, so the machine's drift spreads over all of them); a candidate's time is the median of its
+  samples. After the first round, candidates more than 50% slower than the best are dropped; from ``min_rounds``
+  on, those slower than the best by more than two standard errors (from the noise measured across samples),
+  and the finalists are measured again. The race stops as soon as one is left, when the finalists are within
+  ``tolerance`` (2%) of each other (a difference not worth more steps), or after ``max_rounds``. Within the
+  tolerance the default (or, for the first bucket, a uniform bucket size) is preferred: a change has to be
+  measurably better.
+- Where torch's DDP takes ``bucket_cap_mb_list`` (torch >= 2.13: per-bucket caps, in gradient-ready order) the
+  first bucket is raced next, with the chosen size for the others: a small first bucket lets the all-reduce
+  start before the backward pass ends.
+- Rank 0 decides and broadcasts the next setting (one broadcast per sample); it also writes one CSV row per
+  sample (``autotune_log``) and caches the result in a JSON file keyed by what determines it (parameter layout,
+  world size, device type, backend, torch version, communication hook, search space), so that the next run
+  with the same key starts with the tuned setting and does not search.
+
+This module knows nothing of the Trainer: the strategy calls :meth:`FusionAutotuner.on_step_boundary` at the
+start of each optimizer step and re-wraps DDP when it returns a setting. Collectives and the clock are passed
+in, so the search runs in one process in tests.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import inspect
+import json
+import math
+import os
+import statistics
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from lightning_shardplus._validation import check_int
+
+# torch's DDP bucket size when none is given; the strategy's `tensor_fusion_threshold_mb` default.
+DEFAULT_BUCKET_CAP_MB = 25.0
+DEFAULT_CANDIDATES_MB: tuple[float, ...] = (1.0, 4.0, 16.0, 25.0, 64.0)
+# DDP's own first bucket when `bucket_cap_mb` is not given (dist._DEFAULT_FIRST_BUCKET_BYTES)
+DEFAULT_FIRST_BUCKET_CANDIDATES_MB: tuple[float, ...] = (1.0,)
+DEFAULT_CACHE_PATH = Path("~/.cache/lightning_shardplus/fusion.json")
+# Untimed steps added to the first sample of a run: its first steps (data loading starts, allocations) are slower.
+FIRST_SAMPLE_EXTRA_WARMUP = 2
+# Whether this torch's DDP takes per-bucket caps (the first bucket can then be tuned on its own).
+SUPPORTS_FIRST_BUCKET = "bucket_cap_mb_list" in inspect.signature(DistributedDataParallel.__init__).parameters
+
+CSV_COLUMNS = (
+    "sample",
+    "stage",
+    "round",
+    "bucket_cap_mb",
+    "first_bucket_mb",
+    "first_step",
+    "timed_steps",
+    "step_ms",
+    "gradient_bytes_per_s",
+)
+
+
+@dataclass(frozen=True, order=True)
+class BucketSetting:
+    """What the autotuner sets on DDP: the bucket size, and optionally a different size for the first bucket
+    (the first to be all-reduced: the gradients ready first)."""
+
+    bucket_cap_mb: float
+    first_bucket_mb: float | None = None
+
+    def ddp_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments of ``DistributedDataParallel`` that give it this setting (None: leave it out)."""
+        caps = None if self.first_bucket_mb is None else [self.first_bucket_mb, self.bucket_cap_mb]
+        return {"bucket_cap_mb": self.bucket_cap_mb, "bucket_cap_mb_list": caps}
+
+    @property
+    def label(self) -> str:
+        size = f"{self.bucket_cap_mb:g} MB"
+        return size if self.first_bucket_mb is None else f"{size} (first bucket {self.first_bucket_mb:g} MB)"
+
+
+@dataclass(frozen=True)
+class AutotuneSettings:
+    """The search space and its budget; checked on construction (errors name the strategy argument)."""
+
+    candidates_mb: tuple[float, ...] = DEFAULT_CANDIDATES_MB
+    first_bucket_candidates_mb: tuple[float, ...] = DEFAULT_FIRST_BUCKET_CANDIDATES_MB
+    steps_per_sample: int = 8
+    warmup_steps: int = 1
+    min_rounds: int = 2
+    max_rounds: int = 4
+    noise_floor: float = 0.01
+    tolerance: float = 0.02  # finalists this close are as good as each other: stop
+    # after the first round, candidates this much slower than the best are dropped (one sample each: a wide margin)
+    first_round_margin: float = 0.5
+    # set by the user: only the first bucket is searched, with this size for the others
+    fixed_bucket_cap_mb: float | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "candidates_mb", _sizes("autotune_candidates_mb", self.candidates_mb, 1))
+        first = _sizes("autotune_first_bucket_candidates_mb", self.first_bucket_candidates_mb, 0)
+        object.__setattr__(self, "first_bucket_candidates_mb", first)
+        check_int("autotune_steps_per_sample", self.steps_per_sample, minimum=1)
+        check_int("autotune_warmup_steps", self.warmup_steps, minimum=1)
+        check_int("min_rounds", self.min_rounds, minimum=1)
+        check_int("max_rounds", self.max_rounds, minimum=self.min_rounds)
+
+    @property
+    def first_stage(self) -> list[BucketSetting]:
+        """The uniform bucket sizes raced first (none when the user fixed the size)."""
+        if self.fixed_bucket_cap_mb is not None:
+            return []
+        return [BucketSetting(size) for size in self.candidates_mb]
+
+    def second_stage(self, bucket_cap_mb: float) -> list[BucketSetting]:
+        """Uniform ``bucket_cap_mb`` and each smaller first bucket (empty where torch cannot set it)."""
+        smaller = [f for f in self.first_bucket_candidates_mb if f < bucket_cap_mb]
+        if not SUPPORTS_FIRST_BUCKET or not smaller:
+            return []
+        return [BucketSetting(bucket_cap_mb)] + [BucketSetting(bucket_cap_mb, f) for f in smaller]
+
+    @property
+    def max_tuning_steps(self) -> int:
+        """Optimizer steps the search takes at most (it usually stops earlier), not counting steps that span an
+        epoch end or a validation (they are not timed)."""
+        sample = self.warmup_steps + self.steps_per_sample
+        largest = self.fixed_bucket_cap_mb or max(self.candidates_mb)  # the most first-bucket candidates
+        first = len(self.first_stage) * self.max_rounds * sample
+        second = len(self.second_stage(largest)) * self.max_rounds * sample
+        return first + second + FIRST_SAMPLE_EXTRA_WARMUP
+
+    def describe(self) -> dict[str, Any]:
+        """The search space, as it enters the cache key."""
+        return {
+            "candidates_mb": list(self.candidates_mb),
+            "first_bucket_candidates_mb": list(self.first_bucket_candidates_mb) if SUPPORTS_FIRST_BUCKET else [],
+            "fixed_bucket_cap_mb": self.fixed_bucket_cap_mb,
+        }
+
+
+def _sizes(name: str, values: Any, minimum_count: int) -> tuple[float, ...]:
+    try:
+        if isinstance(values, (str, bytes)):
+            raise TypeError
+        sizes = tuple(float(v) for v in values if not isinstance(v, bool))
+        valid = len(sizes) == len(values) and len(sizes) >= minimum_count
+    except TypeError:
+        valid = False
+    if not valid or not all(math.isfinite(s) and s > 0 for s in sizes):
+        raise ValueError(
+            f"`{name}`={values!r} is not valid: expected a list of at least {minimum_count} bucket size(s) in MB, "
+            "each a number > 0."
+        )
+    return tuple(sorted(set(sizes)))
+
+
+# ---------------------------------------------------------------------------------------------------- search
+
+
+class CandidateRace:
+    """Successive elimination over bucket settings, from one score (seconds per step) per sample.
+
+    :meth:`next_setting` says what to measure next (None: decided), :meth:`record` takes its score. Rounds
+    visit the remaining candidates in alternating order. Candidates are compared *paired*: by the median over
+    the rounds that measured both of the ratio of their scores (:meth:`ratio`), so that a change of the
+    machine's load between rounds cancels. After each round from ``min_rounds`` on, candidates slower than the
+    leader by more than two standard errors (:meth:`margin`, from ``noise``: the median relative deviation of
+    the paired ratios, at least ``noise_floor``) are dropped; the race ends with one candidate left, with all
+    finalists within ``tolerance`` of the leader (a difference not worth more steps), or after ``max_rounds``.
+    After the first round, with one sample each, only candidates slower than the leader by more than
+    ``first_round_margin`` are dropped."""
+
+    def __init__(
+        self,
+        candidates: Sequence[BucketSetting],
+        min_rounds: int,
+        max_rounds: int,
+        noise_floor: float,
+        preferred: BucketSetting | None = None,
+        first_round_margin: float = math.inf,
+        tolerance: float = 0.02,
+    ) -> None:
+        if not candidates:
+            raise ValueError("CandidateRace needs at least one candidate")
+        self.live = list(candidates)
+        self.samples: dict[BucketSetting, list[float]] = {c: [] for c in candidates}
+        self.by_round: dict[BucketSetting, dict[int, float]] = {c: {} for c in candidates}
+        self.min_rounds, self.max_rounds, self.noise_floor = min_rounds, max_rounds, noise_floor
+        self.preferred = preferred
+        self.first_round_margin, self.tolerance = first_round_margin, tolerance
+        self.round = 0
+        self.winner: BucketSetting | None = candidates[0] if len(candidates) == 1 else None
+        self._queue = list(self.live)
+
+    def next_setting(self) -> BucketSetting | None:
+        if self.winner is not None:
+            return None
+        if not self._queue:
+            self._end_round()
+            if self.winner is not None:
+                return None
+        return self._queue[0]
+
+    def record(self, setting: BucketSetting, seconds_per_step: float) -> None:
+        if not self._queue or self._queue[0] != setting:
+            raise RuntimeError(f"CandidateRace: expected a sample of {self._queue[:1]}, got {setting}")
+        self._queue.pop(0)
+        self.samples[setting].append(seconds_per_step)
+        self.by_round[setting][self.round] = seconds_per_step
+
+    def median(self, setting: BucketSetting) -> float:
+        """The median of ``setting``'s scores (seconds per step), for reports."""
+        samples = [s for s in self.samples.get(setting, ()) if math.isfinite(s)]
+        return statistics.median(samples) if samples else math.inf
+
+    def _ratios(self, setting: BucketSetting, reference: BucketSetting) -> list[float]:
+        mine, theirs = self.by_round.get(setting, {}), self.by_round.get(reference, {})
+        return [mine[r] / theirs[r] for r in mine if r in theirs and theirs[r] > 0]
+
+    def ratio(self, setting: BucketSetting, reference: BucketSetting) -> float:
+        """Median over the rounds that measured both of ``setting``'s score / ``reference``'s (1.05: 5% slower);
+        inf when they share no round."""
+        if setting == reference:
+            return 1.0
+        ratios = self._ratios(setting, reference)
+        return statistics.median(ratios) if ratios else math.inf
+
+    def leader(self) -> BucketSetting:
+        """The fastest remaining candidate: the lowest median, unless another is faster paired with it."""
+        leader = min(self.live, key=self.median)
+        challenger = min(self.live, key=lambda c: self.ratio(c, leader))
+        return challenger if self.ratio(challenger, leader) < 1 else leader
+
+    @property
+    def noise(self) -> float:
+        """The median relative deviation of paired ratios (against the leader) from their median."""
+        leader, deviations = self.leader(), []
+        for setting in self.samples:
+            ratios = self._ratios(setting, leader) if setting != leader else []
+            if len(ratios) > 1:
+                middle = statistics.median(ratios)
+                deviations += [abs(r - middle) / middle for r in ratios]
+        return max(self.noise_floor, statistics.median(deviations) if deviations else 0.0)
+
+    def margin(self, setting: BucketSetting, leader: BucketSetting) -> float:
+        """How much slower than ``leader`` (relative) ``setting`` may measure and still be as fast: two standard
+        errors of their paired ratio."""
+        return 2 * self.noise / math.sqrt(max(len(self._ratios(setting, leader)), 1))
+
+    def best(self) -> BucketSetting:
+        """The leader; the preferred candidate where it is within ``tolerance`` of it."""
+        leader, preferred = self.leader(), self.preferred
+        if preferred in self.live and self.ratio(preferred, leader) <= 1 + self.tolerance:
+            return preferred
+        return leader
+
+    def _end_round(self) -> None:
+        self.round += 1
+        if self.round == 1 and self.round < self.min_rounds:
+            leader = self.leader()
+            self.live = [c for c in self.live if self.ratio(c, leader) <= 1 + self.first_round_margin]
+        if self.round >= self.min_rounds or len(self.live) == 1:
+            leader = self.leader()
+            self.live = [c for c in self.live if self.ratio(c, leader) <= 1 + self.margin(c, leader)]
+            close = all(self.ratio(c, leader) <= 1 + self.tolerance for c in self.live)
+            if len(self.live) == 1 or close or self.round >= self.max_rounds:
+                self.winner = self.best()
+                return
+        order = self.live if self.round % 2 == 0 else list(reversed(self.live))
+        self._queue = list(order)
+
+
+# ---------------------------------------------------------------------------------------------------- cache
+
+
+def cache_key(
+    parameters: Iterable[torch.Tensor],
+    world_size: int,
+    device_type: str,
+    backend: str,
+    extra: dict[str, Any] | None = None,
+) -> str:
+    """A hash of what determines the best bucket size: the shapes and dtypes of the parameters that get
+    gradients, in registration order (DDP's bucket order follows it), world size, device type, backend, torch
+    version, and ``extra`` (the communication hook, the search space)."""
+    layout = [[list(p.shape), str(p.dtype)] for p in parameters if p.requires_grad]
+    described = {
+        "parameters": layout,
+        "world_size": world_size,
+        "device_type": device_type,
+        "backend": backend,
+        "torch": torch.__version__,
+        "extra": extra or {},
+    }
+    return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def load_cached(path: Path, key: str) -> dict[str, Any] | None:
+    """The cached entry of ``key``, or None (no file, no entry, or an unreadable file)."""
+    try:
+        entry = json.loads(Path(path).expanduser().read_text()).get(key)
+    except (OSError, ValueError, AttributeError):
+        return None
+    return entry if isinstance(entry, dict) and "bucket_cap_mb" in entry else None
+
+
+def store_cached(path: Path, key: str, entry: dict[str, Any]) -> None:
+    """Add ``entry`` under ``key`` to the JSON cache file (written whole to a temporary file, then renamed)."""
+    path = Path(path).expanduser()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        entries = json.loads(path.read_text())
+        entries = entries if isinstance(entries, dict) else {}
+    except (OSError, ValueError):
+        entries = {}
+    entries[key] = entry
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    temporary.write_text(json.dumps(entries, indent=1, sort_keys=True))
+    os.replace(temporary, path)
+
+
+# ---------------------------------------------------------------------------------------------------- autotuner
+
+
+@dataclass
+class FusionResult:
+    """What tuning decided (or found in the cache), and what it measured."""
+
+    setting: BucketSetting
+    step_s: float | None = None  # the chosen setting's median step time
+    default_step_s: float | None = None  # the 25 MB default's (None when not measured)
+    tuning_steps: int = 0
+    tuning_s: float = 0.0  # wall time of the tuning steps, re-wraps included
+    from_cache: bool = False
+    complete: bool = True
+    paired_gain: float | None = None  # the default's step time / the chosen one's, paired round by round
+
+    @property
+    def gain(self) -> float | None:
+        """Default step time / chosen step time (1.10: 10% more steps per second): paired within rounds where
+        measured so, else the ratio of the medians."""
+        if self.paired_gain is not None and math.isfinite(self.paired_gain):
+            return self.paired_gain
+        if not self.step_s or not self.default_step_s:
+            return None
+        return self.default_step_s / self.step_s
+
+    def summary(self) -> str:
+        """One readable line: chosen size, its step time, the default's, the gain."""
+        if self.from_cache:
+            return f"shardplus: tensor fusion: bucket {self.setting.label} from the autotune cache (no search)"
+        chosen = f"{1000 * self.step_s:.2f} ms/step (median)" if self.step_s else "unmeasured"
+        default = (
+            f"{1000 * self.default_step_s:.2f} ms/step at the {DEFAULT_BUCKET_CAP_MB:g} MB default"
+            if self.default_step_s
+            else "the default not measured"
+        )
+        paired = " (paired round by round)" if self.paired_gain is not None else ""
+        gain = f", {100 * (self.gain - 1):+.1f}% steps/s{paired}" if self.gain else ""
+        status = "" if self.complete else " (training ended before the search did: best so far, not cached)"
+        return (
+            f"shardplus: tensor fusion tuned: bucket {self.setting.label}: {chosen} vs {default}{gain}; "
+            f"{self.tuning_steps} tuning steps{status}"
+        )
+
+    def metrics(self) -> dict[str, float]:
+        """For the Lightning logger."""
+        values = {"fusion/bucket_cap_mb": self.setting.bucket_cap_mb}
+        if self.setting.first_bucket_mb is not None:
+            values["fusion/first_bucket_mb"] = self.setting.first_bucket_mb
+        if self.step_s:
+            values["fusion/step_ms"] = 1000 * self.step_s
+        if self.default_step_s:
+            values["fusion/default_step_ms"] = 1000 * self.default_step_s
+        if self.gain:
+            values["fusion/gain"] = self.gain
+        return values
+
+    def cache_entry(self) -> dict[str, Any]:
+        return {
+            "bucket_cap_mb": self.setting.bucket_cap_mb,
+            "first_bucket_mb": self.setting.first_bucket_mb,
+            "step_ms": None if self.step_s is None else 1000 * self.step_s,
+            "default_step_ms": None if self.default_step_s is None else 1000 * self.default_step_s,
+            "tuning_steps": self.tuning_steps,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        }
+
+
+@dataclass
+class Collectives:
+    """The two collectives the autotuner needs, so that tests can run it in one process."""
+
+    is_decider: bool = True  # rank 0
+    reduce_max: Callable[[float], float] = lambda value: value
+    broadcast: Callable[[list[float]], list[float]] = lambda values: values
+
+    @classmethod
+    def torch_distributed(cls, device: torch.device) -> Collectives:
+        """MAX all_reduce and broadcast from rank 0 over the default process group, on ``device``."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return cls()
+
+        def reduce_max(value: float) -> float:
+            tensor = torch.tensor([value], dtype=torch.float64, device=device)
+            dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+            return float(tensor.item())
+
+        def broadcast(values: list[float]) -> list[float]:
+            tensor = torch.tensor(values, dtype=torch.float64, device=device)
+            dist.broadcast(tensor, src=0)
+            return tensor.tolist()
+
+        return cls(dist.get_rank() == 0, reduce_max, broadcast)
+
+
+@dataclass
+class _Sample:
+    setting: BucketSetting
+    first_step: int
+    warmup_left: int
+    intervals: list[float] = field(default_factory=list)
+
+
+class FusionAutotuner:
+    """Runs the search at optimizer-step boundaries; the strategy applies the settings it returns.
+
+    Call :meth:`start` once DDP is wrapped with :attr:`initial_setting`, then :meth:`on_step_boundary` at the
+    start of every optimizer step on every rank (``counted=False`` when the step that just ended spans an epoch
+    end or a validation), and :meth:`interrupt` before anything that is not a training step. When it returns a
+    setting, re-wrap DDP with it before the step runs. :attr:`result` is set once tuning is over."""
+
+    def __init__(
+        self,
+        settings: AutotuneSettings,
+        collectives: Collectives | None = None,
+        log_path: str | os.PathLike | None = None,
+        cache_path: str | os.PathLike | None = None,
+        cache_key: str | None = None,
+        gradient_bytes: int = 0,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.settings = settings
+        self.collectives = collectives or Collectives()
+        self.log_path = None if log_path is None else Path(log_path).expanduser()
+        self.cache_path = None if cache_path is None else Path(cache_path).expanduser()
+        self.cache_key = cache_key
+        self.gradient_bytes = gradient_bytes
+        self.clock = clock
+        self.result: FusionResult | None = None
+        self.samples_taken = 0
+        self._race: CandidateRace | None = None
+        self._first_stage: CandidateRace | None = None
+        self._sample: _Sample | None = None
+        self._last_boundary: float | None = None
+        self._steps = 0
+        self._started_at = 0.0
+        self.initial_setting = self._lookup_cache()
+
+    # -- cache
+
+    def _lookup_cache(self) -> BucketSetting:
+        """The setting to wrap DDP with first: the cached one (tuning is then over), else the first candidate.
+        Rank 0 reads the cache and broadcasts what it found."""
+        found = [0.0, 0.0, -1.0]
+        if self.collectives.is_decider and self.cache_path is not None and self.cache_key is not None:
+            entry = load_cached(self.cache_path, self.cache_key)
+            if entry is not None:
+                first = entry.get("first_bucket_mb")
+                found = [1.0, float(entry["bucket_cap_mb"]), -1.0 if first is None else float(first)]
+        hit, cap, first = self.collectives.broadcast(found)
+        if hit:
+            setting = BucketSetting(cap, None if first < 0 else first)
+            self.result = FusionResult(setting, from_cache=True)
+            return setting
+        stage = self.settings.first_stage
+        if stage:
+            self._first_stage = self._race = CandidateRace(
+                stage,
+                self.settings.min_rounds,
+                self.settings.max_rounds,
+                self.settings.noise_floor,
+                preferred=BucketSetting(DEFAULT_BUCKET_CAP_MB),
+                first_round_margin=self.settings.first_round_margin,
+                tolerance=self.settings.tolerance,
+            )
+        else:
+            self._race = self._second_stage(self.settings.fixed_bucket_cap_mb or DEFAULT_BUCKET_CAP_MB)
+            if self._race is None:  # nothing to search: the user's size, and no first bucket to tune
+                setting = BucketSetting(self.settings.fixed_bucket_cap_mb or DEFAULT_BUCKET_CAP_MB)
+                self.result = FusionResult(setting)
+                return setting
+        return self._race.live[0]
+
+    def _second_stage(self, bucket_cap_mb: float) -> CandidateRace | None:
+        stage = self.settings.second_stage(bucket_cap_mb)
+        if not stage:
+            return None
+        return CandidateRace(
+            stage,
+            self.settings.min_rounds,
+            self.settings.max_rounds,
+            self.settings.noise_floor,
+            preferred=BucketSetting(bucket_cap_mb),
+            first_round_margin=self.settings.first_round_margin,
+            tolerance=self.settings.tolerance,
+        )
+
+    # -- driving
+
+    @property
+    def tuning(self) -> bool:
+        return self.result is None
+
+    def start(self, global_step: int = 0) -> None:
+        """DDP is wrapped with :attr:`initial_setting`; the first sample starts at the next step boundary."""
+        if self.tuning:
+            warmup = self.settings.warmup_steps + FIRST_SAMPLE_EXTRA_WARMUP
+            self._sample = _Sample(self.initial_setting, global_step, warmup)
+            self._started_at = self.clock()
+            if self.log_path is not None and self.collectives.is_decider:
+                self.log_path.parent.mkdir(parents=True, exist_ok=True)
+                with open(self.log_path, "w", newline="") as f:
+                    csv.writer(f).writerow(CSV_COLUMNS)
+
+    def interrupt(self) -> None:
+        """Something other than training steps runs now (validation): the step in progress is not timed."""
+        self._last_boundary = None
+
+    def on_step_boundary(self, global_step: int, counted: bool = True) -> BucketSetting | None:
+        """An optimizer step starts (the previous one, if any, has ended). Returns the setting to re-wrap DDP
+        with before this step, or None to keep the current one."""
+        if not self.tuning or self._sample is None:
+            return None
+        now = self.clock()
+        previous, self._last_boundary = self._last_boundary, now
+        if previous is None:
+            return None  # the first boundary, or after an interruption: nothing ended that can be timed
+        self._steps += 1
+        sample = self._sample
+        if sample.warmup_left > 0:
+            sample.warmup_left -= 1
+            return None
+        if counted:
+            sample.intervals.append(now - previous)
+        if len(sample.intervals) < self.settings.steps_per_sample:
+            return None
+        return self._end_sample(global_step)
+
+    def _end_sample(self, global_step: int) -> BucketSetting | None:
+        sample = self._sample
+        assert sample is not None and self._race is not None
+        score = self.collectives.reduce_max(statistics.median(sample.intervals))
+        payload = [0.0, 0.0, -1.0]
+        if self.collectives.is_decider:
+            self._log_row(sample, score)
+            self._race.record(sample.setting, score)
+            next_setting = self._race.next_setting()
+            if next_setting is None and self._race is self._first_stage:
+                assert self._race.winner is not None
+                self._race = self._second_stage(self._race.winner.bucket_cap_mb) or self._race
+                next_setting = self._race.next_setting()
+            more = next_setting is not None
+            setting = next_setting if next_setting is not None else self._race.winner
+            assert setting is not None
+            payload = [float(more), setting.bucket_cap_mb, _encode_first(setting)]
+        self.samples_taken += 1
+        more, cap, first = self.collectives.broadcast(payload)
+        setting = BucketSetting(cap, None if first < 0 else first)
+        if not more:
+            self._finish(setting, complete=True)
+        changed = setting != sample.setting
+        if more:
+            self._sample = _Sample(setting, global_step, self.settings.warmup_steps if changed else 0)
+        return setting if changed else None
+
+    def finish_early(self) -> FusionResult | None:
+        """Training ends while tuning: the best setting measured so far (rank 0's view; not cached)."""
+        if self.tuning and self._race is not None:
+            self._finish(self._race.best(), complete=False)
+        return self.result
+
+    def _finish(self, winner: BucketSetting, complete: bool) -> None:
+        """Record the result; rank 0 (which holds the timings) caches it."""
+        default = BucketSetting(DEFAULT_BUCKET_CAP_MB)
+        default_s = step_s = None
+        for stage in (self._first_stage, self._race):
+            if stage is not None and stage.samples.get(default):
+                default_s = stage.median(default)
+            if stage is not None and stage.samples.get(winner):
+                step_s = stage.median(winner)
+        self.result = FusionResult(
+            winner,
+            step_s=step_s if self.collectives.is_decider else None,
+            default_step_s=default_s if self.collectives.is_decider else None,
+            tuning_steps=self._steps,
+            tuning_s=self.clock() - self._started_at,
+            complete=complete,
+            paired_gain=self._paired_gain(winner, default) if self.collectives.is_decider else None,
+        )
+        self._race = self._first_stage = None
+        if complete and self.collectives.is_decider and self.cache_path is not None and self.cache_key is not None:
+            store_cached(self.cache_path, self.cache_key, self.result.cache_entry())
+
+    def _paired_gain(self, winner: BucketSetting, default: BucketSetting) -> float | None:
+        """default / winner step time, paired: through the winner's uniform size when its first bucket differs
+        (measured against the default in the first stage, against the winner in the second)."""
+        first, second = self._first_stage, self._race
+        uniform = BucketSetting(winner.bucket_cap_mb)
+        if first is None or default not in first.samples or uniform not in first.samples:
+            return None
+        gain = first.ratio(default, uniform)
+        if winner != uniform:
+            gain = gain * second.ratio(uniform, winner) if second is not None and second is not first else math.inf
+        return gain if math.isfinite(gain) else None
+
+    def _log_row(self, sample: _Sample, score: float) -> None:
+        if self.log_path is None:
+            return
+        stage = "bucket" if self._race is self._first_stage else "first_bucket"
+        bytes_per_s = self.gradient_bytes / score if score > 0 else 0.0
+        row = [
+            self.samples_taken,
+            stage,
+            self._race.round if self._race is not None else "",
+            f"{sample.setting.bucket_cap_mb:g}",
+            "" if sample.setting.first_bucket_mb is None else f"{sample.setting.first_bucket_mb:g}",
+            sample.first_step,
+            len(sample.intervals),
+            f"{1000 * score:.3f}",
+            f"{bytes_per_s:.0f}",
+        ]
+        with open(self.log_path, "a", newline="") as f:
+            csv.writer(f).writerow(row)
+
+
+def _encode_first(setting: BucketSetting) -> float:
+    return -1.0 if setting.first_bucket_mb is None else setting.first_bucket_mb

@@ -1,0 +1,402 @@
+"""Tensor-fusion autotuning: the candidate race and the autotuner in one process (fake clock and timings), then
+tuning on 2 ranks: it finishes within its step bound, logs and caches, keeps the ranks' weights in sync through
+every re-wrap, keeps the communication hook, trains the same weights as without tuning, and a second run starts
+from the cache without re-wrapping."""
+
+import csv
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from _models import cpu_trainer
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers import CSVLogger
+from test_compression import MLP, PARAMETERS, counts, flat, loader
+
+from lightning_shardplus import ShardPlusStrategy, fusion
+from lightning_shardplus.compression import CommunicationCounter
+from lightning_shardplus.fusion import (
+    AutotuneSettings,
+    BucketSetting,
+    CandidateRace,
+    FusionAutotuner,
+)
+
+# ---------------------------------------------------------------------------------------------- one process
+
+A, B, C, DEFAULT = (BucketSetting(size) for size in (1.0, 4.0, 16.0, 25.0))
+
+
+def race_with(times, rounds=(2, 4), noise_floor=0.01, preferred=DEFAULT, jitter=None):
+    """Run a race where setting ``s`` measures ``times[s]`` times ``jitter[k]`` on its k-th sample (``jitter``: a
+    list for all settings, the same load in a round; or a list per setting)."""
+    race = CandidateRace(list(times), *rounds, noise_floor, preferred=preferred)
+    seen = {s: 0 for s in times}
+    order = []
+    while (setting := race.next_setting()) is not None:
+        factors = (jitter.get(setting, [1.0]) if isinstance(jitter, dict) else jitter) or [1.0]
+        factor = factors[seen[setting] % len(factors)]
+        race.record(setting, times[setting] * factor)
+        seen[setting] += 1
+        order.append(setting)
+    return race, order
+
+
+def test_the_race_interleaves_drops_the_slow_and_stops_once_one_is_left():
+    race, order = race_with({A: 1.3, B: 1.0, C: 1.005, DEFAULT: 1.2}, jitter=[1.0, 1.004])
+    assert order[:8] == [A, B, C, DEFAULT, DEFAULT, C, B, A]  # every round visits all, alternating order
+    assert race.winner == B
+    assert set(race.live) == {B, C} and race.round == 2  # the slow two dropped; B and C within noise: stop
+    assert len(order) == 8
+
+
+def test_the_race_remeasures_finalists_and_is_bounded_by_max_rounds():
+    # B and C 3% apart with 4% noise of their own: neither dropped nor within tolerance after round 2
+    jitter = {B: [1.0, 1.04, 1.0], C: [1.04, 1.0, 1.0]}
+    race, order = race_with({A: 2.0, B: 1.0, C: 1.03}, rounds=(2, 5), jitter=jitter)
+    assert race.winner == B and race.round <= 5
+    assert order.count(A) == 2 and order.count(B) > 2
+    # 10% apart, paired ratios 1.1 x (1 +- 0.12): kept, not close; the third round is the last
+    jitter = {A: [1.0, 1.12, 1.0], B: [1.12, 1.0, 1.0]}
+    race, order = race_with({A: 1.0, B: 1.1}, rounds=(2, 3), noise_floor=0.0, jitter=jitter)
+    assert race.round == 3 and len(order) == 6 and race.winner == A
+
+
+def test_after_one_round_only_the_clearly_slower_are_dropped():
+    race = CandidateRace([A, B, C], 2, 4, 0.01, first_round_margin=0.3)
+    for setting, seconds in ((A, 1.4), (B, 1.0), (C, 1.25)):
+        assert race.next_setting() == setting
+        race.record(setting, seconds)
+    assert race.next_setting() == C and race.live == [B, C]  # A is 40% slower; C, 25%, gets a second sample
+
+
+def test_one_burst_of_contention_does_not_decide_the_race():
+    # B is 10% faster, but its second sample ran while another process took the CPU
+    race = CandidateRace([B, DEFAULT], 2, 4, 0.01, preferred=DEFAULT)
+    samples = {B: iter([1.0, 1.8, 1.0, 1.01, 1.0]), DEFAULT: iter([1.1, 1.1, 1.11, 1.1, 1.1])}
+    while (setting := race.next_setting()) is not None:
+        race.record(setting, next(samples[setting]))
+    assert race.winner == B and race.round >= 3  # measured again rather than decided on the burst
+
+
+def test_a_load_change_between_rounds_cancels_in_the_paired_comparison():
+    # the second round runs 50% slower for everyone (another job took the CPU): B is still 3% faster than C
+    race, order = race_with({B: 1.0, C: 1.03, DEFAULT: 1.2}, rounds=(2, 4), jitter=[1.0, 1.5])
+    assert race.winner == B and race.round == 2 and len(order) == 6
+    assert race.ratio(C, B) == pytest.approx(1.03) and race.noise == 0.01  # the floor: no noise left
+
+
+def test_within_noise_the_default_is_kept():
+    race, _ = race_with({B: 1.0, DEFAULT: 1.005})
+    assert race.winner == DEFAULT
+    race, _ = race_with({B: 1.0, DEFAULT: 1.1})
+    assert race.winner == B
+
+
+class FakeClock:
+    """Advances by the step time of the setting the strategy would have applied."""
+
+    def __init__(self, times):
+        self.times, self.now, self.setting = times, 0.0, None
+
+    def __call__(self):
+        return self.now
+
+    def step(self):
+        self.now += self.times[self.setting]
+
+
+def drive(tuner, clock, max_steps=500):
+    """What the strategy does: a boundary per optimizer step, the returned setting applied. Returns the step at
+    which tuning finished and the settings applied (re-wraps)."""
+    clock.setting = tuner.initial_setting
+    tuner.start()
+    rewraps = []
+    for step in range(max_steps):
+        if not tuner.tuning:
+            return step, rewraps
+        setting = tuner.on_step_boundary(step)
+        if setting is not None:
+            rewraps.append(setting)
+            clock.setting = setting
+        clock.step()
+    raise AssertionError("tuning did not finish")
+
+
+def test_the_autotuner_finds_the_fastest_logs_each_sample_and_caches(tmp_path):
+    times = {BucketSetting(s): t for s, t in ((1.0, 0.9), (4.0, 0.5), (25.0, 0.7))}
+    times[BucketSetting(4.0, 1.0)] = 0.45
+    settings = AutotuneSettings(candidates_mb=(25, 1, 4), steps_per_sample=3, warmup_steps=1)
+    clock = FakeClock(times)
+    cache = tmp_path / "cache.json"
+    tuner = FusionAutotuner(settings, None, tmp_path / "log.csv", cache, "key", gradient_bytes=1000, clock=clock)
+    assert tuner.initial_setting == BucketSetting(1.0)  # candidates are sorted
+    step, rewraps = drive(tuner, clock)
+    result = tuner.result
+    assert result.setting == BucketSetting(4.0, 1.0) == rewraps[-1]
+    assert result.step_s == pytest.approx(0.45) and result.default_step_s == pytest.approx(0.7)
+    assert result.gain == pytest.approx(0.7 / 0.45) and result.complete
+    assert step <= settings.max_tuning_steps and result.tuning_steps == step - 1  # steps that ended
+    line = result.summary()
+    assert "bucket 4 MB (first bucket 1 MB): 450.00 ms/step (median) vs 700.00 ms/step at the 25 MB default" in line
+    assert "+55.6% steps/s (paired round by round)" in line
+    rows = list(csv.DictReader(open(tmp_path / "log.csv")))
+    assert len(rows) == tuner.samples_taken and rows[0]["bucket_cap_mb"] == "1" and rows[0]["timed_steps"] == "3"
+    assert {row["stage"] for row in rows} == {"bucket", "first_bucket"}
+    assert float(rows[0]["step_ms"]) == pytest.approx(900) and float(rows[0]["gradient_bytes_per_s"]) == 1111
+    assert json.loads(cache.read_text())["key"]["bucket_cap_mb"] == 4.0
+
+    again = FusionAutotuner(settings, None, tmp_path / "log2.csv", cache, "key", clock=clock)
+    assert not again.tuning and again.result.from_cache and again.initial_setting == BucketSetting(4.0, 1.0)
+    assert drive(again, clock) == (0, [])
+    assert "from the autotune cache" in again.result.summary()
+    other = FusionAutotuner(settings, None, None, cache, "another key", clock=clock)
+    assert other.tuning
+
+
+def test_a_fixed_bucket_size_is_not_searched():
+    settings = AutotuneSettings(fixed_bucket_cap_mb=8.0, first_bucket_candidates_mb=(1.0, 16.0))
+    assert settings.first_stage == [] and settings.second_stage(8.0) == [BucketSetting(8.0), BucketSetting(8.0, 1.0)]
+    times = {BucketSetting(8.0): 1.0, BucketSetting(8.0, 1.0): 2.0}
+    clock = FakeClock(times)
+    tuner = FusionAutotuner(settings, clock=clock)
+    _, rewraps = drive(tuner, clock)
+    assert tuner.result.setting == BucketSetting(8.0) and all(s.bucket_cap_mb == 8.0 for s in rewraps)
+    nothing = FusionAutotuner(AutotuneSettings(fixed_bucket_cap_mb=8.0, first_bucket_candidates_mb=()))
+    assert not nothing.tuning and nothing.initial_setting == BucketSetting(8.0)
+
+
+def test_steps_that_span_an_interruption_are_not_timed():
+    clock = FakeClock({BucketSetting(1.0): 1.0, BucketSetting(2.0): 1.0})
+    tuner = FusionAutotuner(AutotuneSettings(candidates_mb=(1, 2), steps_per_sample=2, warmup_steps=1), clock=clock)
+    clock.setting = tuner.initial_setting
+    tuner.start()
+    tuner.on_step_boundary(0)
+    clock.now += 100  # a validation
+    tuner.interrupt()
+    # 1: nothing ended that can be timed; 2-4: the warm-up (1, and 2 more in the run's first sample); 5: timed
+    for step in range(1, 6):
+        tuner.on_step_boundary(step)
+        clock.step()
+    tuner.on_step_boundary(6, counted=False)  # an epoch end
+    clock.step()
+    assert tuner._sample.intervals == [1.0]  # the warm-up, then one counted step
+
+
+def test_cache_key_follows_the_parameter_layout_and_the_setup():
+    params = [torch.zeros(3, 4, requires_grad=True), torch.zeros(4, requires_grad=True)]
+    key = fusion.cache_key(params, 2, "cpu", "gloo", {"hook": None})
+    same = [torch.ones(3, 4, requires_grad=True), torch.ones(4, requires_grad=True)]
+    assert key == fusion.cache_key(same, 2, "cpu", "gloo", {"hook": None})
+    assert key == fusion.cache_key([*params, torch.zeros(5)], 2, "cpu", "gloo", {"hook": None})  # no gradient
+    assert key != fusion.cache_key(params[::-1], 2, "cpu", "gloo", {"hook": None})
+    assert key != fusion.cache_key(params, 4, "cpu", "gloo", {"hook": None})
+    assert key != fusion.cache_key(params, 2, "cuda", "nccl", {"hook": None})
+    assert key != fusion.cache_key([p.double() for p in params], 2, "cpu", "gloo", {"hook": None})
+    assert key != fusion.cache_key(params, 2, "cpu", "gloo", {"hook": "fp16"})
+
+
+def test_first_bucket_tuning_follows_what_ddp_takes():
+    assert fusion.SUPPORTS_FIRST_BUCKET  # torch 2.13's DDP takes bucket_cap_mb_list
+    assert BucketSetting(4.0, 1.0).ddp_kwargs() == {"bucket_cap_mb": 4.0, "bucket_cap_mb_list": [1.0, 4.0]}
+    assert BucketSetting(4.0).ddp_kwargs() == {"bucket_cap_mb": 4.0, "bucket_cap_mb_list": None}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"auto_tune_tensor_fusion": 1}, TypeError, r"`auto_tune_tensor_fusion`=1 is not valid: expected True"),
+        ({"autotune_candidates_mb": []}, ValueError, r"`autotune_candidates_mb`=\[\].*at least 1 bucket size"),
+        ({"autotune_candidates_mb": [4, -1]}, ValueError, r"`autotune_candidates_mb`=\[4, -1\].*> 0"),
+        ({"autotune_candidates_mb": "25"}, ValueError, r"`autotune_candidates_mb`='25'"),
+        ({"autotune_first_bucket_candidates_mb": [0]}, ValueError, r"`autotune_first_bucket_candidates_mb`=\[0\]"),
+        ({"autotune_steps_per_sample": 0}, ValueError, r"`autotune_steps_per_sample`=0.*>= 1"),
+        ({"autotune_warmup_steps": 0}, ValueError, r"`autotune_warmup_steps`=0.*>= 1"),
+        ({"autotune_cache": 3}, TypeError, r"`autotune_cache`=3.*True, False or a file path"),
+        ({"autotune_log": 3}, TypeError, r"`autotune_log`=3.*a file path or None"),
+        (
+            {"auto_tune_tensor_fusion": True, "bucket_cap_mb_list": [1, 4]},
+            ValueError,
+            r"`bucket_cap_mb_list`=\[1, 4\] and `auto_tune_tensor_fusion`=True both set",
+        ),
+    ],
+)
+def test_bad_autotune_arguments_raise_before_any_process_group(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        ShardPlusStrategy(**kwargs)
+    assert not dist.is_initialized()
+
+
+def test_the_default_bucket_size_is_25_mb_unless_given():
+    assert ShardPlusStrategy()._ddp_kwargs["bucket_cap_mb"] == 25.0
+    strategy = ShardPlusStrategy(auto_tune_tensor_fusion=True, tensor_fusion_threshold_mb=8)
+    assert strategy.autotune_settings.fixed_bucket_cap_mb == 8.0 and strategy.tensor_fusion_threshold_mb == 8.0
+
+
+# ---------------------------------------------------------------------------------------------- 2 ranks
+
+# the MLP's gradients are 3.2 kB: sizes in MB that cut them into 1 to several buckets
+CANDIDATES = [0.0005, 0.001, 25.0]
+TUNING = dict(
+    auto_tune_tensor_fusion=True,
+    autotune_candidates_mb=CANDIDATES,
+    autotune_first_bucket_candidates_mb=[0.0002],
+    autotune_steps_per_sample=2,
+    autotune_warmup_steps=1,
+)
+
+
+class RecordSteps(Callback):
+    """Per rank and optimizer step: a checksum of the weights, the DDP wrapper and its bucket size, written to
+    ``rank{r}.json`` at the end; rank 0 adds the tuning result."""
+
+    def __init__(self, out_dir):
+        self.out_dir = Path(out_dir)
+        self.steps = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        # called before the strategy's hook: the weights as they are going into the re-wrap, if any
+        weights = torch.cat([p.detach().flatten() for p in pl_module.parameters()])
+        self.steps.append({"step": trainer.global_step, "weights": weights.tolist()})
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        ddp = trainer.strategy.model
+        self.steps[-1] |= {"wrapper": id(ddp), "bucket_cap_mb": trainer.strategy._ddp_kwargs["bucket_cap_mb"]}
+
+    def on_train_end(self, trainer, pl_module):
+        result = trainer.strategy.fusion_result
+        summary = None if result is None else result.__dict__ | {"setting": result.setting.__dict__}
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        data = {
+            "steps": self.steps,
+            "result": summary,
+            "max_tuning_steps": trainer.strategy.autotune_settings.max_tuning_steps,
+        }
+        (self.out_dir / f"rank{trainer.global_rank}.json").write_text(json.dumps(data))
+
+
+def tuned_fit(tmp_path, name, callbacks=(), epochs=6, size=96, trainer_kwargs=None, **kwargs):
+    recorder = RecordSteps(tmp_path / f"steps-{name}")
+    trainer = cpu_trainer(
+        ShardPlusStrategy(start_method="fork", **kwargs),
+        2,
+        max_epochs=epochs,
+        callbacks=[recorder, *callbacks],
+        **(trainer_kwargs or {}),
+    )
+    trainer.fit(MLP(tmp_path / name), loader(size=size))
+    runs = [json.loads((tmp_path / f"steps-{name}" / f"rank{r}.json").read_text()) for r in range(2)]
+    weights = [torch.load(tmp_path / name / f"rank{r}.pt", weights_only=False)["weights"] for r in range(2)]
+    return runs, weights
+
+
+def wrappers(run):
+    return len({step["wrapper"] for step in run["steps"]})
+
+
+@pytest.mark.timeout(120)
+def test_tuning_on_two_ranks_finishes_logs_caches_and_a_second_run_starts_from_the_cache(tmp_path):
+    cache, log = tmp_path / "fusion.json", tmp_path / "samples.csv"
+    plain_runs, plain = tuned_fit(tmp_path, "plain")
+    runs, tuned = tuned_fit(tmp_path, "tuned", autotune_cache=str(cache), autotune_log=str(log), **TUNING)
+    result = runs[0]["result"]
+    # finished within its bound, on a candidate, and went on training with it
+    assert result["complete"] and not result["from_cache"]
+    assert 0 < result["tuning_steps"] <= runs[0]["max_tuning_steps"] < len(runs[0]["steps"])
+    winner = result["setting"]["bucket_cap_mb"]
+    assert winner in CANDIDATES and result["step_s"] > 0 and result["default_step_s"] > 0
+    assert wrappers(runs[0]) > 2  # re-wrapped while tuning
+    for run in runs:
+        after = [step for step in run["steps"] if step["step"] > result["tuning_steps"]]
+        assert after and all(step["bucket_cap_mb"] == winner for step in after)
+        assert len({step["wrapper"] for step in after}) == 1
+    # the ranks' weights agree at every step, before and after each re-wrap; as without tuning
+    for first, second in zip(runs[0]["steps"], runs[1]["steps"], strict=True):
+        assert first["step"] == second["step"] and first["weights"] == second["weights"]
+    assert len(runs[0]["steps"]) == len(plain_runs[0]["steps"])
+    assert torch.allclose(flat(tuned[0]), flat(plain[0]), atol=1e-6, rtol=0)
+    assert torch.equal(flat(tuned[0]), flat(tuned[1]))
+    rows = list(csv.DictReader(open(log)))
+    assert len(rows) >= len(CANDIDATES) and {float(row["bucket_cap_mb"]) for row in rows} == set(CANDIDATES)
+    assert all(float(row["step_ms"]) > 0 and row["timed_steps"] == "2" for row in rows)
+    (entry,) = json.loads(cache.read_text()).values()
+    assert entry["bucket_cap_mb"] == winner
+
+    again, _ = tuned_fit(tmp_path, "again", autotune_cache=str(cache), autotune_log=str(tmp_path / "2.csv"), **TUNING)
+    assert again[0]["result"]["from_cache"] and again[0]["result"]["tuning_steps"] == 0
+    for run in again:
+        assert wrappers(run) == 1 and all(step["bucket_cap_mb"] == winner for step in run["steps"])
+    assert not (tmp_path / "2.csv").exists()
+
+
+@pytest.mark.timeout(120)
+def test_the_communication_hook_runs_through_tuning_and_after_it(tmp_path):
+    counter = CommunicationCounter(tmp_path / "counts")
+    logger = CSVLogger(tmp_path / "logs", name="", version="")
+    runs, weights = tuned_fit(
+        tmp_path,
+        "fp16",
+        callbacks=[counter],
+        trainer_kwargs={"logger": logger, "log_every_n_steps": 1},
+        gradient_compression="fp16",
+        autotune_cache=False,
+        **TUNING,
+    )
+    logged = list(csv.DictReader(open(tmp_path / "logs" / "metrics.csv")))
+    (row,) = [row for row in logged if row.get("fusion/bucket_cap_mb")]  # the result, once, to the logger
+    assert float(row["fusion/bucket_cap_mb"]) == runs[0]["result"]["setting"]["bucket_cap_mb"]
+    assert float(row["fusion/step_ms"]) > 0 and float(row["fusion/default_step_ms"]) > 0
+    steps = counts(tmp_path / "counts")["steps"]
+    assert len(steps) == len(runs[0]["steps"]) and runs[0]["result"]["tuning_steps"] < len(steps)
+    assert wrappers(runs[0]) > 2
+    assert all(step["bytes"] == 2 * PARAMETERS for step in steps)  # fp16 on every wrapper, the last included
+    assert torch.equal(flat(weights[0]), flat(weights[1]))
+
+
+@pytest.mark.timeout(120)
+def test_a_fixed_bucket_size_is_kept_while_the_first_bucket_is_tuned(tmp_path):
+    runs, _ = tuned_fit(tmp_path, "fixed", epochs=3, tensor_fusion_threshold_mb=0.001, autotune_cache=False, **TUNING)
+    assert all(step["bucket_cap_mb"] == 0.001 for run in runs for step in run["steps"])
+    assert runs[0]["result"]["complete"] and runs[0]["result"]["setting"]["bucket_cap_mb"] == 0.001
+    assert wrappers(runs[0]) >= 2  # first bucket 0.0002 MB and uniform were raced
+
+
+@pytest.mark.timeout(120)
+def test_tuning_with_aggregation_rewraps_only_between_optimizer_steps(tmp_path):
+    rewraps = tmp_path / "rewraps"
+
+    class RewrapAt(Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            rewraps.mkdir(exist_ok=True)
+            with open(rewraps / f"rank{trainer.global_rank}", "a") as f:
+                f.write(f"{batch_idx} {id(trainer.strategy.model)}\n")
+
+    runs, weights = tuned_fit(
+        tmp_path, "agg", callbacks=[RewrapAt()], size=3 * 96, aggregation_frequency=3, autotune_cache=False, **TUNING
+    )
+    lines = [line.split() for line in (rewraps / "rank0").read_text().splitlines()]
+    changed = [int(lines[i][0]) for i in range(1, len(lines)) if lines[i][1] != lines[i - 1][1]]
+    assert changed and all(batch_idx % 3 == 0 for batch_idx in changed)  # a new wrapper only at a window start
+    assert runs[0]["result"]["complete"]
+    assert torch.equal(flat(weights[0]), flat(weights[1]))
+    assert math.isfinite(flat(weights[0]).sum())
+
+
+def test_a_run_that_ends_while_tuning_reports_the_best_so_far_and_caches_nothing(tmp_path):
+    times = {BucketSetting(s): t for s, t in ((1.0, 0.9), (4.0, 0.5), (25.0, 0.7))}
+    clock = FakeClock(times)
+    settings = AutotuneSettings(candidates_mb=(1, 4, 25), steps_per_sample=2, warmup_steps=1)
+    tuner = FusionAutotuner(settings, None, None, tmp_path / "cache.json", "key", clock=clock)
+    clock.setting = tuner.initial_setting
+    tuner.start()
+    for step in range(16):  # the first round only
+        if (setting := tuner.on_step_boundary(step)) is not None:
+            clock.setting = setting
+        clock.step()
+    assert tuner.tuning
+    result = tuner.finish_early()
+    assert result.setting == BucketSetting(4.0) and not result.complete
+    assert "best so far, not cached" in result.summary() and not (tmp_path / "cache.json").exists()
