@@ -323,6 +323,17 @@ def load_cached(path: Path, key: str) -> dict[str, Any] | None:
     return entry if isinstance(entry, dict) and "bucket_cap_mb" in entry else None
 
 
+CHECKPOINT_KEY = "shardplus_tensor_fusion"
+
+
+def checkpoint_entry(result: FusionResult | None, key: str | None) -> dict[str, Any] | None:
+    """What the strategy stores under ``checkpoint[CHECKPOINT_KEY]``: a finished tuning's setting and the key it
+    holds for, so that a resumed run goes on with it instead of searching again (None while tuning)."""
+    if result is None or not result.complete or key is None:
+        return None
+    return {"cache_key": key, **result.cache_entry()}
+
+
 def store_cached(path: Path, key: str, entry: dict[str, Any]) -> None:
     """Add ``entry`` under ``key`` to the JSON cache file (written whole to a temporary file, then renamed)."""
     path = Path(path).expanduser()
@@ -350,7 +361,8 @@ class FusionResult:
     default_step_s: float | None = None  # the 25 MB default's (None when not measured)
     tuning_steps: int = 0
     tuning_s: float = 0.0  # wall time of the tuning steps, re-wraps included
-    from_cache: bool = False
+    from_cache: bool = False  # known without a search: from the cache, or from the checkpoint resumed
+    source: str = "the autotune cache"
     complete: bool = True
     paired_gain: float | None = None  # the default's step time / the chosen one's, paired round by round
 
@@ -367,7 +379,7 @@ class FusionResult:
     def summary(self) -> str:
         """One readable line: chosen size, its step time, the default's, the gain."""
         if self.from_cache:
-            return f"shardplus: tensor fusion: bucket {self.setting.label} from the autotune cache (no search)"
+            return f"shardplus: tensor fusion: bucket {self.setting.label} from {self.source} (no search)"
         chosen = f"{1000 * self.step_s:.2f} ms/step (median)" if self.step_s else "unmeasured"
         default = (
             f"{1000 * self.default_step_s:.2f} ms/step at the {DEFAULT_BUCKET_CAP_MB:g} MB default"
@@ -460,6 +472,7 @@ class FusionAutotuner:
         cache_key: str | None = None,
         gradient_bytes: int = 0,
         clock: Callable[[], float] = time.perf_counter,
+        checkpointed: dict[str, Any] | None = None,
     ) -> None:
         self.settings = settings
         self.collectives = collectives or Collectives()
@@ -468,6 +481,7 @@ class FusionAutotuner:
         self.cache_key = cache_key
         self.gradient_bytes = gradient_bytes
         self.clock = clock
+        self.checkpointed = checkpointed
         self.result: FusionResult | None = None
         self.samples_taken = 0
         self._race: CandidateRace | None = None
@@ -481,18 +495,23 @@ class FusionAutotuner:
     # -- cache
 
     def _lookup_cache(self) -> BucketSetting:
-        """The setting to wrap DDP with first: the cached one (tuning is then over), else the first candidate.
-        Rank 0 reads the cache and broadcasts what it found."""
-        found = [0.0, 0.0, -1.0]
-        if self.collectives.is_decider and self.cache_path is not None and self.cache_key is not None:
-            entry = load_cached(self.cache_path, self.cache_key)
+        """The setting to wrap DDP with first: the one of the checkpoint being resumed, or the cached one (tuning
+        is then over), else the first candidate. Rank 0 looks and broadcasts what it found."""
+        found = [0.0, 0.0, -1.0]  # (0: nothing, 1: cache, 2: checkpoint), bucket size, first bucket or -1
+        if self.collectives.is_decider and self.cache_key is not None:
+            entry, where = None, 0.0
+            if (self.checkpointed or {}).get("cache_key") == self.cache_key:
+                entry, where = self.checkpointed, 2.0
+            elif self.cache_path is not None:
+                entry, where = load_cached(self.cache_path, self.cache_key), 1.0
             if entry is not None:
                 first = entry.get("first_bucket_mb")
-                found = [1.0, float(entry["bucket_cap_mb"]), -1.0 if first is None else float(first)]
-        hit, cap, first = self.collectives.broadcast(found)
-        if hit:
+                found = [where, float(entry["bucket_cap_mb"]), -1.0 if first is None else float(first)]
+        where, cap, first = self.collectives.broadcast(found)
+        if where:
             setting = BucketSetting(cap, None if first < 0 else first)
-            self.result = FusionResult(setting, from_cache=True)
+            source = "the checkpoint resumed" if where == 2.0 else "the autotune cache"
+            self.result = FusionResult(setting, from_cache=True, source=source)
             return setting
         stage = self.settings.first_stage
         if stage:

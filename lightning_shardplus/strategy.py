@@ -269,6 +269,7 @@ class ShardPlusStrategy(DDPStrategy):
         self.autotune_settings = autotune_settings
         self.fusion_result: fusion.FusionResult | None = None  # what tuning decided, on rank 0 with timings
         self._fusion_tuner: fusion.FusionAutotuner | None = None
+        self._fusion_checkpoint: dict[str, Any] | None = None  # the tuned setting of a checkpoint being resumed
         # Set by ExactEvaluation while an evaluation epoch runs: logged values are reduced at its end instead.
         self.defer_logging_sync = False
         self._compression: compression.CastCompression | compression.PowerSGDCompression | None = None
@@ -475,7 +476,7 @@ class ShardPlusStrategy(DDPStrategy):
         self._user_accumulate_grad_batches = None
         self._compression_checkpoint = None
         self._sampler_checkpoint, self._sampler_states_used = None, 0
-        self._fusion_tuner = None
+        self._fusion_tuner, self._fusion_checkpoint = None, None
         super().teardown()
 
     # ------------------------------------------------------------------ aggregation
@@ -594,6 +595,7 @@ class ShardPlusStrategy(DDPStrategy):
             cache_path=cache,
             cache_key=key,
             gradient_bytes=sum(p.numel() * p.element_size() for p in parameters),
+            checkpointed=self._fusion_checkpoint,
         )
 
     def _set_bucket_setting(self, setting: fusion.BucketSetting) -> None:
@@ -741,6 +743,9 @@ class ShardPlusStrategy(DDPStrategy):
                 checkpoint[compression.CHECKPOINT_KEY] = compression.checkpoint_entry(
                     self.gradient_compression, gathered
                 )
+        tuned = fusion.checkpoint_entry(self.fusion_result, self._fusion_tuner and self._fusion_tuner.cache_key)
+        if tuned is not None:
+            checkpoint[fusion.CHECKPOINT_KEY] = tuned
         samplers = self._training_sampler_progress() if "loops" in checkpoint else None
         if samplers is not None:
             checkpoint[sharding.CHECKPOINT_KEY] = samplers
@@ -778,6 +783,8 @@ class ShardPlusStrategy(DDPStrategy):
         self._compression_checkpoint = checkpoint.get(compression.CHECKPOINT_KEY)
         # and before the training loaders are built, whose samplers continue the checkpoint's epoch
         self._sampler_checkpoint, self._sampler_states_used = checkpoint.get(sharding.CHECKPOINT_KEY), 0
+        # and before DDP is wrapped: a tuned bucket size goes on without a new search
+        self._fusion_checkpoint = checkpoint.get(fusion.CHECKPOINT_KEY)
         return checkpoint
 
     def _restore_compression(self, entry: dict[str, Any]) -> None:

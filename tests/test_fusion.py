@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from _models import cpu_trainer
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from test_compression import MLP, PARAMETERS, counts, flat, loader
 
@@ -278,7 +278,7 @@ class RecordSteps(Callback):
         (self.out_dir / f"rank{trainer.global_rank}.json").write_text(json.dumps(data))
 
 
-def tuned_fit(tmp_path, name, callbacks=(), epochs=6, size=96, trainer_kwargs=None, **kwargs):
+def tuned_fit(tmp_path, name, callbacks=(), epochs=6, size=96, trainer_kwargs=None, ckpt_path=None, **kwargs):
     recorder = RecordSteps(tmp_path / f"steps-{name}")
     trainer = cpu_trainer(
         ShardPlusStrategy(start_method="fork", **kwargs),
@@ -287,7 +287,7 @@ def tuned_fit(tmp_path, name, callbacks=(), epochs=6, size=96, trainer_kwargs=No
         callbacks=[recorder, *callbacks],
         **(trainer_kwargs or {}),
     )
-    trainer.fit(MLP(tmp_path / name), loader(size=size))
+    trainer.fit(MLP(tmp_path / name), loader(size=size), ckpt_path=ckpt_path)
     runs = [json.loads((tmp_path / f"steps-{name}" / f"rank{r}.json").read_text()) for r in range(2)]
     weights = [torch.load(tmp_path / name / f"rank{r}.pt", weights_only=False)["weights"] for r in range(2)]
     return runs, weights
@@ -330,6 +330,26 @@ def test_tuning_on_two_ranks_finishes_logs_caches_and_a_second_run_starts_from_t
     for run in again:
         assert wrappers(run) == 1 and all(step["bucket_cap_mb"] == winner for step in run["steps"])
     assert not (tmp_path / "2.csv").exists()
+
+
+@pytest.mark.timeout(120)
+def test_a_run_resumed_from_a_checkpoint_goes_on_with_its_tuned_bucket_size(tmp_path):
+    checkpoints = ModelCheckpoint(dirpath=tmp_path / "checkpoints", save_last=True, save_top_k=0)
+    enable = {"enable_checkpointing": True}
+    first, _ = tuned_fit(
+        tmp_path, "first", callbacks=[checkpoints], trainer_kwargs=enable, autotune_cache=False, **TUNING
+    )
+    winner = first[0]["result"]["setting"]["bucket_cap_mb"]
+    assert first[0]["result"]["complete"] and not first[0]["result"]["from_cache"]
+    # no cache: only the checkpoint knows the tuned size
+    resumed, _ = tuned_fit(
+        tmp_path, "resumed", epochs=8, ckpt_path=tmp_path / "checkpoints" / "last.ckpt", autotune_cache=False, **TUNING
+    )
+    result = resumed[0]["result"]
+    assert result["from_cache"] and result["source"] == "the checkpoint resumed" and result["tuning_steps"] == 0
+    for run in resumed:
+        assert run["steps"] and wrappers(run) == 1  # no search, no re-wrap
+        assert all(step["bucket_cap_mb"] == winner for step in run["steps"])
 
 
 @pytest.mark.timeout(120)
