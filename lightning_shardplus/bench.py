@@ -82,6 +82,7 @@ class BenchConfig:
     sync_dist: bool = False
     count_gradients: bool = True  # counting runs a Python all-reduce hook: off for the rows compared with ddp
     scaling_report: bool = True  # a ScalingReport callback: off for the rows compared with ddp
+    prepare_steps: int = 0  # an untimed run of this many steps before the timed ones (the autotune row tunes in it)
 
 
 def strategy_accepts(**kwargs: object) -> bool:
@@ -100,7 +101,7 @@ def default_configs() -> list[BenchConfig]:
 
     def if_accepted(name: str, **kwargs: object) -> list[BenchConfig]:
         """The row of a strategy argument that may not exist yet on this branch (none or one row)."""
-        return [BenchConfig(name, shardplus(**kwargs))] if strategy_accepts(**kwargs) else []
+        return [BenchConfig(name, shardplus(**kwargs), prepare_steps=300)] if strategy_accepts(**kwargs) else []
 
     return [
         BenchConfig("ddp", lambda: DDPStrategy(start_method="fork"), scaling_report=False),
@@ -119,8 +120,8 @@ def default_configs() -> list[BenchConfig]:
         BenchConfig("fp16", shardplus(gradient_compression="fp16")),
         BenchConfig("bf16", shardplus(gradient_compression="bf16")),
         BenchConfig("powersgd", shardplus(gradient_compression="powersgd")),
-        # bucket size chosen by measurement: the first run of the row tunes (a cache private to this benchmark),
-        # the later ones start from its result, as a user's second run would
+        # bucket size chosen by measurement: an untimed run of 300 steps tunes (into a cache private to this
+        # benchmark); the timed runs start from its result, as a user's second run would
         *if_accepted("autotune", auto_tune_tensor_fusion=True, autotune_cache=str(_AUTOTUNE_CACHE)),
         # 16 scalars logged per step: (a) no sync, (b) Lightning's sync_dist=True, (c) shardplus averaging
         # (no ScalingReport: its all-reduce hook would be counted among the Python all_reduce calls)
@@ -278,6 +279,9 @@ def run(configs: list[BenchConfig], args: argparse.Namespace) -> dict[str, Any]:
     """Run every config ``args.repeats`` times, alternating; return per-config samples/s, ratios to the first
     config (ddp) and counted communication per optimizer step."""
     results: dict[str, list[dict[str, Any]]] = {c.name: [] for c in configs}
+    for config in configs:
+        if config.prepare_steps:
+            run_once(config, argparse.Namespace(**{**vars(args), "steps": config.prepare_steps}))
     for repeat in range(args.repeats):
         order = configs if repeat % 2 == 0 else list(reversed(configs))
         for config in order:
