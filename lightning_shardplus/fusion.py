@@ -615,9 +615,12 @@ class FusionAutotuner:
         return setting if changed else None
 
     def finish_early(self) -> FusionResult | None:
-        """Training ends while tuning: the best setting measured so far (rank 0's view; not cached)."""
+        """Training ends while tuning: the best setting measured so far, rank 0's choice on every rank (a
+        broadcast: call it on every rank; not cached)."""
         if self.tuning and self._race is not None:
-            self._finish(self._race.best(), complete=False)
+            best = self._race.best()
+            _, cap, first = self.collectives.broadcast([0.0, best.bucket_cap_mb, _encode_first(best)])
+            self._finish(BucketSetting(cap, None if first < 0 else first), complete=False)
         return self.result
 
     def _finish(self, winner: BucketSetting, complete: bool) -> None:

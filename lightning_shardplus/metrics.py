@@ -33,16 +33,18 @@ progress bar keep the previous step's value. In manual optimization every batch 
 aggregates (``on_epoch=True``) are accumulated from the same reduced values, so they are identical on all
 ranks and consistent with the step values.
 
-When the collective runs: values normally come from ``training_step`` (and the hooks before backward), so
-the collective is started, without waiting, when backward begins (``on_before_backward`` of the step's last
-micro-batch) and read in ``on_train_batch_end``: its latency, including the wait for the slowest rank,
-hides behind backward and the optimizer step. A value logged after backward began (``on_after_backward``,
-``on_before_optimizer_step``) cannot be in that collective: the first logged step of a fit therefore
-reduces in ``on_train_batch_end``, after every hook, and learns from a flag in the collective whether any
-rank logs after backward; if one does, every later step reduces there too (one blocking collective per
-step, as if started late). A value first logged after backward in a later step is that rank's own in that
-step (with a warning); the next collective tells every rank, and from then on steps reduce in
-``on_train_batch_end`` (that one step pays two collectives).
+When the collective runs: values normally come from ``training_step`` (and the hooks before backward), so the
+collective is started, without waiting, when backward begins (``on_before_backward`` of the step's last micro-
+batch) and read in ``on_train_batch_end``: its latency, including the wait for the slowest rank, hides behind
+backward and the optimizer step (on CPU processes; on accelerators the collective runs in
+``on_train_batch_end``, since packing reads the values on the host). A value logged after the collective
+started (``on_after_backward``, ``on_before_optimizer_step``, and also the LightningModule's own
+``on_before_backward``, which Lightning calls after the callbacks') cannot be in that collective: the first
+logged step of a fit therefore reduces in ``on_train_batch_end``, after every hook, and learns from a flag in
+the collective whether any rank logs after backward; if one does, every later step reduces there too (one
+blocking collective per step, as if started late). A value first logged after backward in a later step is that
+rank's own in that step (with a warning); the next collective tells every rank, and from then on steps reduce
+in ``on_train_batch_end`` (that one step pays two collectives).
 
 The collective carries a fixed-size header that lets every rank check, with the same outcome on every
 rank, that all ranks logged the same names (same count and a 48-bit digest of the sorted names): a
@@ -546,7 +548,9 @@ class AverageTrainingMetrics(Callback):
         if self._reducer is None or not _lightning.logs_this_step(trainer) or self._backward_began:
             return
         self._backward_began = True
-        if self._late_values is False:
+        # Packing reads the values on the host: on an accelerator that would wait for the forward pass before
+        # backward is queued, so there the collective stays in `on_train_batch_end` (which must read them anyway).
+        if self._late_values is False and trainer.strategy.root_device.type == "cpu":
             self._launched = self._reducer.start(trainer.strategy.root_device, flag=self._announce)
             self._announce = False
 
@@ -615,8 +619,8 @@ class AverageTrainingMetrics(Callback):
             stacklevel=2,
         )
 
-    def _clear_step(self) -> None:
-        if self._launched is not None:
+    def _clear_step(self, wait: bool = True) -> None:
+        if self._launched is not None and wait:
             self._launched.work.wait()  # a started collective is not abandoned half-way
         self._launched = None
         self._pending.clear()
@@ -636,8 +640,9 @@ class AverageTrainingMetrics(Callback):
         if self._restore is not None:
             self._restore()
         self._restore = self._reducer = self._results = None
-        self._launched = None
-        self._clear_step()
+        # not waiting for a collective still in flight: after an exception a peer may be gone (it ends with the
+        # process group)
+        self._clear_step(wait=False)
         self._last.clear()
         self._announce = False
         self._late_values = None

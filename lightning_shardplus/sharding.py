@@ -296,12 +296,18 @@ CHECKPOINT_KEY = "shardplus_training_samplers"
 """Where the strategy stores the training samplers' progress in a Lightning checkpoint."""
 
 
-def checkpoint_entry(batches_done: int, samplers_and_batch_sizes: Sequence[tuple[PaddedShardSampler, int]]) -> dict:
+def checkpoint_entry(
+    batches_done: int, samplers_and_batch_sizes: Sequence[tuple[PaddedShardSampler, int | None]]
+) -> dict:
     """The training samplers' progress after ``batches_done`` batches of the epoch (the training loop's count),
-    with each loader's batch size: the same on every rank, so rank 0's copy is enough."""
+    with each loader's batch size: the same on every rank, so rank 0's copy is enough. A loader whose batch size
+    is unknown gets None (its epoch restarts on resume), so that the states stay in loader order."""
     return {
         "batches_done": batches_done,
-        "samplers": [sampler.state_dict(batches_done * batch_size) for sampler, batch_size in samplers_and_batch_sizes],
+        "samplers": [
+            None if batch_size is None else sampler.state_dict(batches_done * batch_size)
+            for sampler, batch_size in samplers_and_batch_sizes
+        ],
     }
 
 

@@ -122,7 +122,8 @@ class ShardPlusStrategy(DDPStrategy):
         autotune_warmup_steps: optimizer steps not timed after each re-wrap (default 1: DDP cuts its buckets
             after the first step of a new wrapper).
         autotune_cache: JSON cache of tuned results: True for ``~/.cache/lightning_shardplus/fusion.json``, a
-            path, or False to always search.
+            path, or False to search in every new run (a fit resumed from a checkpoint of a finished tuning goes
+            on with the checkpoint's bucket size either way).
         average_training_metrics: values logged with ``on_step=True`` from ``training_step`` and the
             training-batch hooks are replaced by their batch-weighted mean over all ranks (``sync_dist=True``
             sum/max/min values by that reduction) before loggers, the progress bar or ``callback_metrics`` see
@@ -219,6 +220,12 @@ class ShardPlusStrategy(DDPStrategy):
                 f"`bucket_cap_mb_list`={ddp_kwargs['bucket_cap_mb_list']!r} and `auto_tune_tensor_fusion`=True both "
                 "set DDP's bucket sizes: give one of them."
             )
+        if auto_tune_tensor_fusion and ddp_comm_hook is not None and ddp_comm_state is not None:
+            raise ValueError(
+                f"`ddp_comm_state`={ddp_comm_state!r} with `auto_tune_tensor_fusion`=True: tuning re-wraps DDP with "
+                "other buckets, and a hook state kept per bucket (PowerSGD's error feedback) would no longer fit. "
+                "Use `gradient_compression='powersgd'` (its state is rebuilt on re-wrap) or turn tuning off."
+            )
         check_bool("average_training_metrics", average_training_metrics)
         if "bucket_cap_mb" in ddp_kwargs:
             raise TypeError(
@@ -270,6 +277,7 @@ class ShardPlusStrategy(DDPStrategy):
         self.fusion_result: fusion.FusionResult | None = None  # what tuning decided, on rank 0 with timings
         self._fusion_tuner: fusion.FusionAutotuner | None = None
         self._fusion_checkpoint: dict[str, Any] | None = None  # the tuned setting of a checkpoint being resumed
+        self._fusion_cache_key: str | None = None  # what `fusion_result` holds for
         # Set by ExactEvaluation while an evaluation epoch runs: logged values are reduced at its end instead.
         self.defer_logging_sync = False
         self._compression: compression.CastCompression | compression.PowerSGDCompression | None = None
@@ -568,6 +576,7 @@ class ShardPlusStrategy(DDPStrategy):
         trainer = self.lightning_module.trainer
         if self.auto_tune_tensor_fusion and trainer.state.fn == TrainerFn.FITTING:
             tuner = self._fusion_tuner = self._build_fusion_tuner()
+            self._fusion_cache_key = tuner.cache_key
             self._set_bucket_setting(tuner.initial_setting)
             self.fusion_result = tuner.result  # set when the cache had it (or there was nothing to search)
         super().configure_ddp()
@@ -604,7 +613,9 @@ class ShardPlusStrategy(DDPStrategy):
 
     def rewrap_ddp(self, setting: fusion.BucketSetting) -> None:
         """Wrap the module in a new DDP with ``setting``'s bucket sizes and register the communication hook on it
-        again. A collective: call it on every rank at the same optimizer-step boundary (outside ``no_sync``)."""
+        again (``gradient_compression``'s state is rebuilt for the new buckets; a user ``ddp_comm_state`` is refused
+        with tuning in ``__init__``). A collective: call it on every rank at the same optimizer-step boundary
+        (outside ``no_sync``)."""
         self._set_bucket_setting(setting)
         _lightning.rewrap_ddp(self, {})
         self.register_communication_hook()
@@ -664,7 +675,7 @@ class ShardPlusStrategy(DDPStrategy):
         where = []
         if self.autotune_log and not result.from_cache:
             where.append(f"samples in {self.autotune_log}")
-        if self._fusion_tuner.cache_path is not None and result.complete:
+        if self._fusion_tuner.cache_path is not None and result.complete and result.source == "the autotune cache":
             where.append(f"cache {self._fusion_tuner.cache_path}")
         rank_zero_info(result.summary() + (f" ({'; '.join(where)})" if where else ""))
         if self.is_global_zero:
@@ -743,8 +754,8 @@ class ShardPlusStrategy(DDPStrategy):
                 checkpoint[compression.CHECKPOINT_KEY] = compression.checkpoint_entry(
                     self.gradient_compression, gathered
                 )
-        tuned = fusion.checkpoint_entry(self.fusion_result, self._fusion_tuner and self._fusion_tuner.cache_key)
-        if tuned is not None:
+        tuned = fusion.checkpoint_entry(self.fusion_result, self._fusion_cache_key)
+        if tuned is not None and "loops" in checkpoint:  # a training checkpoint (not weights only)
             checkpoint[fusion.CHECKPOINT_KEY] = tuned
         samplers = self._training_sampler_progress() if "loops" in checkpoint else None
         if samplers is not None:
@@ -760,9 +771,8 @@ class ShardPlusStrategy(DDPStrategy):
             return None
         samplers = []
         for loader in aggregation.dataloaders(trainer.train_dataloader):
-            batch_size = _loader_batch_size(loader)
-            if isinstance(loader.sampler, PaddedShardSampler) and batch_size is not None:
-                samplers.append((loader.sampler, batch_size))
+            if isinstance(loader.sampler, PaddedShardSampler):
+                samplers.append((loader.sampler, _loader_batch_size(loader)))
         if not samplers:
             return None
         batches_done = _lightning.micro_batches_trained_in_epoch(trainer)
@@ -860,13 +870,14 @@ class ShardPlusStrategy(DDPStrategy):
             return
         state = entry["samplers"][self._sampler_states_used]
         self._sampler_states_used += 1
-        if batch_size is None:
+        if batch_size is None or state is None:
             rank_zero_warn("shardplus: a training loader has no batch size; its epoch restarts from the beginning.")
             return
         if state["seed"] != sampler.seed:
             rank_zero_warn(
                 f"shardplus: the checkpoint's training order has seed {state['seed']}, this run's seed is "
-                f"{sampler.seed}: the checkpoint's seed is kept, so that its epoch continues in the same order."
+                f"{sampler.seed}: the checkpoint's seed is kept for the rest of training, so that the run goes on "
+                "in the order it started with (as if it had not stopped)."
             )
         sampler.load_state_dict(state, samples_counted=int(entry["batches_done"]) * batch_size)
 

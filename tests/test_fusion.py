@@ -15,6 +15,7 @@ from _models import cpu_trainer
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from test_compression import MLP, PARAMETERS, counts, flat, loader
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
 from lightning_shardplus import ShardPlusStrategy, fusion
 from lightning_shardplus.compression import CommunicationCounter
@@ -221,6 +222,15 @@ def test_first_bucket_tuning_follows_what_ddp_takes():
             {"auto_tune_tensor_fusion": True, "bucket_cap_mb_list": [1, 4]},
             ValueError,
             r"`bucket_cap_mb_list`=\[1, 4\] and `auto_tune_tensor_fusion`=True both set",
+        ),
+        (
+            {
+                "auto_tune_tensor_fusion": True,
+                "ddp_comm_hook": powerSGD_hook.powerSGD_hook,
+                "ddp_comm_state": powerSGD_hook.PowerSGDState(process_group=None),
+            },
+            ValueError,
+            r"`ddp_comm_state`=.*with `auto_tune_tensor_fusion`=True.*gradient_compression='powersgd'",
         ),
     ],
 )
