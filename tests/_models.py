@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -117,3 +118,22 @@ def in_process_run():
         torch.set_num_threads(threads)
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+
+
+def kill_leftover_processes(marker: str) -> list[int]:
+    """SIGKILL every process whose command line contains ``marker`` (a test's tmp_path): workers a launcher
+    leaves behind (Lightning's SIGTERM handler can keep a worker blocked in a collective alive after its
+    torchrun agent is gone) would otherwise linger and could join a later job's rendezvous on a reused port."""
+    killed = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if marker in cmdline and int(entry.name) != os.getpid():
+            try:
+                os.kill(int(entry.name), signal.SIGKILL)
+                killed.append(int(entry.name))
+            except OSError:
+                pass
+    return killed

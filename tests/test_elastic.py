@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from _elastic_probe import EPOCHS, NUM_SAMPLES, fit
-from _models import read_records
+from _models import kill_leftover_processes, read_records
 
 ROOT = Path(__file__).resolve().parents[1]
 FAIL_AT_STEP = 9  # the 4th step of epoch 1; last.ckpt holds step 8
@@ -66,6 +66,8 @@ def test_torchrun_restart_after_a_worker_dies_resumes_to_the_uninterrupted_resul
         os.killpg(process.pid, signal.SIGKILL)
         output, _ = process.communicate()
         pytest.fail(f"torchrun did not finish within 150 s:\n{output[-5000:]}")
+    finally:
+        kill_leftover_processes(str(tmp_path))
     assert process.returncode == 0, output[-5000:]
 
     rows = [r for r in read_records(tmp_path / "elastic" / "record") if r["stage"] == "train"]

@@ -15,10 +15,12 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import yaml
+from _models import kill_leftover_processes
 from lightning.fabric.plugins.environments import (
     LightningEnvironment,
     SLURMEnvironment,
@@ -87,17 +89,25 @@ def run_all(commands: list[list[str]], cwd: Path, env: dict[str, str], timeout: 
         for cmd in commands
     ]
     results = []
+    deadline = time.monotonic() + timeout
     try:
         for proc in procs:
-            output, _ = proc.communicate(timeout=timeout)
+            output, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
             results.append((proc.returncode, output))
     except subprocess.TimeoutExpired:
-        pytest.fail(f"launch did not finish within {timeout} s: {commands}")
+        outputs = []
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+            outputs.append(proc.communicate()[0] or "")
+        tails = "\n".join(f"--- process {i} ---\n{out[-3000:]}" for i, out in enumerate(outputs))
+        pytest.fail(f"launch did not finish within {timeout} s: {commands}\n{tails}")
     finally:
         for proc in procs:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+        kill_leftover_processes(str(cwd))
     return results
 
 
