@@ -216,6 +216,24 @@ def _median_per_step(steps: list[dict[str, int]], key: str) -> float | None:
     return statistics.median(step[key] for step in steps) if steps else None
 
 
+def _bench_trainer(
+    accelerator: str, devices: int, strategy: Strategy, max_steps: int, callbacks: list[Callback]
+) -> pl.Trainer:
+    """A Trainer that trains ``max_steps`` and nothing else: no logger, checkpoints, progress bar or validation."""
+    return pl.Trainer(
+        accelerator=accelerator,
+        devices=devices,
+        strategy=strategy,
+        max_steps=max_steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        callbacks=callbacks,
+    )
+
+
 def run_once(config: BenchConfig, args: argparse.Namespace) -> dict[str, Any]:
     """One ``fit`` of the workload under ``config``; returns rank 0's samples/s and, for shardplus rows, the
     counted communication per timed optimizer step."""
@@ -247,17 +265,12 @@ def run_once(config: BenchConfig, args: argparse.Namespace) -> dict[str, Any]:
             if config.scaling_report
             else None
         )
-        trainer = pl.Trainer(
-            accelerator=args.accelerator,
-            devices=args.devices,
-            strategy=strategy,
-            max_steps=timed_steps + warmup_steps,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            limit_val_batches=0,
-            callbacks=[
+        trainer = _bench_trainer(
+            args.accelerator,
+            args.devices,
+            strategy,
+            timed_steps + warmup_steps,
+            [
                 _Throughput(warmup_steps, out),
                 *([counter] if counter else []),
                 *([report] if report else []),
@@ -900,17 +913,12 @@ def run_fusion_shape(shape: tuple[str, int, int, int], args: argparse.Namespace)
         max_steps = settings.max_tuning_steps + measured + 10
         model = ClassifierModule(input_dim=input_dim, hidden_dims=[hidden_dim] * layers)
         parameters = sum(p.numel() for p in model.parameters())
-        trainer = pl.Trainer(
-            accelerator="cpu",
-            devices=args.devices,
-            strategy=strategy,
-            max_steps=max_steps,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            limit_val_batches=0,
-            callbacks=[
+        trainer = _bench_trainer(
+            "cpu",
+            args.devices,
+            strategy,
+            max_steps,
+            [
                 _InterleavedBuckets(candidates, args.fusion_steps, args.fusion_warmup, args.fusion_rounds, out),
                 *([_Threads(args.threads)] if args.threads else []),
             ],
