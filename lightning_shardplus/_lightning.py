@@ -355,6 +355,11 @@ def set_epoch_state(
     metric._computed = None  # torchmetrics' cache of `compute()`
 
 
+def current_batch(results: _ResultCollection) -> Any:
+    """The batch being trained, as the logger connector handed it to the results (``_ResultCollection.batch``)."""
+    return results.batch
+
+
 def batch_size_of_current_batch(results: _ResultCollection) -> int | None:
     """The batch size Lightning uses for this batch's epoch means when ``self.log`` is given none: the one it
     already inferred, else inferred the same way from the batch; None when there is no batch or it has no
@@ -397,6 +402,18 @@ def rewrap_ddp(strategy: Any, ddp_kwargs: dict[str, Any]) -> None:
     private ``_setup_model`` and ``_ddp_kwargs``. A collective: every rank must call it at the same step."""
     set_ddp_kwargs(strategy, ddp_kwargs)
     strategy.model = strategy._setup_model(strategy.lightning_module)
+
+
+def ddp_kwargs(strategy: Any) -> dict[str, Any]:
+    """The keyword arguments the strategy gives ``DistributedDataParallel`` (private ``DDPStrategy._ddp_kwargs``;
+    read only)."""
+    return strategy._ddp_kwargs
+
+
+def attached_trainer(module: Any) -> Any:
+    """The Trainer ``module`` is attached to, or None (``LightningModule.trainer`` raises when there is none;
+    this reads the private ``_trainer`` it returns)."""
+    return module._trainer if module is not None else None
 
 
 def set_ddp_kwargs(strategy: Any, ddp_kwargs: dict[str, Any]) -> None:

@@ -538,7 +538,7 @@ class AverageTrainingMetrics(Callback):
         pending[log.key] = _Pending(logged, before)
 
     def _batch_weight(self) -> float:
-        batch = self._results.batch
+        batch = _lightning.current_batch(self._results)
         if not self._weight.known or self._weight.batch is not batch:
             size = _lightning.batch_size_of_current_batch(self._results)
             self._weight = _BatchWeight(batch, float(size) if size is not None else 1.0, True)

@@ -269,7 +269,7 @@ class ShardPlusStrategy(DDPStrategy):
         self.exact_evaluation = exact_evaluation
         self.verify_sharding = verify_sharding
         # the bucket size in use: 25 MB unless given, or the tuned one once tuning has decided
-        self.tensor_fusion_threshold_mb = self._ddp_kwargs["bucket_cap_mb"]
+        self.tensor_fusion_threshold_mb = _lightning.ddp_kwargs(self)["bucket_cap_mb"]
         self.auto_tune_tensor_fusion = auto_tune_tensor_fusion
         self.autotune_log = autotune_log
         self.autotune_cache: str | bool = autotune_cache
@@ -378,7 +378,7 @@ class ShardPlusStrategy(DDPStrategy):
         if self.exact_evaluation:
             # Exact evaluation shards are empty on some ranks when the dataset is smaller than the world size.
             model.allow_zero_length_dataloader_with_multiple_devices = True
-        trainer = model._trainer
+        trainer = _lightning.attached_trainer(model)
         if trainer is not None:
             self._check_aggregation(trainer, model)
             fitting = trainer.state.fn == TrainerFn.FITTING
@@ -424,7 +424,7 @@ class ShardPlusStrategy(DDPStrategy):
     def _share_rank_zero_buffers(self) -> None:
         """Before evaluating mid-fit, give every rank rank 0's buffers (BatchNorm running statistics), as DDP's
         next forward would: each rank's last training step updated its own copy, and evaluation skips DDP."""
-        if not (self._exact_across_ranks and self._ddp_kwargs.get("broadcast_buffers", True)):
+        if not (self._exact_across_ranks and _lightning.ddp_kwargs(self).get("broadcast_buffers", True)):
             return
         if not isinstance(self.model, DistributedDataParallel):
             return  # validate/test/predict outside fit: DDPStrategy.setup synchronized the module already
@@ -478,7 +478,7 @@ class ShardPlusStrategy(DDPStrategy):
     @override
     def teardown(self) -> None:
         module = self.lightning_module
-        trainer = module._trainer if module is not None else None
+        trainer = _lightning.attached_trainer(module)
         if trainer is not None and self._user_accumulate_grad_batches is not None:
             trainer.accumulate_grad_batches = self._user_accumulate_grad_batches
         self._user_accumulate_grad_batches = None
@@ -494,7 +494,7 @@ class ShardPlusStrategy(DDPStrategy):
         """Micro-batches per optimizer step: ``aggregation_frequency`` (or, with it left at 1, the Trainer's
         ``accumulate_grad_batches``)."""
         module = self.lightning_module
-        trainer = module._trainer if module is not None else None
+        trainer = _lightning.attached_trainer(module)
         if trainer is None:
             return self.aggregation_frequency
         return aggregation.micro_batches_per_step(trainer)
@@ -505,7 +505,7 @@ class ShardPlusStrategy(DDPStrategy):
         step``, once the training data is known (None before, or when the batch size cannot be found).
         ``ScaleLearningRate`` scales with the same figure."""
         module = self.lightning_module
-        trainer = module._trainer if module is not None else None
+        trainer = _lightning.attached_trainer(module)
         return None if trainer is None else aggregation.effective_batch_size(trainer)
 
     @override
@@ -550,7 +550,7 @@ class ShardPlusStrategy(DDPStrategy):
         window's gradient), then the gradient corrected from Lightning's ``sum(loss / N)`` to the mean over
         the micro-batches actually aggregated (or their sum). Runs before unscaling, hooks and clipping."""
         module = self.lightning_module
-        trainer = module._trainer if module is not None else None
+        trainer = _lightning.attached_trainer(module)
         if trainer is None or not module.automatic_optimization or not trainer.training:
             return closure
         frequency = trainer.accumulate_grad_batches
@@ -591,7 +591,7 @@ class ShardPlusStrategy(DDPStrategy):
             "ddp_comm_hook": getattr(self._ddp_comm_hook, "__qualname__", None),
             "micro_batches_per_step": self.micro_batches_per_step,
             **{
-                k: self._ddp_kwargs.get(k)
+                k: _lightning.ddp_kwargs(self).get(k)
                 for k in ("find_unused_parameters", "static_graph", "gradient_as_bucket_view")
             },
         }
@@ -610,6 +610,11 @@ class ShardPlusStrategy(DDPStrategy):
     def _set_bucket_setting(self, setting: fusion.BucketSetting) -> None:
         _lightning.set_ddp_kwargs(self, setting.ddp_kwargs())
         self.tensor_fusion_threshold_mb = setting.bucket_cap_mb
+
+    @property
+    def fusion_tuning(self) -> bool:
+        """Whether tensor-fusion autotuning is still measuring (DDP may be re-wrapped at the next step)."""
+        return self._fusion_tuner is not None and self._fusion_tuner.tuning
 
     def rewrap_ddp(self, setting: fusion.BucketSetting) -> None:
         """Wrap the module in a new DDP with ``setting``'s bucket sizes and register the communication hook on it
@@ -711,7 +716,7 @@ class ShardPlusStrategy(DDPStrategy):
         state = self._ddp_comm_state
         if self._compression is not None:
             hook, state = self._compression.hook_for(model, backend)
-        trainer = self.lightning_module._trainer if self.lightning_module is not None else None
+        trainer = _lightning.attached_trainer(self.lightning_module)
         wrappers = [cb for cb in trainer.callbacks if isinstance(cb, CommunicationHookWrapper)] if trainer else []
         if hook is None and (self._ddp_comm_wrapper is not None or wrappers):
             # DDP's all-reduce, as a hook that can be wrapped
@@ -766,7 +771,7 @@ class ShardPlusStrategy(DDPStrategy):
         """The training samplers' progress at the last trained batch (see ``sharding.checkpoint_entry``), so
         that a resume reads exactly the samples that were next; None outside fit or without our samplers."""
         module = self.lightning_module
-        trainer = module._trainer if module is not None else None
+        trainer = _lightning.attached_trainer(module)
         if trainer is None or trainer.state.fn != TrainerFn.FITTING:
             return None
         samplers = []

@@ -225,3 +225,15 @@ def test_ddp_is_wrapped_from_the_strategy_ddp_kwargs_by_setup_model():
     assert strategy._ddp_kwargs["bucket_cap_mb"] == 8.0 and strategy._ddp_kwargs["bucket_cap_mb_list"] == [1.0, 8.0]
     _lightning.set_ddp_kwargs(strategy, {"bucket_cap_mb_list": None})
     assert "bucket_cap_mb_list" not in strategy._ddp_kwargs
+
+
+def test_the_trainer_and_ddp_kwargs_are_read_where_lightning_keeps_them():
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    module = BoringModel()
+    assert _lightning.attached_trainer(module) is None and _lightning.attached_trainer(None) is None
+    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False)
+    module.trainer = trainer
+    assert _lightning.attached_trainer(module) is trainer is module.trainer
+    strategy = ShardPlusStrategy(tensor_fusion_threshold_mb=4, static_graph=True)
+    assert _lightning.ddp_kwargs(strategy)["bucket_cap_mb"] == 4 and _lightning.ddp_kwargs(strategy)["static_graph"]
