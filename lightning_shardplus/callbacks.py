@@ -382,7 +382,8 @@ class ScalingReport(CommunicationHookWrapper):
     - ``optimizer``: ``on_after_backward`` to ``on_train_batch_end`` (gradient clipping, ``optimizer.step``,
       ``zero_grad``, Lightning's step logging).
 
-    The first ``skip_first_steps`` micro-batches (worker start, DDP's bucket rebuild) are not counted. Each rank
+    The first ``skip_first_steps`` micro-batches (worker start, DDP's bucket rebuild) are not counted, nor the
+    steps of tensor-fusion autotuning (``auto_tune_tensor_fusion``) and the one after it. Each rank
     sums locally; one ``all_gather`` of nine numbers when training ends combines them, so the callback is
     cheap enough to leave on (the benchmark's ``shardplus-report`` row measures it). Samples/s is the samples of
     all ranks over the slowest rank's counted time; with ``single_device_samples_per_second`` (one device's
@@ -435,6 +436,7 @@ class ScalingReport(CommunicationHookWrapper):
         self.report: dict[str, Any] | None = None
         self._totals = dict.fromkeys(_TOTALS, 0.0)
         self._seen = 0
+        self._was_tuning = False
         self._world_size = 1
         self._batch_size: int | None = None
         self._previous_end: float | None = None
@@ -471,6 +473,7 @@ class ScalingReport(CommunicationHookWrapper):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._totals = dict.fromkeys(_TOTALS, 0.0)
         self._seen = 0
+        self._was_tuning = False
         self._world_size = trainer.world_size
         self._batch_size = micro_batch_size(trainer)
         self.report = None
@@ -526,6 +529,12 @@ class ScalingReport(CommunicationHookWrapper):
         end = self._previous_end = time.perf_counter()
         marks, self._marks = self._marks, {}
         self._seen += 1
+        # tensor-fusion autotuning re-wraps DDP and tries slower bucket sizes on purpose: its steps, and the first
+        # step after it (the last re-wrap, DDP's bucket rebuild), are not this run's steady state
+        tuning = bool(getattr(trainer.strategy, "fusion_tuning", False))
+        after_tuning, self._was_tuning = self._was_tuning, tuning
+        if tuning or after_tuning:
+            return
         if self._seen <= self.skip_first_steps or "start" not in marks:
             return
         start = marks["start"]

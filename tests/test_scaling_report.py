@@ -37,13 +37,13 @@ class SlowDataset(Dataset):
         return self.inputs[index], self.labels[index]
 
 
-def fit_with_report(tmp_path, devices: int, delay: float, **report_kwargs) -> dict:
+def fit_with_report(tmp_path, devices: int, delay: float, strategy_kwargs=None, **report_kwargs) -> dict:
     """A short fit of a small MLP on ``devices`` CPU processes; rank 0's report."""
     output = tmp_path / f"report-{devices}-{delay}.json"
     dim, batch = 256, 64 * devices
     datamodule = ShardPlusDataModule(global_batch_size=batch, train_dataset=SlowDataset(batch * 12, dim, delay))
     trainer = cpu_trainer(
-        ShardPlusStrategy(start_method="fork", average_training_metrics=False),
+        ShardPlusStrategy(start_method="fork", average_training_metrics=False, **(strategy_kwargs or {})),
         devices,
         max_epochs=1,
         limit_val_batches=0,
@@ -135,3 +135,21 @@ def test_in_one_process_the_verdict_is_printed_and_the_users_profiler_still_sees
     assert trainer.profiler is profiler  # handed back when training ended
     assert len(profiler.recorded_durations[TRAIN_DATALOADER_NEXT]) == 8
     assert len(profiler.recorded_durations["run_training_batch"]) == 8
+
+
+@pytest.mark.timeout(120)
+def test_the_steps_of_fusion_autotuning_are_not_counted(tmp_path):
+    # 4 samples of 1 step after 3 untimed (2 extra for the run's first), 1 + 0 untimed for the others: tuning
+    # ends at a step boundary within the 12 batches; it and the step after it are left out
+    tuning = {
+        "auto_tune_tensor_fusion": True,
+        "autotune_candidates_mb": [0.001],
+        "autotune_first_bucket_candidates_mb": [],
+        "autotune_steps_per_sample": 1,
+        "autotune_warmup_steps": 1,
+        "autotune_cache": False,
+    }
+    report = fit_with_report(tmp_path, devices=2, delay=0.0, strategy_kwargs=tuning)
+    plain = fit_with_report(tmp_path / "plain", devices=2, delay=0.0)
+    assert plain["micro_batches"] == 10
+    assert 0 < report["micro_batches"] < plain["micro_batches"]
