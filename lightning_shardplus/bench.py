@@ -51,6 +51,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import lightning.pytorch as pl
@@ -351,12 +352,14 @@ def measure_report_cost(micro_batches: int = 5000, profiled_actions: int = 40) -
             with profiler.profile("[Callback]Other.on_train_batch_start"):
                 pass
 
+    trainer: Any = SimpleNamespace(strategy=SimpleNamespace(fusion_tuning=False))  # what the hooks read of it
+
     def one_step() -> None:
-        report.on_train_batch_start(None, None, None, 0)  # type: ignore[arg-type]
-        report.on_before_backward(None, None, loss)  # type: ignore[arg-type]
+        report.on_train_batch_start(trainer, None, None, 0)  # type: ignore[arg-type]
+        report.on_before_backward(trainer, None, loss)  # type: ignore[arg-type]
         hook(None, bucket)
-        report.on_after_backward(None, None)  # type: ignore[arg-type]
-        report.on_train_batch_end(None, None, None, None, 0)  # type: ignore[arg-type]
+        report.on_after_backward(trainer, None)  # type: ignore[arg-type]
+        report.on_train_batch_end(trainer, None, None, None, 0)  # type: ignore[arg-type]
         wrapped.start(TRAIN_DATALOADER_NEXT)
         wrapped.stop(TRAIN_DATALOADER_NEXT)
         profile_actions(wrapped)
