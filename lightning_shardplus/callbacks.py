@@ -7,7 +7,9 @@ import math
 import os
 import statistics
 import time
+from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -26,6 +28,7 @@ from lightning_shardplus._validation import check_bool, check_choice, check_int
 from lightning_shardplus.aggregation import effective_batch_size, micro_batch_size
 from lightning_shardplus.compression import CommunicationHookWrapper
 from lightning_shardplus.sharding import PaddedShardSampler, check_epoch_shards
+from lightning_shardplus.step_clock import HostClock, StepClock, step_clock
 
 _dataloaders = aggregation.dataloaders
 
@@ -390,9 +393,15 @@ class ScalingReport(CommunicationHookWrapper):
     figure for the same model and per-device batch) the scaling efficiency is ``samples/s / (world size x
     baseline)``.
 
-    The figures are wall-clock times on the CPU side: on a GPU, where kernels run asynchronously, the time of a
-    phase is the time the host spent in it, not the device. For rolling throughput and FLOPs during training
-    use Lightning's ``ThroughputMonitor`` beside it; this report gives the whole fit's verdict.
+    On the CPU the marks are the host's wall clock. On an accelerator with timing events (CUDA, ROCm, XPU), where
+    kernels run asynchronously and the host runs ahead, each mark is also an event recorded on the device's
+    current stream and the phases are the *device's* time between them (``device_timing``): forward, backward and
+    the optimizer are the device's work, exposed communication is the device waiting for the last all-reduce, and
+    the time between steps is the device idle or busy between the end of one micro-batch's work and the start of
+    the next (of it, up to the host's time in ``next()`` is data). Events are read once the device has passed
+    them (``query``), a few steps later, so the report never makes the host wait for the device during training.
+    ``report["timing"]`` says which clock was used. For rolling throughput and FLOPs during training use
+    Lightning's ``ThroughputMonitor`` beside it; this report gives the whole fit's verdict.
 
     When training ends, rank 0 prints the verdict (``rank_zero_info``), logs ``scaling/*`` figures to every
     logger of the Trainer, and writes the report as JSON to ``output_file`` if given; every rank keeps it in
@@ -407,6 +416,8 @@ class ScalingReport(CommunicationHookWrapper):
         batch_size_fn: samples in a batch; default: the datamodule's ``per_device_batch_size`` or the training
             DataLoader's ``batch_size``.
         verbose: print the verdict and the figures on rank 0 when training ends.
+        device_timing: ``None``: device timing events where the training device has them, the host clock on the
+            CPU; ``False``: always the host clock; ``True``: device events, an error on a device without them.
     """
 
     def __init__(
@@ -417,6 +428,7 @@ class ScalingReport(CommunicationHookWrapper):
         output_file: str | os.PathLike | None = None,
         batch_size_fn: Callable[[Any], int] | None = None,
         verbose: bool = True,
+        device_timing: bool | None = None,
     ) -> None:
         if single_device_samples_per_second is not None and not single_device_samples_per_second > 0:
             raise ValueError(
@@ -433,21 +445,33 @@ class ScalingReport(CommunicationHookWrapper):
         self.batch_size_fn = batch_size_fn
         check_bool("verbose", verbose)
         self.verbose = verbose
+        if device_timing is not None and not isinstance(device_timing, bool):
+            raise TypeError(f"`device_timing`={device_timing!r} is not valid: expected None, True or False.")
+        self.device_timing = device_timing
         self.report: dict[str, Any] | None = None
         self._totals = dict.fromkeys(_TOTALS, 0.0)
         self._seen = 0
         self._was_tuning = False
         self._world_size = 1
         self._batch_size: int | None = None
-        self._previous_end: float | None = None
-        self._marks: dict[str, float] = {}
+        self._clock: StepClock = HostClock()
+        self._previous_end: Any = None  # a mark of `_clock`
+        self._marks: dict[str, Any] = {}  # this micro-batch's marks of `_clock`
+        self._host_marks: dict[str, float] = {}  # and when the host made them
+        self._pending: deque[_CountedStep] = deque()  # counted micro-batches whose marks the device has not passed
         self._fetch_seconds = 0.0  # in `next()` on the training loader since the previous micro-batch ended
         self._fetch_started: float | None = None
+        self._fetch = 0.0  # the host's seconds in `next()` before this micro-batch
         self._profiler: _FetchTimingProfiler | None = None
         self._hook_wrapped = False  # the strategy passed its communication hook through `wrap` for this fit
 
     def __getstate__(self) -> dict[str, Any]:  # the spawn launcher pickles the Trainer's callbacks
-        return self.__dict__ | {"_profiler": None}
+        return self.__dict__ | {"_profiler": None, "_clock": HostClock(), "_previous_end": None, "_pending": deque()}
+
+    def _mark(self, name: str) -> None:
+        now = time.perf_counter()
+        self._host_marks[name] = now
+        self._marks[name] = now if isinstance(self._clock, HostClock) else self._clock.mark()
 
     # ------------------------------------------------------------------ the hook wrapper
 
@@ -458,7 +482,7 @@ class ScalingReport(CommunicationHookWrapper):
 
         def timed_hook(state, bucket):  # no annotations: DDP checks them against its types
             if bucket.is_last():
-                report._marks["last_bucket"] = time.perf_counter()
+                report._mark("last_bucket")
             return hook(state, bucket)
 
         timed_hook.__qualname__ = f"timed({getattr(hook, '__qualname__', repr(hook))})"
@@ -469,6 +493,7 @@ class ScalingReport(CommunicationHookWrapper):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
             self._hook_wrapped = False  # the strategy wraps its hook after this, in its own setup
+            self._clock = step_clock(trainer.strategy.root_device, self.device_timing)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._totals = dict.fromkeys(_TOTALS, 0.0)
@@ -476,6 +501,7 @@ class ScalingReport(CommunicationHookWrapper):
         self._was_tuning = False
         self._world_size = trainer.world_size
         self._batch_size = micro_batch_size(trainer)
+        self._pending.clear()
         self.report = None
         if not isinstance(trainer.profiler, _FetchTimingProfiler):
             self._profiler = _FetchTimingProfiler(trainer.profiler, self)
@@ -501,66 +527,63 @@ class ScalingReport(CommunicationHookWrapper):
             self._fetch_started = None
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._previous_end = time.perf_counter()
+        self._previous_end = self._clock.mark()
         self._fetch_seconds = 0.0
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not trainer.sanity_checking:
-            self._previous_end = time.perf_counter()
+            self._previous_end = self._clock.mark()
             self._fetch_seconds = 0.0
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        now = time.perf_counter()
-        previous_end = now if self._previous_end is None else self._previous_end
-        self._marks = {"start": now, "previous_end": previous_end, "fetch": self._fetch_seconds}
-        self._fetch_seconds = 0.0
+        self._marks, self._host_marks = {}, {}
+        self._mark("start")
+        self._marks["previous_end"] = self._marks["start"] if self._previous_end is None else self._previous_end
+        self._fetch, self._fetch_seconds = self._fetch_seconds, 0.0
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
-        self._marks.setdefault("before_backward", time.perf_counter())
+        if "before_backward" not in self._marks:
+            self._mark("before_backward")
 
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._marks["after_backward"] = time.perf_counter()
+        self._mark("after_backward")
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        end = self._previous_end = time.perf_counter()
-        marks, self._marks = self._marks, {}
+        self._mark("end")
+        marks, host_marks, self._marks, self._host_marks = self._marks, self._host_marks, {}, {}
+        self._previous_end = marks["end"]
         self._seen += 1
         # tensor-fusion autotuning re-wraps DDP and tries slower bucket sizes on purpose: its steps, and the first
         # step after it (the last re-wrap, DDP's bucket rebuild), are not this run's steady state
         tuning = bool(getattr(trainer.strategy, "fusion_tuning", False))
         after_tuning, self._was_tuning = self._was_tuning, tuning
-        if tuning or after_tuning:
-            return
-        if self._seen <= self.skip_first_steps or "start" not in marks:
-            return
-        start = marks["start"]
-        before_backward = marks.get("before_backward", end)
-        after_backward = marks.get("after_backward", before_backward)
-        last_bucket = marks.get("last_bucket")
-        if self._world_size < 2 or last_bucket is None or not before_backward <= last_bucket <= after_backward:
-            last_bucket = after_backward  # nothing communicated, or not in this backward
-        gap = start - marks["previous_end"]
-        fetch = min(marks["fetch"], gap)
-        phases = {
-            "data": fetch,
-            "between_steps": gap - fetch,
-            "forward": before_backward - start,
-            "backward": last_bucket - before_backward,
-            "communication": after_backward - last_bucket,
-            "optimizer": end - after_backward,
-        }
-        for phase, seconds in phases.items():
-            self._totals[phase] += max(0.0, seconds)
-        size = self.batch_size_fn(batch) if self.batch_size_fn is not None else self._batch_size
-        self._totals["samples"] += size or 0
-        self._totals["micro_batches"] += 1
+        if not (tuning or after_tuning or self._seen <= self.skip_first_steps or "start" not in marks):
+            size = self.batch_size_fn(batch) if self.batch_size_fn is not None else self._batch_size
+            self._pending.append(_CountedStep(marks, host_marks, self._fetch, size or 0))
+        self._count_finished(wait=False)
+
+    def _count_finished(self, wait: bool) -> None:
+        """Adds the phases of the pending micro-batches the clock can measure (with ``wait``: all of them)."""
+        clock = self._clock
+        while self._pending:
+            step = self._pending[0]
+            if wait:
+                clock.wait(step.marks["end"])
+            elif not clock.ready(step.marks["end"]):
+                return
+            self._pending.popleft()
+            for phase, seconds in step.phases(clock, self._world_size).items():
+                self._totals[phase] += max(0.0, seconds)
+            self._totals["samples"] += step.samples
+            self._totals["micro_batches"] += 1
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._restore_profiler(trainer)
+        self._count_finished(wait=True)
         local = torch.tensor([self._totals[key] for key in _TOTALS], dtype=torch.float64, device=pl_module.device)
         gathered = trainer.strategy.all_gather(local)  # the one collective of this callback
         per_rank = [[float(value) for value in row] for row in gathered.reshape(-1, len(_TOTALS)).cpu()]
@@ -570,6 +593,7 @@ class ScalingReport(CommunicationHookWrapper):
             single_device_samples_per_second=self.single_device_samples_per_second,
             micro_batches_per_step=_aggregation(trainer),
             communication_measured=self._world_size < 2 or self._hook_wrapped,
+            timing=self._clock.name,
         )
         if not trainer.is_global_zero:
             return
@@ -583,6 +607,42 @@ class ScalingReport(CommunicationHookWrapper):
         metrics = {f"scaling/{key}": value for key, value in _loggable(self.report).items()}
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
+
+
+@dataclass
+class _CountedStep:
+    """A counted micro-batch: its clock marks (``previous_end``, ``start``, ``before_backward``, ``last_bucket``,
+    ``after_backward``, ``end``; the last three optional), when the host made them, and the host's seconds in
+    ``next()`` on the loader before it."""
+
+    marks: dict[str, Any]
+    host_marks: dict[str, float]
+    fetch: float
+    samples: int
+
+    def phases(self, clock: StepClock, world_size: int) -> dict[str, float]:
+        """Seconds per phase on ``clock`` (all its marks must have happened)."""
+        marks, host = self.marks, self.host_marks
+        end = marks["end"]
+        before_backward = marks.get("before_backward", end)
+        after_backward = marks.get("after_backward", before_backward)
+        # the last bucket counts when it was handed over during this backward, by the host's clock
+        in_backward = (
+            "last_bucket" in host
+            and "after_backward" in host
+            and host.get("before_backward", math.inf) <= host["last_bucket"] <= host["after_backward"]
+        )
+        last_bucket = marks["last_bucket"] if world_size > 1 and in_backward else after_backward
+        gap = clock.seconds(marks["previous_end"], marks["start"])
+        fetch = min(self.fetch, max(gap, 0.0))
+        return {
+            "data": fetch,
+            "between_steps": gap - fetch,
+            "forward": clock.seconds(marks["start"], before_backward),
+            "backward": clock.seconds(before_backward, last_bucket),
+            "communication": clock.seconds(last_bucket, after_backward),
+            "optimizer": clock.seconds(after_backward, end),
+        }
 
 
 class _FetchTimingProfiler(Profiler):
@@ -613,10 +673,12 @@ def summarize_scaling(
     single_device_samples_per_second: float | None = None,
     micro_batches_per_step: int = 1,
     communication_measured: bool = True,
+    timing: str = "host",
 ) -> dict[str, Any]:
     """The report of :class:`ScalingReport` from each rank's totals (seconds per phase, samples, micro-batches):
     per-micro-batch milliseconds and shares of each phase (means over ranks), samples/s, efficiency, verdict.
-    ``communication_measured=False``: exposed communication could not be told apart from backward."""
+    ``communication_measured=False``: exposed communication could not be told apart from backward; ``timing``:
+    the clock of the figures (``"host"`` or ``"<device> events"``)."""
     world_size = len(per_rank)
     counted = [rank for rank in per_rank if rank["micro_batches"] > 0]
     if not counted:
@@ -646,6 +708,7 @@ def summarize_scaling(
         "single_device_samples_per_second": single_device_samples_per_second,
         "scaling_efficiency": efficiency,
         "communication_measured": communication_measured,
+        "timing": timing,
         "per_rank": per_rank,
     }
     report["verdict"] = scaling_verdict(report, threshold)
@@ -676,6 +739,9 @@ def scaling_verdict(report: dict[str, Any], threshold: float = 0.2) -> str:
     return f"compute-bound: forward/backward/optimizer take {compute:.0%} of each step" + suffix
 
 
+_CLOCK_NAMES = {"host": "the host's wall clock"}
+
+
 def format_scaling_report(report: dict[str, Any]) -> str:
     """The report as a few aligned lines: milliseconds and share of each phase, samples/s, efficiency."""
     if not report.get("micro_batches"):
@@ -687,6 +753,7 @@ def format_scaling_report(report: dict[str, Any]) -> str:
     rate = report["samples_per_second"]
     lines.append(f"{'samples/s':>13}: " + ("unknown" if rate is None else f"{rate:.1f}"))
     lines.append(f"{'ranks':>13}: {report['world_size']}, {report['micro_batches']} steps counted per rank")
+    lines.append(f"{'timed with':>13}: " + _CLOCK_NAMES.get(report.get("timing", "host"), report.get("timing", "")))
     if report["scaling_efficiency"] is not None:
         lines.append(f"{'efficiency':>13}: {report['scaling_efficiency']:.1%}")
     return "\n".join(lines)

@@ -8,6 +8,7 @@ import time
 import pytest
 import torch
 from _models import cpu_trainer
+from lightning.pytorch import Trainer
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.profilers import SimpleProfiler
 from lightning.pytorch.strategies import DDPStrategy
@@ -15,8 +16,15 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_shardplus import ShardPlusDataModule, ShardPlusStrategy
 from lightning_shardplus._lightning import TRAIN_DATALOADER_NEXT
-from lightning_shardplus.callbacks import STEP_PHASES, ScalingReport, scaling_verdict, summarize_scaling
+from lightning_shardplus.callbacks import (
+    STEP_PHASES,
+    ScalingReport,
+    format_scaling_report,
+    scaling_verdict,
+    summarize_scaling,
+)
 from lightning_shardplus.demo import ClassifierModule
+from lightning_shardplus.step_clock import HostClock, step_clock, supports_device_events
 
 
 class SlowDataset(Dataset):
@@ -153,3 +161,96 @@ def test_the_steps_of_fusion_autotuning_are_not_counted(tmp_path):
     plain = fit_with_report(tmp_path / "plain", devices=2, delay=0.0)
     assert plain["micro_batches"] == 10
     assert 0 < report["micro_batches"] < plain["micro_batches"]
+
+
+class CountingClock:
+    """A stand-in for device timing events: each mark is one second after the one before on its own timeline
+    (not the host's), and the "device" passes a mark only once three more have been made."""
+
+    name = "counting events"
+    lag = 3
+
+    def __init__(self, training: bool = True) -> None:
+        self.count = 0
+        self.waited = 0
+        self.read_during_training = 0
+        self.training = training  # while True, reading a mark the device has not passed fails the test
+
+    def mark(self) -> int:
+        self.count += 1
+        return self.count
+
+    def ready(self, mark: int) -> bool:
+        return self.count - mark >= self.lag
+
+    def wait(self, mark: int) -> None:
+        self.waited += 1
+        assert not self.training or self.ready(mark), "the report made the host wait for the device"
+
+    def seconds(self, start: int, end: int) -> float:
+        assert self.ready(start) and self.ready(end) or not self.training, "read a mark the device had not passed"
+        self.read_during_training += self.training
+        return float(end - start)
+
+
+@pytest.mark.timeout(60)
+def test_with_device_timing_the_phases_are_the_devices_and_are_read_once_it_has_passed_them(monkeypatch):
+    clock = CountingClock()
+    monkeypatch.setattr("lightning_shardplus.callbacks.step_clock", lambda device, device_timing: clock)
+
+    class EndOfTraining(ScalingReport):
+        def on_train_end(self, trainer, pl_module):
+            clock.training = False
+            super().on_train_end(trainer, pl_module)
+
+    report = EndOfTraining(verbose=False)
+    trainer = cpu_trainer("auto", 1, max_steps=10, callbacks=[report])
+    trainer.fit(ClassifierModule(input_dim=8, hidden_dims=[16]), DataLoader(SlowDataset(128, 8, 0.0), batch_size=8))
+    result = report.report
+    assert result["timing"] == "counting events" and result["micro_batches"] == 8
+    # marks per step: start, before_backward, after_backward, end, one "second" apart on the stand-in's clock
+    ms = result["ms_per_micro_batch"]
+    assert ms["forward"] == ms["backward"] == ms["optimizer"] == 1000.0 and ms["communication"] == 0
+    assert ms["data"] + ms["between_steps"] == pytest.approx(1000.0)
+    assert 0 < ms["data"] < 100  # the host's seconds in next(), within the device's gap
+    assert clock.read_during_training > 0  # most steps were read during training, without waiting
+    assert clock.waited <= 2  # the last steps' marks, which the device had not passed when training ended
+    assert "timed with" in format_scaling_report(result)
+
+
+def test_the_clock_is_the_hosts_on_the_cpu_and_device_timing_true_needs_a_device_with_events():
+    assert isinstance(step_clock(torch.device("cpu")), HostClock)
+    assert isinstance(step_clock(torch.device("cpu"), device_timing=False), HostClock)
+    with pytest.raises(ValueError, match=r"`device_timing`=True is not valid on device 'cpu'"):
+        step_clock(torch.device("cpu"), device_timing=True)
+    with pytest.raises(TypeError, match=r"`device_timing`='yes' is not valid: expected None, True or False"):
+        ScalingReport(device_timing="yes")
+    if not torch.cuda.is_available():
+        assert not supports_device_events(torch.device("cuda"))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.timeout(120)
+def test_on_a_gpu_the_report_uses_cuda_events():
+    report = ScalingReport(verbose=False)
+    trainer = Trainer(
+        accelerator="gpu", devices=1, max_steps=12, callbacks=[report], logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    )
+    loader = DataLoader(SlowDataset(256, 256, 0.0), batch_size=32)
+    trainer.fit(ClassifierModule(input_dim=256, hidden_dims=[2048, 2048]), loader)
+    result = report.report
+    assert result["timing"] == "cuda events" and result["micro_batches"] == 10
+    assert result["ms_per_micro_batch"]["forward"] > 0 and result["ms_per_micro_batch"]["backward"] > 0
+    assert result["ms_per_micro_batch"]["communication"] == 0
+    assert sum(result["fractions"].values()) == pytest.approx(1.0)
+
+
+@pytest.mark.timeout(120)
+def test_with_device_timing_on_two_ranks_exposed_communication_is_read_from_the_devices_marks(tmp_path, monkeypatch):
+    clock = CountingClock(training=False)  # forked into each rank
+    monkeypatch.setattr("lightning_shardplus.callbacks.step_clock", lambda device, device_timing: clock)
+    report = fit_with_report(tmp_path, devices=2, delay=0.0)
+    assert report["timing"] == "counting events" and report["micro_batches"] == 10
+    for rank in report["per_rank"]:  # start, before_backward, last bucket, after_backward, end: 1 "second" apart
+        assert rank["forward"] == rank["backward"] == rank["communication"] == rank["optimizer"] == 10.0

@@ -1,0 +1,94 @@
+"""Clocks that mark the phases of a training step: the host's wall clock, or timing events on an accelerator.
+
+On a GPU the host runs ahead of the device (kernels are queued, not waited for), so host timestamps put the
+device's time in whichever phase the host happens to block in. Events recorded on the device's current stream
+measure the device's own timeline instead; they are read once the device has passed them, without waiting.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Protocol
+
+import torch
+
+
+class StepClock(Protocol):
+    """Marks points in time and measures seconds between two marks once both have happened."""
+
+    name: str
+
+    def mark(self) -> Any: ...
+
+    def ready(self, mark: Any) -> bool: ...
+
+    def wait(self, mark: Any) -> None: ...
+
+    def seconds(self, start: Any, end: Any) -> float: ...
+
+
+class HostClock:
+    """The host's wall clock (``time.perf_counter``): every mark is ready at once."""
+
+    name = "host"
+
+    def mark(self) -> float:
+        return time.perf_counter()
+
+    def ready(self, mark: float) -> bool:
+        return True
+
+    def wait(self, mark: float) -> None:
+        pass
+
+    def seconds(self, start: float, end: float) -> float:
+        return end - start
+
+
+class DeviceEventClock:
+    """Timing events (``torch.Event``) recorded on the current stream of ``device``: a mark is ready when the
+    device has executed the work queued before it; :meth:`seconds` is the device time between two marks."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = torch.device(device)
+        self.name = f"{self.device.type} events"
+
+    def mark(self) -> torch.Event:
+        event = torch.Event(device=self.device, enable_timing=True)
+        event.record()
+        return event
+
+    def ready(self, mark: torch.Event) -> bool:
+        return mark.query()
+
+    def wait(self, mark: torch.Event) -> None:
+        mark.synchronize()
+
+    def seconds(self, start: torch.Event, end: torch.Event) -> float:
+        return start.elapsed_time(end) / 1000
+
+
+def supports_device_events(device: torch.device) -> bool:
+    """Whether ``device`` has timing events (CUDA, ROCm, XPU and other accelerators; not the CPU)."""
+    if device.type == "cpu":
+        return False
+    try:
+        torch.Event(device=device, enable_timing=True)
+    except Exception:  # not built with this device's runtime, no device present, no timing events: all the same here
+        return False
+    return True
+
+
+def step_clock(device: torch.device, device_timing: bool | None = None) -> StepClock:
+    """The clock for a training step on ``device``: device events where the device has them and
+    ``device_timing`` is not False, the host clock otherwise; ``device_timing=True`` on a device without
+    events is an error."""
+    supported = supports_device_events(device)
+    if device_timing and not supported:
+        raise ValueError(
+            f"`device_timing`=True is not valid on device {str(device)!r}: it has no timing events; "
+            "expected None (use them where available) or False (host wall clock)."
+        )
+    if supported and device_timing is not False:
+        return DeviceEventClock(device)
+    return HostClock()
