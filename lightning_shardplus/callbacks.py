@@ -396,10 +396,12 @@ class ScalingReport(CommunicationHookWrapper):
     On the CPU the marks are the host's wall clock. On an accelerator with timing events (CUDA, ROCm, XPU), where
     kernels run asynchronously and the host runs ahead, each mark is also an event recorded on the device's
     current stream and the phases are the *device's* time between them (``device_timing``): forward, backward and
-    the optimizer are the device's work, exposed communication is the device waiting for the last all-reduce, and
-    the time between steps is the device idle or busy between the end of one micro-batch's work and the start of
-    the next (of it, up to the host's time in ``next()`` is data). Events are read once the device has passed
-    them (``query``), a few steps later, so the report never makes the host wait for the device during training.
+    the optimizer are the device's work; exposed communication is the device waiting, after the last bucket was
+    handed over, for the all-reduces still running and the hook's follow-up work (e.g. decompression, the last
+    bucket's compression) and copying the gradients back; data is the device's time across each ``next()`` on the
+    loader (idle, if it ran out of work while the host waited for data), the rest of the gap between two
+    micro-batches is between steps. Events are read once the device has passed them (``query``), a few steps
+    later, so the report never makes the host wait for the device during training.
     ``report["timing"]`` says which clock was used. For rolling throughput and FLOPs during training use
     Lightning's ``ThroughputMonitor`` beside it; this report gives the whole fit's verdict.
 
@@ -459,14 +461,16 @@ class ScalingReport(CommunicationHookWrapper):
         self._marks: dict[str, Any] = {}  # this micro-batch's marks of `_clock`
         self._host_marks: dict[str, float] = {}  # and when the host made them
         self._pending: deque[_CountedStep] = deque()  # counted micro-batches whose marks the device has not passed
-        self._fetch_seconds = 0.0  # in `next()` on the training loader since the previous micro-batch ended
-        self._fetch_started: float | None = None
-        self._fetch = 0.0  # the host's seconds in `next()` before this micro-batch
+        # `next()` on the training loader since the previous micro-batch ended: (start, stop) marks of `_clock`
+        self._fetches: list[tuple[Any, Any]] = []
+        self._fetch_started: Any = None
         self._profiler: _FetchTimingProfiler | None = None
         self._hook_wrapped = False  # the strategy passed its communication hook through `wrap` for this fit
 
     def __getstate__(self) -> dict[str, Any]:  # the spawn launcher pickles the Trainer's callbacks
-        return self.__dict__ | {"_profiler": None, "_clock": HostClock(), "_previous_end": None, "_pending": deque()}
+        # device events cannot be pickled; `setup` picks the clock again in the new process
+        fresh = {"_clock": HostClock(), "_marks": {}, "_host_marks": {}, "_fetches": [], "_pending": deque()}
+        return self.__dict__ | fresh | {"_profiler": None, "_fetch_started": None, "_previous_end": None}
 
     def _mark(self, name: str) -> None:
         now = time.perf_counter()
@@ -519,21 +523,21 @@ class ScalingReport(CommunicationHookWrapper):
         self._restore_profiler(trainer)
 
     def _fetch_start(self) -> None:
-        self._fetch_started = time.perf_counter()
+        self._fetch_started = self._clock.mark()
 
     def _fetch_stop(self) -> None:
         if self._fetch_started is not None:
-            self._fetch_seconds += time.perf_counter() - self._fetch_started
+            self._fetches.append((self._fetch_started, self._clock.mark()))
             self._fetch_started = None
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._previous_end = self._clock.mark()
-        self._fetch_seconds = 0.0
+        self._fetches = []
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not trainer.sanity_checking:
             self._previous_end = self._clock.mark()
-            self._fetch_seconds = 0.0
+            self._fetches = []
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
@@ -541,7 +545,7 @@ class ScalingReport(CommunicationHookWrapper):
         self._marks, self._host_marks = {}, {}
         self._mark("start")
         self._marks["previous_end"] = self._marks["start"] if self._previous_end is None else self._previous_end
-        self._fetch, self._fetch_seconds = self._fetch_seconds, 0.0
+        self._marks["fetches"], self._fetches = self._fetches, []
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
         if "before_backward" not in self._marks:
@@ -563,7 +567,7 @@ class ScalingReport(CommunicationHookWrapper):
         after_tuning, self._was_tuning = self._was_tuning, tuning
         if not (tuning or after_tuning or self._seen <= self.skip_first_steps or "start" not in marks):
             size = self.batch_size_fn(batch) if self.batch_size_fn is not None else self._batch_size
-            self._pending.append(_CountedStep(marks, host_marks, self._fetch, size or 0))
+            self._pending.append(_CountedStep(marks, host_marks, size or 0))
         self._count_finished(wait=False)
 
     def _count_finished(self, wait: bool) -> None:
@@ -573,7 +577,7 @@ class ScalingReport(CommunicationHookWrapper):
             step = self._pending[0]
             if wait:
                 clock.wait(step.marks["end"])
-            elif not clock.ready(step.marks["end"]):
+            elif not all(clock.ready(mark) for mark in step.all_marks()):
                 return
             self._pending.popleft()
             for phase, seconds in step.phases(clock, self._world_size).items():
@@ -611,14 +615,17 @@ class ScalingReport(CommunicationHookWrapper):
 
 @dataclass
 class _CountedStep:
-    """A counted micro-batch: its clock marks (``previous_end``, ``start``, ``before_backward``, ``last_bucket``,
-    ``after_backward``, ``end``; the last three optional), when the host made them, and the host's seconds in
-    ``next()`` on the loader before it."""
+    """A counted micro-batch: its clock marks (``previous_end``, ``fetches``: the (start, stop) pairs of ``next()``
+    on the loader before it, ``start``, ``before_backward``, ``last_bucket``, ``after_backward``, ``end``; the
+    last three optional) and when the host made them."""
 
     marks: dict[str, Any]
     host_marks: dict[str, float]
-    fetch: float
     samples: int
+
+    def all_marks(self) -> list[Any]:
+        fetches = [mark for pair in self.marks["fetches"] for mark in pair]
+        return [mark for name, mark in self.marks.items() if name != "fetches"] + fetches
 
     def phases(self, clock: StepClock, world_size: int) -> dict[str, float]:
         """Seconds per phase on ``clock`` (all its marks must have happened)."""
@@ -634,7 +641,9 @@ class _CountedStep:
         )
         last_bucket = marks["last_bucket"] if world_size > 1 and in_backward else after_backward
         gap = clock.seconds(marks["previous_end"], marks["start"])
-        fetch = min(self.fetch, max(gap, 0.0))
+        # on a device clock: the device's time across each `next()` (nothing is queued in it: the time the device
+        # went idle, if it ran out of work, waiting for data)
+        fetch = min(sum(clock.seconds(start, stop) for start, stop in marks["fetches"]), max(gap, 0.0))
         return {
             "data": fetch,
             "between_steps": gap - fetch,

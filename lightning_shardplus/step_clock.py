@@ -69,11 +69,16 @@ class DeviceEventClock:
 
 
 def supports_device_events(device: torch.device) -> bool:
-    """Whether ``device`` has timing events (CUDA, ROCm, XPU and other accelerators; not the CPU)."""
-    if device.type == "cpu":
+    """Whether ``device`` has timing events (CUDA, ROCm, XPU and other accelerators; not the CPU): two are
+    recorded and timed once here, since some backends create an event but fail when it is recorded."""
+    if device.type == "cpu" or not hasattr(torch, "Event"):  # torch.Event: torch >= 2.4
         return False
     try:
-        torch.Event(device=device, enable_timing=True)
+        start, end = (torch.Event(device=device, enable_timing=True) for _ in range(2))
+        start.record()
+        end.record()
+        end.synchronize()
+        start.elapsed_time(end)
     except Exception:  # not built with this device's runtime, no device present, no timing events: all the same here
         return False
     return True
@@ -86,7 +91,7 @@ def step_clock(device: torch.device, device_timing: bool | None = None) -> StepC
     supported = supports_device_events(device)
     if device_timing and not supported:
         raise ValueError(
-            f"`device_timing`=True is not valid on device {str(device)!r}: it has no timing events; "
+            f"`device_timing`=True is not valid on device {str(device)!r}: it has no timing events (torch.Event); "
             "expected None (use them where available) or False (host wall clock)."
         )
     if supported and device_timing is not False:

@@ -45,11 +45,11 @@ class SlowDataset(Dataset):
         return self.inputs[index], self.labels[index]
 
 
-def fit_with_report(tmp_path, devices: int, delay: float, strategy_kwargs=None, **report_kwargs) -> dict:
-    """A short fit of a small MLP on ``devices`` CPU processes; rank 0's report."""
+def fit_with_report(tmp_path, devices: int, delay: float, strategy_kwargs=None, batches=12, **report_kwargs) -> dict:
+    """A short fit (``batches`` steps) of a small MLP on ``devices`` CPU processes; rank 0's report."""
     output = tmp_path / f"report-{devices}-{delay}.json"
     dim, batch = 256, 64 * devices
-    datamodule = ShardPlusDataModule(global_batch_size=batch, train_dataset=SlowDataset(batch * 12, dim, delay))
+    datamodule = ShardPlusDataModule(global_batch_size=batch, train_dataset=SlowDataset(batch * batches, dim, delay))
     trainer = cpu_trainer(
         ShardPlusStrategy(start_method="fork", average_training_metrics=False, **(strategy_kwargs or {})),
         devices,
@@ -147,34 +147,35 @@ def test_in_one_process_the_verdict_is_printed_and_the_users_profiler_still_sees
 
 @pytest.mark.timeout(120)
 def test_the_steps_of_fusion_autotuning_are_not_counted(tmp_path):
-    # 4 samples of 1 step after 3 untimed (2 extra for the run's first), 1 + 0 untimed for the others: tuning
-    # ends at a step boundary within the 12 batches; it and the step after it are left out
+    # two layouts (a bucket per parameter; one bucket), samples of 1 untimed + 1 timed step (2 more untimed for
+    # the run's first), at most 4 rounds: tuning ends within 19 of the 30 batches; it and the step after it are
+    # left out
     tuning = {
         "auto_tune_tensor_fusion": True,
-        "autotune_candidates_mb": [0.001],
+        "autotune_candidates_mb": [0.001, 25.0],
         "autotune_first_bucket_candidates_mb": [],
         "autotune_steps_per_sample": 1,
         "autotune_warmup_steps": 1,
         "autotune_cache": False,
     }
-    report = fit_with_report(tmp_path, devices=2, delay=0.0, strategy_kwargs=tuning)
-    plain = fit_with_report(tmp_path / "plain", devices=2, delay=0.0)
-    assert plain["micro_batches"] == 10
-    assert 0 < report["micro_batches"] < plain["micro_batches"]
+    report = fit_with_report(tmp_path, devices=2, delay=0.0, strategy_kwargs=tuning, batches=30)
+    plain = fit_with_report(tmp_path / "plain", devices=2, delay=0.0, batches=30)
+    assert plain["micro_batches"] == 28
+    assert 30 - 19 - 1 <= report["micro_batches"] <= 30 - 6 - 1
 
 
 class CountingClock:
     """A stand-in for device timing events: each mark is one second after the one before on its own timeline
-    (not the host's), and the "device" passes a mark only once three more have been made."""
+    (not the host's), and the "device" passes a mark only once ten more have been made (about two steps)."""
 
     name = "counting events"
-    lag = 3
+    lag = 10
 
-    def __init__(self, training: bool = True) -> None:
+    def __init__(self) -> None:
         self.count = 0
         self.waited = 0
         self.read_during_training = 0
-        self.training = training  # while True, reading a mark the device has not passed fails the test
+        self.training = True  # while True, reading a mark the device has not passed fails the test
 
     def mark(self) -> int:
         self.count += 1
@@ -185,7 +186,7 @@ class CountingClock:
 
     def wait(self, mark: int) -> None:
         self.waited += 1
-        assert not self.training or self.ready(mark), "the report made the host wait for the device"
+        self.training = False  # the report waits for the device when training has ended, to read the last marks
 
     def seconds(self, start: int, end: int) -> float:
         assert self.ready(start) and self.ready(end) or not self.training, "read a mark the device had not passed"
@@ -200,7 +201,7 @@ def test_with_device_timing_the_phases_are_the_devices_and_are_read_once_it_has_
 
     class EndOfTraining(ScalingReport):
         def on_train_end(self, trainer, pl_module):
-            clock.training = False
+            assert clock.waited == 0, "the report made the host wait for the device during training"
             super().on_train_end(trainer, pl_module)
 
     report = EndOfTraining(verbose=False)
@@ -208,13 +209,13 @@ def test_with_device_timing_the_phases_are_the_devices_and_are_read_once_it_has_
     trainer.fit(ClassifierModule(input_dim=8, hidden_dims=[16]), DataLoader(SlowDataset(128, 8, 0.0), batch_size=8))
     result = report.report
     assert result["timing"] == "counting events" and result["micro_batches"] == 8
-    # marks per step: start, before_backward, after_backward, end, one "second" apart on the stand-in's clock
+    # marks per step, one "second" apart on the stand-in's clock: the previous end, next() start and stop, start,
+    # before_backward, after_backward, end
     ms = result["ms_per_micro_batch"]
     assert ms["forward"] == ms["backward"] == ms["optimizer"] == 1000.0 and ms["communication"] == 0
-    assert ms["data"] + ms["between_steps"] == pytest.approx(1000.0)
-    assert 0 < ms["data"] < 100  # the host's seconds in next(), within the device's gap
+    assert ms["data"] == 1000.0 and ms["between_steps"] == 2000.0  # the device's time across next(), of a 3 s gap
     assert clock.read_during_training > 0  # most steps were read during training, without waiting
-    assert clock.waited <= 2  # the last steps' marks, which the device had not passed when training ended
+    assert 1 <= clock.waited <= 2  # the last steps' marks, which the device had not passed when training ended
     assert "timed with" in format_scaling_report(result)
 
 
@@ -227,6 +228,7 @@ def test_the_clock_is_the_hosts_on_the_cpu_and_device_timing_true_needs_a_device
         ScalingReport(device_timing="yes")
     if not torch.cuda.is_available():
         assert not supports_device_events(torch.device("cuda"))
+    assert not supports_device_events(torch.device("meta"))  # creates an event, fails to record it
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -248,9 +250,10 @@ def test_on_a_gpu_the_report_uses_cuda_events():
 
 @pytest.mark.timeout(120)
 def test_with_device_timing_on_two_ranks_exposed_communication_is_read_from_the_devices_marks(tmp_path, monkeypatch):
-    clock = CountingClock(training=False)  # forked into each rank
+    clock = CountingClock()  # forked into each rank
     monkeypatch.setattr("lightning_shardplus.callbacks.step_clock", lambda device, device_timing: clock)
     report = fit_with_report(tmp_path, devices=2, delay=0.0)
     assert report["timing"] == "counting events" and report["micro_batches"] == 10
     for rank in report["per_rank"]:  # start, before_backward, last bucket, after_backward, end: 1 "second" apart
         assert rank["forward"] == rank["backward"] == rank["communication"] == rank["optimizer"] == 10.0
+        assert rank["data"] == 10.0 and rank["between_steps"] == 20.0
