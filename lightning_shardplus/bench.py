@@ -819,12 +819,16 @@ def _fusion_shapes(text: str) -> list[tuple[str, int, int, int]]:
 
 
 class _InterleavedBuckets(Callback):
-    """Once tuning is over: samples of ``warmup + steps`` optimizer steps under each setting (the fixed candidates
-    and the tuned one), in rounds of alternating order, DDP re-wrapped between samples; then stops the fit.
-    A sample's time is the median step on each rank, MAX over ranks; rank 0 writes them to ``out``."""
+    """Once tuning is over: samples of ``warmup + steps`` optimizer steps under each setting (``fixed``, and the
+    tuned one where it is not among them) and, as a control, the tuned setting a second time (``CONTROL``: what
+    two measurements of one setting differ by is the noise of this run), in rounds of alternating order, DDP
+    re-wrapped between samples; then stops the fit. A sample's time is the median step on each rank, MAX over
+    ranks; rank 0 writes them to ``out``."""
 
-    def __init__(self, candidates_mb: list[float], steps: int, warmup: int, rounds: int, out: Path) -> None:
-        self.candidates_mb, self.steps, self.warmup, self.rounds, self.out = candidates_mb, steps, warmup, rounds, out
+    CONTROL = "tuned, measured again"
+
+    def __init__(self, fixed: list[Any], steps: int, warmup: int, rounds: int, out: Path) -> None:
+        self.fixed, self.steps, self.warmup, self.rounds, self.out = fixed, steps, warmup, rounds, out
         self.schedule: list[Any] | None = None
         self.samples: list[list[float]] = []
         self.boundaries = 0
@@ -832,8 +836,6 @@ class _InterleavedBuckets(Callback):
         self.done = False
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, i: int) -> None:
-        from lightning_shardplus.fusion import BucketSetting
-
         strategy = trainer.strategy
         assert isinstance(strategy, ShardPlusStrategy)
         if strategy.fusion_result is None or i % trainer.accumulate_grad_batches:
@@ -841,13 +843,12 @@ class _InterleavedBuckets(Callback):
         now = time.perf_counter()
         last, self.last = self.last, now
         if self.schedule is None:  # the first step after tuning
-            fixed = [BucketSetting(size) for size in self.candidates_mb]
             tuned = strategy.fusion_result.setting
-            settings = fixed + ([tuned] if tuned not in fixed else [])
-            self.settings = settings
-            self.schedule = [s for r in range(self.rounds) for s in (settings if r % 2 == 0 else settings[::-1])]
+            self.settings = {self.CONTROL: tuned} | {s.label: s for s in self.fixed} | {tuned.label: tuned}
+            labels = list(self.settings)
+            self.schedule = [s for r in range(self.rounds) for s in (labels if r % 2 == 0 else labels[::-1])]
             self.samples = [[] for _ in self.schedule]
-            strategy.rewrap_ddp(self.schedule[0])
+            strategy.rewrap_ddp(self.settings[self.schedule[0]])
             return
         if self.done:
             return
@@ -862,7 +863,7 @@ class _InterleavedBuckets(Callback):
             if following == len(self.schedule):
                 self.done = trainer.should_stop = True
             elif self.schedule[following] != self.schedule[following - 1]:
-                strategy.rewrap_ddp(self.schedule[following])
+                strategy.rewrap_ddp(self.settings[self.schedule[following]])
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         assert self.schedule is not None, "tuning did not finish: raise max_steps"
@@ -874,12 +875,12 @@ class _InterleavedBuckets(Callback):
         if trainer.is_global_zero:
             result = trainer.strategy.fusion_result
             per_setting: dict[str, list[float]] = {}
-            for setting, seconds in zip(self.schedule, tensor.tolist(), strict=False):
-                per_setting.setdefault(setting.label, []).append(seconds)
+            for label, seconds in zip(self.schedule, tensor.tolist(), strict=False):
+                per_setting.setdefault(label, []).append(seconds)
             self.out.write_text(
                 json.dumps(
                     {
-                        "settings": [s.label for s in self.settings],
+                        "settings": list(self.settings),
                         "tuned": result.setting.label,
                         "samples_s": per_setting,
                         "tuning_steps": result.tuning_steps,
@@ -893,10 +894,29 @@ class _InterleavedBuckets(Callback):
 
 def run_fusion_shape(shape: tuple[str, int, int, int], args: argparse.Namespace) -> dict[str, Any]:
     """Tune, then measure interleaved, on one model shape; returns the row."""
-    from lightning_shardplus.fusion import DEFAULT_CANDIDATES_MB, AutotuneSettings
+    from lightning_shardplus.fusion import (
+        DEFAULT_BUCKET_CAP_MB,
+        DEFAULT_CANDIDATES_MB,
+        AutotuneSettings,
+        BucketSetting,
+        bucket_layout,
+        merge_equivalent,
+    )
 
     name, input_dim, hidden_dim, layers = shape
     candidates = list(args.fusion_candidates or DEFAULT_CANDIDATES_MB)
+    model = ClassifierModule(input_dim=input_dim, hidden_dims=[hidden_dim] * layers)
+    parameters = list(model.parameters())
+    # the fixed settings measured: one per distinct bucket layout among the candidates (sizes that cut this model's
+    # gradients the same way are one setting), and DDP's own default (25 MB, first bucket 1 MB: plain "ddp")
+    uniform = BucketSetting(DEFAULT_BUCKET_CAP_MB)
+    ddp_default = BucketSetting(DEFAULT_BUCKET_CAP_MB, 1.0)
+    fixed, merged = merge_equivalent(
+        [BucketSetting(size) for size in candidates] + [ddp_default],
+        lambda setting: bucket_layout(parameters, setting),
+        uniform,
+    )
+    labels = {s.label: s.label + "".join(f" = {o.label}" for o in merged.get(s, [])) for s in fixed}
     with tempfile.TemporaryDirectory() as tmp:
         out, log = Path(tmp) / "fusion.json", Path(tmp) / "samples.csv"
         pl.seed_everything(0, verbose=False)
@@ -912,17 +932,15 @@ def run_fusion_shape(shape: tuple[str, int, int, int], args: argparse.Namespace)
         settings = AutotuneSettings(
             candidates_mb=tuple(candidates), steps_per_sample=args.fusion_steps, warmup_steps=args.fusion_warmup
         )
-        measured = (len(candidates) + 1) * args.fusion_rounds * (args.fusion_warmup + args.fusion_steps)
+        measured = (len(fixed) + 2) * args.fusion_rounds * (args.fusion_warmup + args.fusion_steps)
         max_steps = settings.max_tuning_steps + measured + 10
-        model = ClassifierModule(input_dim=input_dim, hidden_dims=[hidden_dim] * layers)
-        parameters = sum(p.numel() for p in model.parameters())
         trainer = _bench_trainer(
             "cpu",
             args.devices,
             strategy,
             max_steps,
             [
-                _InterleavedBuckets(candidates, args.fusion_steps, args.fusion_warmup, args.fusion_rounds, out),
+                _InterleavedBuckets(fixed, args.fusion_steps, args.fusion_warmup, args.fusion_rounds, out),
                 *([_Threads(args.threads)] if args.threads else []),
             ],
         )
@@ -936,10 +954,11 @@ def run_fusion_shape(shape: tuple[str, int, int, int], args: argparse.Namespace)
         report = json.loads(out.read_text())
         report["csv"] = log.read_text().splitlines()
     step_s = {label: statistics.median(values) for label, values in report["samples_s"].items()}
-    fixed = {f"{size:g} MB": step_s[f"{size:g} MB"] for size in candidates}
-    best_fixed = min(fixed, key=fixed.__getitem__)
+    fixed_s = {s.label: step_s[s.label] for s in fixed}
+    best_fixed = min(fixed_s, key=fixed_s.__getitem__)
     tuned_s = step_s[report["tuned"]]
-    default_label = "25 MB"
+    default_label = next(s.label for s in fixed if ddp_default in (s, *merged.get(s, [])))
+    uniform_label = next(s.label for s in fixed if uniform in (s, *merged.get(s, [])))
     # What the tuning steps cost beyond running them all at the tuned speed (re-wraps and bucket rebuilds
     # included), relative to a 2,000-step run; the tuned speed as measured while tuning, against the same drift.
     during = report["tuning_step_ms"] / 1000 if report["tuning_step_ms"] else tuned_s
@@ -951,16 +970,25 @@ def run_fusion_shape(shape: tuple[str, int, int, int], args: argparse.Namespace)
 
     return {
         "shape": name,
-        "parameters": parameters,
-        "tuned": report["tuned"],
-        "best_fixed": best_fixed,
-        "ms_per_step": {label: 1000 * seconds for label, seconds in step_s.items()},
-        "samples_ms": {label: [round(1000 * v, 2) for v in values] for label, values in report["samples_s"].items()},
-        # throughput ratios (tuned / other): from the medians, and paired round by round
-        "tuned_vs_best_fixed": fixed[best_fixed] / tuned_s,
-        "tuned_vs_default": step_s[default_label] / tuned_s if default_label in step_s else None,
+        "parameters": sum(p.numel() for p in parameters),
+        "tuned": labels.get(report["tuned"], report["tuned"]),
+        "best_fixed": labels[best_fixed],
+        "ms_per_step": {labels.get(label, label): 1000 * seconds for label, seconds in step_s.items()},
+        "samples_ms": {
+            labels.get(label, label): [round(1000 * v, 2) for v in values]
+            for label, values in report["samples_s"].items()
+        },
+        # throughput ratios (tuned / other): from the medians, and paired round by round; the default is DDP's
+        # (25 MB, first bucket 1 MB: what strategy="ddp" uses), the uniform 25 MB beside it
+        "tuned_vs_best_fixed": fixed_s[best_fixed] / tuned_s,
+        "tuned_vs_default": step_s[default_label] / tuned_s,
+        "tuned_vs_uniform_25": step_s[uniform_label] / tuned_s,
         "tuned_vs_best_fixed_paired": paired(best_fixed),
-        "tuned_vs_default_paired": paired(default_label) if default_label in step_s else None,
+        # the control: the tuned setting measured twice in each round; how far from 1 this is, is this run's noise
+        "tuned_vs_itself": step_s[_InterleavedBuckets.CONTROL] / tuned_s,
+        "tuned_vs_itself_paired": paired(_InterleavedBuckets.CONTROL),
+        "tuned_vs_default_paired": paired(default_label),
+        "tuned_vs_uniform_25_paired": paired(uniform_label),
         "tuning_steps": report["tuning_steps"],
         "tuning_cost_of_2000_steps": cost,
         "samples_per_setting": len(next(iter(report["samples_s"].values()))),
@@ -994,21 +1022,20 @@ def _add_fusion_arguments(parser: argparse.ArgumentParser) -> None:
 
 def format_fusion_table(report: dict[str, Any]) -> str:
     lines = [
-        "| shape | parameters | tuned | best fixed | tuned / best fixed (throughput; paired) | tuned / 25 MB (paired) "
-        "| tuning steps "
+        "| shape | parameters | tuned | best fixed | tuned / best fixed (throughput; paired) "
+        "| tuned / DDP default: 25 MB, first bucket 1 MB (paired) | tuned / uniform 25 MB (paired) "
+        "| control: tuned / tuned again (paired) | tuning steps "
         f"| tuning cost (of a {FUSION_REFERENCE_RUN_STEPS}-step run) | ms/step per setting |",
-        "|---|---:|---|---|---:|---:|---:|---:|---|",
+        "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---|",
     ]
     for row in report["fusion_rows"]:
         times = ", ".join(f"{label}: {ms:.1f}" for label, ms in row["ms_per_step"].items())
-        default = (
-            "-"
-            if row["tuned_vs_default"] is None
-            else f"{row['tuned_vs_default']:.3f} ({row['tuned_vs_default_paired']:.3f})"
-        )
         lines.append(
             f"| {row['shape']} | {row['parameters'] / 1e6:.2f}M | {row['tuned']} | {row['best_fixed']} | "
-            f"{row['tuned_vs_best_fixed']:.3f} ({row['tuned_vs_best_fixed_paired']:.3f}) | {default} | "
+            f"{row['tuned_vs_best_fixed']:.3f} ({row['tuned_vs_best_fixed_paired']:.3f}) | "
+            f"{row['tuned_vs_default']:.3f} ({row['tuned_vs_default_paired']:.3f}) | "
+            f"{row['tuned_vs_uniform_25']:.3f} ({row['tuned_vs_uniform_25_paired']:.3f}) | "
+            f"{row['tuned_vs_itself']:.3f} ({row['tuned_vs_itself_paired']:.3f}) | "
             f"{row['tuning_steps']} | "
             f"{100 * row['tuning_cost_of_2000_steps']:.2f}% | {times} |"
         )

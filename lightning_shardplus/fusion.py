@@ -14,14 +14,16 @@ How a decision is reached (Horovod's autotuner, made robust on a noisy machine a
   ``aggregation_frequency`` micro-batches); steps that span an epoch end or a validation are not counted. The
   sample's score is the median step time on each rank, reduced with MAX across ranks (the slowest rank sets the
   pace): one all_reduce per sample, not per step.
+- Candidates that give the model the same buckets (e.g. 16, 25 and 64 MB for 6 MB of gradients: one bucket)
+  are one candidate: it is measured once, under the default's size where that is among them (:func:`bucket_layout`).
 - Candidates are raced in interleaved rounds (each round visits every remaining candidate, in reverse order
   every other round, so the machine's drift spreads over all of them); a candidate's time is the median of its
   samples. After the first round, candidates more than 50% slower than the best are dropped; from ``min_rounds``
   on, those slower than the best by more than two standard errors (from the noise measured across samples),
   and the finalists are measured again. The race stops as soon as one is left, when the finalists are within
-  ``tolerance`` (2%) of each other (a difference not worth more steps), or after ``max_rounds``. Within the
-  tolerance the default (or, for the first bucket, a uniform bucket size) is preferred: a change has to be
-  measurably better.
+  ``tolerance`` (2%) of each other (a difference not worth more steps), or after ``max_rounds``. The default
+  (or, for the first bucket, a uniform bucket size) is kept unless the winner is faster by more than the
+  tolerance *and* the noise (two standard errors): a change has to be measurably better.
 - Where torch's DDP takes ``bucket_cap_mb_list`` (torch >= 2.13: per-bucket caps, in gradient-ready order) the
   first bucket is raced next, with the chosen size for the others: a small first bucket lets the all-reduce
   start before the backward pass ends.
@@ -51,6 +53,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_shardplus._validation import check_int
@@ -65,6 +68,7 @@ DEFAULT_CACHE_PATH = Path("~/.cache/lightning_shardplus/fusion.json")
 FIRST_SAMPLE_EXTRA_WARMUP = 2
 # Whether this torch's DDP takes per-bucket caps (the first bucket can then be tuned on its own).
 SUPPORTS_FIRST_BUCKET = "bucket_cap_mb_list" in inspect.signature(DistributedDataParallel.__init__).parameters
+_MB = 1024 * 1024  # DDP's megabyte
 
 CSV_COLUMNS = (
     "sample",
@@ -106,7 +110,7 @@ class AutotuneSettings:
     first_bucket_candidates_mb: tuple[float, ...] = DEFAULT_FIRST_BUCKET_CANDIDATES_MB
     steps_per_sample: int = 8
     warmup_steps: int = 1
-    min_rounds: int = 2
+    min_rounds: int = 3  # paired ratios before a candidate can be dropped as slower (2 are too few here)
     max_rounds: int = 4
     noise_floor: float = 0.01
     tolerance: float = 0.02  # finalists this close are as good as each other: stop
@@ -174,6 +178,40 @@ def _sizes(name: str, values: Any, minimum_count: int) -> tuple[float, ...]:
 
 
 # ---------------------------------------------------------------------------------------------------- search
+
+
+def bucket_layout(parameters: Sequence[torch.Tensor], setting: BucketSetting) -> tuple[tuple[int, ...], ...]:
+    """The buckets (parameter indices) DDP builds under ``setting`` once it has rebuilt them in gradient-ready
+    order, taking that order to be the reverse of registration (the usual backward order). Settings with the
+    same layout are the same setting for this model."""
+    limits = [int(mb * _MB) for mb in (setting.first_bucket_mb, setting.bucket_cap_mb) if mb is not None]
+    grads = [p for p in parameters if p.requires_grad][::-1]
+    shapes = [torch.empty(p.numel(), dtype=p.dtype, device="meta") for p in grads]  # sizes and dtypes only
+    # DDP's own bucketing (torch.distributed private: guarded by tests/test_lightning_private.py)
+    buckets, _ = dist._compute_bucket_assignment_by_size(shapes, limits, [False] * len(shapes))
+    return tuple(tuple(bucket) for bucket in buckets)
+
+
+def merge_equivalent(
+    candidates: Sequence[BucketSetting],
+    layout: Callable[[BucketSetting], Any] | None,
+    preferred: BucketSetting | None = None,
+) -> tuple[list[BucketSetting], dict[BucketSetting, list[BucketSetting]]]:
+    """One candidate per distinct ``layout`` (all of them without one): ``preferred`` where it is in a group,
+    else the group's first; and, per kept candidate, the others it stands for."""
+    if layout is None:
+        return list(candidates), {}
+    groups: dict[Any, list[BucketSetting]] = {}
+    for candidate in candidates:
+        groups.setdefault(layout(candidate), []).append(candidate)
+    kept, merged = [], {}
+    for group in groups.values():
+        representative = preferred if preferred in group else group[0]
+        kept.append(representative)
+        if len(group) > 1:
+            merged[representative] = [c for c in group if c != representative]
+    return kept, merged
+
 
 
 class CandidateRace:
@@ -267,10 +305,13 @@ class CandidateRace:
         return 2 * self.noise / math.sqrt(max(len(self._ratios(setting, leader)), 1))
 
     def best(self) -> BucketSetting:
-        """The leader; the preferred candidate where it is within ``tolerance`` of it."""
+        """The leader; the preferred candidate where it is not measurably slower: within ``tolerance`` of the
+        leader, or within the noise (:meth:`margin`)."""
         leader, preferred = self.leader(), self.preferred
-        if preferred in self.live and self.ratio(preferred, leader) <= 1 + self.tolerance:
-            return preferred
+        if preferred in self.live:
+            allowed = max(self.tolerance, self.margin(preferred, leader)) if preferred != leader else 0.0
+            if self.ratio(preferred, leader) <= 1 + allowed:
+                return preferred
         return leader
 
     def _end_round(self) -> None:
@@ -473,6 +514,7 @@ class FusionAutotuner:
         gradient_bytes: int = 0,
         clock: Callable[[], float] = time.perf_counter,
         checkpointed: dict[str, Any] | None = None,
+        layout: Callable[[BucketSetting], Any] | None = None,
     ) -> None:
         self.settings = settings
         self.collectives = collectives or Collectives()
@@ -482,6 +524,8 @@ class FusionAutotuner:
         self.gradient_bytes = gradient_bytes
         self.clock = clock
         self.checkpointed = checkpointed
+        self.layout = layout  # a setting's buckets for this model (bucket_layout): equal layouts are raced once
+        self.merged: dict[BucketSetting, list[BucketSetting]] = {}  # a raced candidate: those it stands for
         self.result: FusionResult | None = None
         self.samples_taken = 0
         self._race: CandidateRace | None = None
@@ -513,28 +557,31 @@ class FusionAutotuner:
             source = "the checkpoint resumed" if where == 2.0 else "the autotune cache"
             self.result = FusionResult(setting, from_cache=True, source=source)
             return setting
-        stage = self.settings.first_stage
-        if stage:
+        default = BucketSetting(DEFAULT_BUCKET_CAP_MB)
+        stage, self.merged = merge_equivalent(self.settings.first_stage, self.layout, default)
+        if len(stage) > 1:
             self._first_stage = self._race = CandidateRace(
                 stage,
                 self.settings.min_rounds,
                 self.settings.max_rounds,
                 self.settings.noise_floor,
-                preferred=BucketSetting(DEFAULT_BUCKET_CAP_MB),
+                preferred=default,
                 first_round_margin=self.settings.first_round_margin,
                 tolerance=self.settings.tolerance,
             )
-        else:
-            self._race = self._second_stage(self.settings.fixed_bucket_cap_mb or DEFAULT_BUCKET_CAP_MB)
-            if self._race is None:  # nothing to search: the user's size, and no first bucket to tune
-                setting = BucketSetting(self.settings.fixed_bucket_cap_mb or DEFAULT_BUCKET_CAP_MB)
-                self.result = FusionResult(setting)
-                return setting
+        else:  # the user's size, or one layout for every candidate: only the first bucket is left to race
+            size = stage[0].bucket_cap_mb if stage else self.settings.fixed_bucket_cap_mb or DEFAULT_BUCKET_CAP_MB
+            self._race = self._second_stage(size)
+            if self._race is None:  # nothing to search
+                self.result = FusionResult(BucketSetting(size))
+                return self.result.setting
         return self._race.live[0]
 
     def _second_stage(self, bucket_cap_mb: float) -> CandidateRace | None:
-        stage = self.settings.second_stage(bucket_cap_mb)
-        if not stage:
+        uniform = BucketSetting(bucket_cap_mb)
+        stage, merged = merge_equivalent(self.settings.second_stage(bucket_cap_mb), self.layout, uniform)
+        self.merged.update(merged)
+        if len(stage) < 2:
             return None
         return CandidateRace(
             stage,
@@ -551,6 +598,11 @@ class FusionAutotuner:
     @property
     def tuning(self) -> bool:
         return self.result is None
+
+    @property
+    def candidates(self) -> list[BucketSetting]:
+        """The settings raced now (the first stage's while it runs)."""
+        return list(self._race.live) if self._race is not None else []
 
     def start(self, global_step: int = 0) -> None:
         """DDP is wrapped with :attr:`initial_setting`; the first sample starts at the next step boundary."""

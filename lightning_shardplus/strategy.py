@@ -8,6 +8,7 @@ themselves live in :mod:`lightning_shardplus.sharding`, :mod:`lightning_shardplu
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import math
@@ -605,6 +606,7 @@ class ShardPlusStrategy(DDPStrategy):
             cache_key=key,
             gradient_bytes=sum(p.numel() * p.element_size() for p in parameters),
             checkpointed=self._fusion_checkpoint,
+            layout=functools.partial(fusion.bucket_layout, parameters),
         )
 
     def _set_bucket_setting(self, setting: fusion.BucketSetting) -> None:
@@ -650,10 +652,14 @@ class ShardPlusStrategy(DDPStrategy):
         trainer = self.lightning_module.trainer
         settings = self.autotune_settings
         tuner.start(trainer.global_step)
-        sizes = settings.first_stage or [fusion.BucketSetting(self.tensor_fusion_threshold_mb)]
+        raced = tuner.candidates or [fusion.BucketSetting(self.tensor_fusion_threshold_mb)]
+        same = "".join(
+            f"; {', '.join(o.label for o in others)}: the same buckets as {kept.label} for this model"
+            for kept, others in tuner.merged.items()
+        )
         rank_zero_info(
-            f"shardplus: tuning the tensor-fusion bucket size among {', '.join(s.label for s in sizes)}: at most "
-            f"{settings.max_tuning_steps} optimizer steps"
+            f"shardplus: tuning the tensor-fusion bucket size among {', '.join(s.label for s in raced)}{same}: at "
+            f"most {settings.max_tuning_steps} optimizer steps"
         )
         total = trainer.estimated_stepping_batches
         if math.isfinite(total) and total < settings.max_tuning_steps:

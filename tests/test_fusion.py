@@ -127,6 +127,43 @@ def drive(tuner, clock, max_steps=500):
     raise AssertionError("tuning did not finish")
 
 
+def test_bucket_layout_is_ddps_bucketing_in_backward_order():
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 256), torch.nn.Linear(256, 10))
+    parameters = list(model.parameters())  # 256 kB, 1 kB, 256 kB, 1 kB, 10 kB, 40 B
+    one = fusion.bucket_layout(parameters, BucketSetting(25.0))
+    assert one == (tuple(range(6)),)  # one bucket, indices into the reversed parameter list
+    assert fusion.bucket_layout(parameters, BucketSetting(0.25)) == ((0, 1, 2, 3), (4, 5))  # closes at >= 0.25 MB
+    assert fusion.bucket_layout(parameters, BucketSetting(25.0, 0.001)) == ((0, 1), (2, 3, 4, 5))
+    # the same cuts as a DDP wrapper builds (its initial assignment, before the rebuild in backward order)
+    buckets, _ = dist._compute_bucket_assignment_by_size(parameters[::-1], [int(0.25 * 2**20)], [False] * 6)
+    assert tuple(tuple(b) for b in buckets) == fusion.bucket_layout(parameters, BucketSetting(0.25))
+
+
+def test_candidates_with_the_same_buckets_are_raced_once_under_the_default_size(tmp_path):
+    layouts = {1.0: "many", 4.0: "two", 16.0: "one", 25.0: "one", 64.0: "one"}
+
+    def layout(setting):
+        return (layouts[setting.bucket_cap_mb], setting.first_bucket_mb)
+
+    kept, merged = fusion.merge_equivalent([BucketSetting(s) for s in layouts], layout, DEFAULT)
+    assert kept == [A, B, DEFAULT] and merged == {DEFAULT: [C, BucketSetting(64.0)]}
+    assert fusion.merge_equivalent([A, B], None) == ([A, B], {})
+
+    times = {BucketSetting(s): t for s, t in ((1.0, 0.9), (4.0, 0.5), (16.0, 0.6), (25.0, 0.6), (64.0, 0.6))}
+    settings = AutotuneSettings(candidates_mb=tuple(layouts), first_bucket_candidates_mb=(), steps_per_sample=2)
+    clock = FakeClock(times)
+    tuner = FusionAutotuner(settings, None, tmp_path / "log.csv", None, None, clock=clock, layout=layout)
+    assert tuner.candidates == [A, B, DEFAULT] and tuner.merged == {DEFAULT: [C, BucketSetting(64.0)]}
+    clock.setting = tuner.initial_setting
+    drive(tuner, clock)
+    measured = {float(row["bucket_cap_mb"]) for row in csv.DictReader(open(tmp_path / "log.csv"))}
+    assert measured == {1.0, 4.0, 25.0} and tuner.result.setting == B
+
+    # every candidate the same buckets and no first bucket to race: nothing to measure
+    same = FusionAutotuner(settings, None, None, None, None, clock=clock, layout=lambda setting: "one")
+    assert not same.tuning and same.initial_setting == DEFAULT and same.result.tuning_steps == 0
+
+
 def test_the_autotuner_finds_the_fastest_logs_each_sample_and_caches(tmp_path):
     times = {BucketSetting(s): t for s, t in ((1.0, 0.9), (4.0, 0.5), (25.0, 0.7))}
     times[BucketSetting(4.0, 1.0)] = 0.45
@@ -248,8 +285,8 @@ def test_the_default_bucket_size_is_25_mb_unless_given():
 
 # ---------------------------------------------------------------------------------------------- 2 ranks
 
-# the MLP's gradients are 3.2 kB: sizes in MB that cut them into 1 to several buckets
-CANDIDATES = [0.0005, 0.001, 25.0]
+# the MLP's gradients are 3.2 kB: sizes in MB that cut them into 4, 2 and 1 bucket(s) (distinct layouts)
+CANDIDATES = [0.00002, 0.001, 25.0]
 TUNING = dict(
     auto_tune_tensor_fusion=True,
     autotune_candidates_mb=CANDIDATES,
@@ -388,9 +425,9 @@ def test_the_communication_hook_runs_through_tuning_and_after_it(tmp_path):
 
 @pytest.mark.timeout(120)
 def test_a_fixed_bucket_size_is_kept_while_the_first_bucket_is_tuned(tmp_path):
-    runs, _ = tuned_fit(tmp_path, "fixed", epochs=3, tensor_fusion_threshold_mb=0.001, autotune_cache=False, **TUNING)
-    assert all(step["bucket_cap_mb"] == 0.001 for run in runs for step in run["steps"])
-    assert runs[0]["result"]["complete"] and runs[0]["result"]["setting"]["bucket_cap_mb"] == 0.001
+    runs, _ = tuned_fit(tmp_path, "fixed", epochs=3, tensor_fusion_threshold_mb=25.0, autotune_cache=False, **TUNING)
+    assert all(step["bucket_cap_mb"] == 25.0 for run in runs for step in run["steps"])
+    assert runs[0]["result"]["complete"] and runs[0]["result"]["setting"]["bucket_cap_mb"] == 25.0
     assert wrappers(runs[0]) >= 2  # first bucket 0.0002 MB and uniform were raced
 
 

@@ -237,3 +237,13 @@ def test_the_trainer_and_ddp_kwargs_are_read_where_lightning_keeps_them():
     assert _lightning.attached_trainer(module) is trainer is module.trainer
     strategy = ShardPlusStrategy(tensor_fusion_threshold_mb=4, static_graph=True)
     assert _lightning.ddp_kwargs(strategy)["bucket_cap_mb"] == 4 and _lightning.ddp_kwargs(strategy)["static_graph"]
+
+
+def test_torch_computes_ddp_bucket_assignments_from_sizes_and_limits():
+    # fusion.bucket_layout calls torch.distributed's private bucketing (the one DDP uses) on meta tensors
+    import torch
+    import torch.distributed as dist
+
+    sizes = [torch.empty(n, device="meta") for n in (300_000, 300_000, 10)]  # 1.2 MB, 1.2 MB, 40 B
+    buckets, limits = dist._compute_bucket_assignment_by_size(sizes, [2**20, 25 * 2**20], [False] * 3)
+    assert [list(b) for b in buckets] == [[0], [1, 2]] and list(limits) == [2**20, 25 * 2**20]
