@@ -71,6 +71,19 @@ _EVALUATION_STAGES = (
 )
 
 
+
+class _LaunchAfterPreflight:
+    """A launcher's ``launch``, run after the strategy's :meth:`ShardPlusStrategy.preflight`. A class, not a
+    closure: the spawn and forkserver launchers pickle the Trainer, its strategy and this launcher with it."""
+
+    def __init__(self, strategy: ShardPlusStrategy, launch: Callable) -> None:
+        self.strategy, self.launch = strategy, launch
+
+    def __call__(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
+        self.strategy.preflight(*args, *kwargs.values(), trainer=trainer)
+        return self.launch(function, *args, trainer=trainer, **kwargs)
+
+
 class ShardPlusStrategy(DDPStrategy):
     """DDP for synchronous data-parallel training, with the training optimizations of Horovod, Determined and
     NVIDIA Clara Train.
@@ -330,15 +343,7 @@ class ShardPlusStrategy(DDPStrategy):
         super()._configure_launcher()
         # Check what the user handed to fit/validate/test/predict in the launching process, before any worker
         # or process group starts (the launcher keeps its type: Lightning checks it with isinstance).
-        launch = self._launcher.launch
-
-        def launch_after_preflight(
-            function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any
-        ) -> Any:
-            self.preflight(*args, *kwargs.values(), trainer=trainer)
-            return launch(function, *args, trainer=trainer, **kwargs)
-
-        self._launcher.launch = launch_after_preflight
+        self._launcher.launch = _LaunchAfterPreflight(self, self._launcher.launch)
 
     def preflight(self, *call_args: Any, trainer: pl.Trainer | None = None) -> None:
         """Refuse, before any process starts, the arguments of a Trainer call that cannot work at this world

@@ -301,3 +301,30 @@ def test_resumable_overlay_checkpoints_at_optimizer_steps_with_a_last_checkpoint
     assert checkpoint["init_args"]["save_last"] is True and checkpoint["init_args"]["every_n_train_steps"] > 0
     script = (ROOT / "examples" / "launch" / "torchrun_restart.sh").read_text()
     assert "--max-restarts" in script and "--ckpt_path last" in script and "resumable.yaml" in script
+
+
+@pytest.mark.parametrize("strategy", ["shardplus_spawn", "forkserver"])
+@pytest.mark.timeout(180)
+def test_the_spawn_and_forkserver_launchers_pickle_the_strategy_and_train(strategy):
+    # these launchers pickle the Trainer, its strategy and the launcher; the fit's results come back by queue
+    import lightning.pytorch as pl
+    import torch
+
+    from lightning_shardplus import ShardPlusDataModule, ShardPlusStrategy, SyntheticDataModule
+    from lightning_shardplus.demo import ClassifierModule
+
+    def trainer():
+        chosen = strategy if strategy == "shardplus_spawn" else ShardPlusStrategy(start_method=strategy)
+        return pl.Trainer(
+            accelerator="cpu", devices=2, strategy=chosen, max_epochs=1, logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False,
+        )
+
+    model = ClassifierModule(input_dim=16, hidden_dims=[8])
+    before = [p.detach().clone() for p in model.parameters()]
+    fitted = trainer()
+    fitted.fit(model, SyntheticDataModule(global_batch_size=16, num_samples=64, val_samples=10, input_shape=(16,)))
+    assert fitted.state.finished and "train_loss" in fitted.callback_metrics  # rank 0's, sent back
+    assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))  # weights came back
+    with pytest.raises(ValueError, match=r"`global_batch_size`=1 is smaller than the world size \(2 processes\)"):
+        trainer().fit(model, ShardPlusDataModule(1, train_dataset=torch.utils.data.TensorDataset(torch.zeros(4, 16))))
