@@ -44,7 +44,9 @@ class ShardPlusDataModule(pl.LightningDataModule):
         global_batch_size: samples per optimizer micro-step over all processes together.
         train_dataset, val_dataset, test_dataset, predict_dataset: map-style datasets (or None).
         num_workers, pin_memory, persistent_workers, collate_fn: passed to every DataLoader.
-        shuffle: shuffle the training set (the strategy reshuffles it globally every epoch).
+        shuffle: shuffle the training set (the strategy reshuffles it globally every epoch); False: every epoch
+            in dataset order, index ``i`` on rank ``i % world_size``. (A plain DataLoader's ``shuffle=False`` is
+            not seen under Lightning's distributed sampler, which always shuffles training data.)
     """
 
     def __init__(

@@ -869,13 +869,19 @@ class ShardPlusStrategy(DDPStrategy):
             dataloader.dataset,
             self.num_replicas,
             self.global_rank,
-            shuffle=bool(injected.shuffle),
+            shuffle=bool(injected.shuffle) and self._datamodule_shuffles(),
             seed=self.epoch_seed,
             padding=self.shard_padding,
             record_indices=self.verify_sharding,
         )
         self._resume_sampler(sampler, _loader_batch_size(dataloader))
         return sampler
+
+    def _datamodule_shuffles(self) -> bool:
+        """False when the training data comes from a ``ShardPlusDataModule(shuffle=False)``: Lightning marks every
+        training loader as shuffled when it injects its sampler, so the datamodule's choice is read here."""
+        datamodule = getattr(self.lightning_module.trainer, "datamodule", None)
+        return not isinstance(datamodule, ShardPlusDataModule) or datamodule.shuffle
 
     def _resume_sampler(self, sampler: PaddedShardSampler, batch_size: int | None) -> None:
         """Give ``sampler`` its state from the checkpoint being resumed, if any: the training loaders take the

@@ -113,3 +113,17 @@ def test_empty_training_set_is_a_clear_error(tmp_path):
     trainer = cpu_trainer(ShardPlusStrategy(start_method="fork"), 2, max_epochs=1)
     with pytest.raises(Exception, match=r"training dataset is empty"):
         trainer.fit(RecordingModule(tmp_path), DataLoader(IndexedDataset(0), batch_size=2))
+
+
+@pytest.mark.timeout(120)
+def test_a_datamodule_with_shuffle_false_trains_in_dataset_order_on_every_rank(tmp_path):
+    # Lightning marks every training loader as shuffled when it injects its sampler; the datamodule's choice holds
+    from lightning_shardplus import ShardPlusDataModule
+
+    trainer = cpu_trainer(ShardPlusStrategy(start_method="fork"), 2, max_epochs=2)
+    datamodule = ShardPlusDataModule(4, train_dataset=IndexedDataset(10), shuffle=False)
+    trainer.fit(RecordingModule(tmp_path), datamodule=datamodule)
+    rows = read_records(tmp_path)
+    for epoch in range(2):
+        shards = [[i for b in by(rows, stage="train", epoch=epoch, rank=r) for i in b["indices"]] for r in range(2)]
+        assert shards == [[0, 2, 4, 6, 8], [1, 3, 5, 7, 9]]
