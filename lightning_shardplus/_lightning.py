@@ -423,3 +423,15 @@ def set_ddp_kwargs(strategy: Any, ddp_kwargs: dict[str, Any]) -> None:
             strategy._ddp_kwargs.pop(key, None)
         else:
             strategy._ddp_kwargs[key] = value
+
+
+def mark_resumed_step_saved(trainer: Any) -> None:
+    """ModelCheckpoint remembers the last step it saved at (``_last_global_step_saved``) but does not restore it
+    from a checkpoint: after a resume inside an aggregation window it saves again at the resumed step, at the
+    first micro-batch, mid-window (and a ``save_last`` file is overwritten with that). The resumed step was
+    saved already: the checkpoint being resumed is it."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    for callback in trainer.checkpoint_callbacks:
+        if isinstance(callback, ModelCheckpoint):
+            callback._last_global_step_saved = max(callback._last_global_step_saved, trainer.global_step)

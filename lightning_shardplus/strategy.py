@@ -522,6 +522,9 @@ class ShardPlusStrategy(DDPStrategy):
         trainer = self.lightning_module.trainer
         per_device = aggregation.micro_batch_size(trainer)
         micro_batches = self.micro_batches_per_step
+        if trainer.ckpt_path is not None and micro_batches > 1:
+            # resumed at an optimizer step: checkpointing "every n steps" must not save again mid-window
+            _lightning.mark_resumed_step_saved(trainer)
         batch = "unknown" if per_device is None else str(self.effective_batch_size)
         rank_zero_info(
             f"shardplus: effective batch {batch} = {per_device or '?'} per device x {trainer.world_size} "

@@ -247,3 +247,23 @@ def test_torch_computes_ddp_bucket_assignments_from_sizes_and_limits():
     sizes = [torch.empty(n, device="meta") for n in (300_000, 300_000, 10)]  # 1.2 MB, 1.2 MB, 40 B
     buckets, limits = dist._compute_bucket_assignment_by_size(sizes, [2**20, 25 * 2**20], [False] * 3)
     assert [list(b) for b in buckets] == [[0], [1, 2]] and list(limits) == [2**20, 25 * 2**20]
+
+
+def test_model_checkpoint_skips_the_step_it_saved_last_and_does_not_restore_it():
+    # _lightning.mark_resumed_step_saved sets `_last_global_step_saved`: Lightning must still read it, and still
+    # not restore it from a checkpoint (once it does, the workaround can go)
+    from types import SimpleNamespace
+
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.trainer.states import TrainerFn
+
+    callback = ModelCheckpoint(every_n_train_steps=3)
+    assert callback._last_global_step_saved == 0
+    trainer = SimpleNamespace(fast_dev_run=False, sanity_checking=False, global_step=3, checkpoint_callbacks=[callback])
+    trainer.state = SimpleNamespace(fn=TrainerFn.FITTING)
+    assert not callback._should_skip_saving_checkpoint(trainer)
+    _lightning.mark_resumed_step_saved(trainer)
+    assert callback._should_skip_saving_checkpoint(trainer)
+    fresh = ModelCheckpoint(every_n_train_steps=3)
+    fresh.load_state_dict(callback.state_dict())
+    assert fresh._last_global_step_saved == 0

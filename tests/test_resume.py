@@ -120,3 +120,36 @@ def test_resume_with_another_batch_size_reads_the_rest_of_the_epoch_once(tmp_pat
     after = [i for r in range(2) for b in batches(resumed, r, 0) for i in b]
     assert [len(batches(resumed, r, 0)) for r in range(2)] == [2, 2]  # 5 samples left per rank: 4 + 1
     assert Counter(before + after) == Counter(range(N))
+
+
+@pytest.mark.timeout(120)
+def test_after_a_resume_with_aggregation_every_n_steps_checkpointing_does_not_save_mid_window(tmp_path):
+    # ModelCheckpoint does not restore the step it saved last: resumed at step 3 with 2 micro-batches per step, it
+    # would save again after the first micro-batch (global_step still 3), inside the window, over `last.ckpt`
+    log = tmp_path / "saves.txt"
+
+    class RecordSaves(ModelCheckpoint):
+        def _save_checkpoint(self, trainer, filepath):  # in the workers: appended to a file
+            with open(log, "a") as f:
+                f.write(f"{trainer.global_step} {trainer.fit_loop.epoch_loop.batch_progress.current.completed}\n")
+            super()._save_checkpoint(trainer, filepath)
+
+    def run(max_steps, ckpt_path=None):
+        callback = RecordSaves(dirpath=tmp_path / "ckpt", every_n_train_steps=3, save_last=True, save_top_k=-1)
+        trainer = cpu_trainer(
+            ShardPlusStrategy(start_method="fork", aggregation_frequency=2),
+            2,
+            max_steps=max_steps,
+            callbacks=[callback],
+            enable_checkpointing=True,
+        )
+        trainer.fit(RecordingModule(tmp_path), DataLoader(IndexedDataset(80), batch_size=2), ckpt_path=ckpt_path)
+
+    run(3)
+    run(6, ckpt_path=tmp_path / "ckpt" / "last.ckpt")
+    saved = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=False)
+    assert saved["global_step"] == 6 and saved[CHECKPOINT_KEY]["batches_done"] == 12
+    saves = [tuple(map(int, line.split())) for line in log.read_text().splitlines()]
+    # every save (on each rank) at an optimizer step: after an even number of micro-batches of the epoch (the
+    # loop's `completed` does not count the micro-batch being ended yet)
+    assert {step for step, _ in saves} == {3, 6} and all((completed + 1) % 2 == 0 for _, completed in saves), saves
