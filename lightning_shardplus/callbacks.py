@@ -241,7 +241,8 @@ class ScaleLearningRate(Callback):
         for index, rates in self._applied.items():
             for group, rate in enumerate(rates):
                 name = f"lr-scaled/optimizer{index}/group{group}" if several else f"lr-scaled/group{group}"
-                pl_module.log(name, rate, on_step=True, on_epoch=False, batch_size=1)
+                # the same on every rank: nothing to average (and averaged metrics would warn, this is logged late)
+                pl_module.log(name, rate, on_step=True, on_epoch=False, batch_size=1, rank_zero_only=True)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._restore_all()

@@ -219,12 +219,21 @@ def test_warmup_epochs_are_converted_to_optimizer_steps(
 
 
 @pytest.mark.timeout(60)
-def test_per_device_batch_comes_from_the_datamodule(tmp_path: Path) -> None:
+def test_per_device_batch_comes_from_the_datamodule(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    warnings = tmp_path / "warnings.txt"
+
+    def record_warning(message: str, *args: Any, **kwargs: Any) -> None:  # in the forked ranks: to a file
+        with open(warnings, "a") as f:
+            f.write(message + "\n")
+
+    monkeypatch.setattr("lightning_shardplus.metrics.rank_zero_warn", record_warning)
     # global batch 8 on 2 processes: 4 per device (the datamodule's loader replaces the module's)
     datamodule = ShardPlusDataModule(global_batch_size=8, train_dataset=_dataset(), shuffle=False)
     scale = ScaleLearningRate(rule="sqrt", reference_batch_size=2, warmup_steps=2)
     results = _fit(tmp_path, 2, 1, scale, 4, datamodule=datamodule)
     _check(results, _expected(range(4), "sqrt", 4 * 2 / 2, 2, None), None)
+    # the rate is logged in on_train_batch_end, the same on every rank: averaged metrics leave it alone, silently
+    assert "lr-scaled" not in (warnings.read_text() if warnings.exists() else "")
 
 
 @pytest.mark.timeout(60)
