@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -26,8 +27,8 @@ def check_int(name: str, value: Any, minimum: int | None = None) -> None:
 
 
 def check_positive_number(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"`{name}`={value!r} is not valid: expected a number > 0.")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise ValueError(f"`{name}`={value!r} is not valid: expected a finite number > 0.")
 
 
 def _bound(minimum: int | None) -> str:

@@ -72,6 +72,29 @@ _EVALUATION_STAGES = (
 
 
 
+def _process_group_timeout(timeout: Any) -> timedelta | None:
+    """``timeout`` as DDPStrategy takes it: a timedelta; a number is seconds (as a YAML config gives it)."""
+    if timeout is None or isinstance(timeout, timedelta):
+        return timeout
+    if isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and 0 < timeout < math.inf:
+        return timedelta(seconds=timeout)
+    raise TypeError(
+        f"`timeout`={timeout!r} is not valid: expected a datetime.timedelta, a number of seconds > 0, or None."
+    )
+
+
+def _check_backend(backend: Any) -> None:
+    """A process-group backend torch knows (its own and registered third-party ones), or per-device ones as
+    ``"cpu:gloo,cuda:nccl"``."""
+    known = [name for name in torch.distributed.Backend.backend_list if name not in ("undefined", "fake")]
+    parts = backend.split(",") if isinstance(backend, str) else [None]
+    if not all(part is not None and part.split(":")[-1].strip().lower() in known for part in parts):
+        raise ValueError(
+            f"`process_group_backend`={backend!r} is not valid: expected None (Lightning chooses), one of "
+            f"{', '.join(repr(k) for k in known)}, or per device like 'cpu:gloo,cuda:nccl'."
+        )
+
+
 class _LaunchAfterPreflight:
     """A launcher's ``launch``, run after the strategy's :meth:`ShardPlusStrategy.preflight`. A class, not a
     closure: the spawn and forkserver launchers pickle the Trainer, its strategy and this launcher with it."""
@@ -166,7 +189,7 @@ class ShardPlusStrategy(DDPStrategy):
         ddp_comm_wrapper: Callable | None = None,
         model_averaging_period: int | None = None,
         process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
+        timeout: timedelta | float | None = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         *,
         aggregation_frequency: int = 1,
@@ -188,10 +211,22 @@ class ShardPlusStrategy(DDPStrategy):
         find_unused_parameters: bool = False,
         static_graph: bool = False,
         gradient_as_bucket_view: bool = False,
-        broadcast_buffers: bool = True,
+        broadcast_buffers: bool | None = None,
         **ddp_kwargs: Any,
     ) -> None:
         check_choice("start_method", start_method, ("popen", "spawn", "fork", "forkserver"))
+        timeout = _process_group_timeout(timeout)
+        if process_group_backend is not None:
+            _check_backend(process_group_backend)
+        for name, flag in (
+            ("find_unused_parameters", find_unused_parameters),
+            ("static_graph", static_graph),
+            ("gradient_as_bucket_view", gradient_as_bucket_view),
+        ):
+            check_bool(name, flag)
+        if broadcast_buffers is not None:
+            check_bool("broadcast_buffers", broadcast_buffers)
+            ddp_kwargs["broadcast_buffers"] = broadcast_buffers  # only when given: torch 2.13 deprecates it
         check_int("aggregation_frequency", aggregation_frequency, minimum=1)
         check_bool("average_aggregated_gradients", average_aggregated_gradients)
         check_choice("gradient_compression", gradient_compression, GRADIENT_COMPRESSIONS)
@@ -269,7 +304,6 @@ class ShardPlusStrategy(DDPStrategy):
             find_unused_parameters=find_unused_parameters,
             static_graph=static_graph,
             gradient_as_bucket_view=gradient_as_bucket_view,
-            broadcast_buffers=broadcast_buffers,
             bucket_cap_mb=fusion.DEFAULT_BUCKET_CAP_MB
             if tensor_fusion_threshold_mb is None
             else float(tensor_fusion_threshold_mb),
@@ -430,7 +464,8 @@ class ShardPlusStrategy(DDPStrategy):
     def _share_rank_zero_buffers(self) -> None:
         """Before evaluating mid-fit, give every rank rank 0's buffers (BatchNorm running statistics), as DDP's
         next forward would: each rank's last training step updated its own copy, and evaluation skips DDP."""
-        if not (self._exact_across_ranks and _lightning.ddp_kwargs(self).get("broadcast_buffers", True)):
+        kwargs = _lightning.ddp_kwargs(self)
+        if not (self._exact_across_ranks and kwargs.get("forward_sync_buffers", kwargs.get("broadcast_buffers", True))):
             return
         if not isinstance(self.model, DistributedDataParallel):
             return  # validate/test/predict outside fit: DDPStrategy.setup synchronized the module already

@@ -27,6 +27,14 @@ from lightning_shardplus.datamodule import per_device_batch_size
         ({"bucket_cap_mb": 10}, TypeError, r"`bucket_cap_mb`=10.*tensor_fusion_threshold_mb"),
         ({"shard_paddin": "first"}, TypeError, r"unknown option\(s\) `shard_paddin`='first'.*valid"),
         ({"aggregation_frequenzy": 2}, TypeError, r"`aggregation_frequenzy`=2"),
+        ({"tensor_fusion_threshold_mb": float("inf")}, ValueError, r"`tensor_fusion_threshold_mb`=inf.*finite"),
+        ({"timeout": "5"}, TypeError, r"`timeout`='5'.*timedelta, a number of seconds"),
+        ({"timeout": -1}, TypeError, r"`timeout`=-1"),
+        ({"process_group_backend": "mpi2"}, ValueError, r"`process_group_backend`='mpi2'.*'gloo'.*'cpu:gloo"),
+        ({"process_group_backend": "cpu:gloo,cuda:nccl2"}, ValueError, r"`process_group_backend`='cpu:gloo,cuda"),
+        ({"find_unused_parameters": "no"}, TypeError, r"`find_unused_parameters`='no'.*True or False"),
+        ({"static_graph": 1}, TypeError, r"`static_graph`=1"),
+        ({"broadcast_buffers": "yes"}, TypeError, r"`broadcast_buffers`='yes'"),
     ],
 )
 def test_strategy_rejects_bad_arguments(kwargs, error, message):
@@ -39,6 +47,17 @@ def test_strategy_passes_ddp_arguments_through():
     strategy = ShardPlusStrategy(tensor_fusion_threshold_mb=4, static_graph=True, bucket_cap_mb_list=None)
     assert strategy._ddp_kwargs["bucket_cap_mb"] == 4.0
     assert strategy._ddp_kwargs["static_graph"] is True
+    # broadcast_buffers only when given (torch 2.13 warns that it is deprecated): DDP's default otherwise
+    assert "broadcast_buffers" not in strategy._ddp_kwargs
+    assert ShardPlusStrategy(broadcast_buffers=False)._ddp_kwargs["broadcast_buffers"] is False
+    assert ShardPlusStrategy(process_group_backend="cpu:gloo,cuda:nccl")._process_group_backend == "cpu:gloo,cuda:nccl"
+
+
+def test_a_timeout_in_seconds_becomes_a_timedelta():
+    from datetime import timedelta
+
+    assert ShardPlusStrategy(timeout=90)._timeout == timedelta(seconds=90)
+    assert ShardPlusStrategy(timeout=timedelta(minutes=2))._timeout == timedelta(minutes=2)
 
 
 def test_strategy_names_are_registered_with_their_start_methods():
