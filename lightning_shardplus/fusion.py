@@ -16,14 +16,14 @@ How a decision is reached (Horovod's autotuner, made robust on a noisy machine a
   pace): one all_reduce per sample, not per step.
 - Candidates that give the model the same buckets (e.g. 16, 25 and 64 MB for 6 MB of gradients: one bucket)
   are one candidate: it is measured once, under the default's size where that is among them (:func:`bucket_layout`).
-- Candidates are raced in interleaved rounds (each round visits every remaining candidate, in reverse order
-  every other round, so the machine's drift spreads over all of them); a candidate's time is the median of its
-  samples. After the first round, candidates more than 50% slower than the best are dropped; from ``min_rounds``
-  on, those slower than the best by more than two standard errors (from the noise measured across samples),
+- Candidates are raced in interleaved rounds (each round visits every remaining candidate, in reverse order every
+  other round, so the machine's drift spreads over all of them); a candidate's time is the median of its samples.
+  After the first round, candidates more than 50% slower than the best are dropped; from ``min_rounds`` on, those
+  slower than the best by more than two standard errors (from the noise measured across samples) and by the medians,
   and the finalists are measured again. The race stops as soon as one is left, when the finalists are within
-  ``tolerance`` (2%) of each other (a difference not worth more steps), or after ``max_rounds``. The default
-  (or, for the first bucket, a uniform bucket size) is kept unless the winner is faster by more than the
-  tolerance *and* the noise (two standard errors): a change has to be measurably better.
+  ``tolerance`` (2%) of each other (a difference not worth more steps), or after ``max_rounds``. The default (or, for
+  the first bucket, a uniform bucket size) is kept unless the winner is faster by more than the tolerance *and* the
+  noise (two standard errors) *and* by the medians: a change has to be measurably better.
 - Where torch's DDP takes ``bucket_cap_mb_list`` (torch >= 2.13: per-bucket caps, in gradient-ready order) the
   first bucket is raced next, with the chosen size for the others: a small first bucket lets the all-reduce
   start before the backward pass ends.
@@ -217,15 +217,16 @@ def merge_equivalent(
 class CandidateRace:
     """Successive elimination over bucket settings, from one score (seconds per step) per sample.
 
-    :meth:`next_setting` says what to measure next (None: decided), :meth:`record` takes its score. Rounds
-    visit the remaining candidates in alternating order. Candidates are compared *paired*: by the median over
-    the rounds that measured both of the ratio of their scores (:meth:`ratio`), so that a change of the
-    machine's load between rounds cancels. After each round from ``min_rounds`` on, candidates slower than the
-    leader by more than two standard errors (:meth:`margin`, from ``noise``: the median relative deviation of
-    the paired ratios, at least ``noise_floor``) are dropped; the race ends with one candidate left, with all
-    finalists within ``tolerance`` of the leader (a difference not worth more steps), or after ``max_rounds``.
-    After the first round, with one sample each, only candidates slower than the leader by more than
-    ``first_round_margin`` are dropped."""
+    :meth:`next_setting` says what to measure next (None: decided), :meth:`record` takes its score. Rounds visit the
+    remaining candidates in alternating order. Candidates are compared *paired*: by the median over the rounds that
+    measured both of the ratio of their scores (:meth:`ratio`), so that a change of the machine's load between
+    rounds cancels. After each round from ``min_rounds`` on, candidates slower than the leader by more than two
+    standard errors (:meth:`margin`, from ``noise``: the median relative deviation of the paired ratios, at least
+    ``noise_floor``), and slower by the medians of their scores, are dropped (a round or two of outliers can make
+    the two measures disagree: then nothing is concluded); the race ends with one candidate left, with all finalists
+    within ``tolerance`` of the leader (a difference not worth more steps), or after ``max_rounds``. After the first
+    round, with one sample each, only candidates slower than the leader by more than ``first_round_margin`` are
+    dropped."""
 
     def __init__(
         self,
@@ -306,13 +307,17 @@ class CandidateRace:
 
     def best(self) -> BucketSetting:
         """The leader; the preferred candidate where it is not measurably slower: within ``tolerance`` of the
-        leader, or within the noise (:meth:`margin`)."""
+        leader, within the noise (:meth:`margin`), or no slower by the medians (the two measures disagree)."""
         leader, preferred = self.leader(), self.preferred
-        if preferred in self.live:
-            allowed = max(self.tolerance, self.margin(preferred, leader)) if preferred != leader else 0.0
-            if self.ratio(preferred, leader) <= 1 + allowed:
+        if preferred in self.live and preferred != leader:
+            if self.ratio(preferred, leader) <= 1 + self.tolerance or not self._slower(preferred, leader):
                 return preferred
         return leader
+
+    def _slower(self, setting: BucketSetting, leader: BucketSetting) -> bool:
+        """Measurably slower than ``leader``: paired by more than the noise, and by the medians."""
+        paired = self.ratio(setting, leader) > 1 + self.margin(setting, leader)
+        return paired and self.median(setting) > self.median(leader)
 
     def _end_round(self) -> None:
         self.round += 1
@@ -321,7 +326,7 @@ class CandidateRace:
             self.live = [c for c in self.live if self.ratio(c, leader) <= 1 + self.first_round_margin]
         if self.round >= self.min_rounds or len(self.live) == 1:
             leader = self.leader()
-            self.live = [c for c in self.live if self.ratio(c, leader) <= 1 + self.margin(c, leader)]
+            self.live = [c for c in self.live if not self._slower(c, leader)]
             close = all(self.ratio(c, leader) <= 1 + self.tolerance for c in self.live)
             if len(self.live) == 1 or close or self.round >= self.max_rounds:
                 self.winner = self.best()

@@ -54,6 +54,19 @@ def test_the_race_interleaves_drops_the_slow_and_stops_once_one_is_left():
     assert len(order) == 8
 
 
+def test_a_candidate_faster_paired_but_slower_by_the_medians_does_not_replace_the_default():
+    # A is 10% faster in 3 of 5 rounds (no spread there: the noise estimate is ~0) but far slower in two rounds
+    # where the default was fast: by the medians it is the slower one. Nothing is concluded: the default stays.
+    jitter = {A: [0.9, 4.5, 4.5, 10.0, 10.0], DEFAULT: [1.0, 5.0, 5.0, 0.1, 0.1]}
+    race, _ = race_with({A: 1.0, DEFAULT: 1.0}, rounds=(5, 5), noise_floor=0.0, jitter=jitter)
+    assert race.ratio(A, DEFAULT) == pytest.approx(0.9) and race.median(A) > race.median(DEFAULT)
+    assert set(race.live) == {A, DEFAULT} and race.winner == DEFAULT
+    # the same paired gain with medians that agree: A replaces the default
+    agreeing = {A: [0.9, 4.5, 4.5, 0.2, 0.2], DEFAULT: [1.0, 5.0, 5.0, 0.1, 0.1]}
+    race, _ = race_with({A: 1.0, DEFAULT: 1.0}, rounds=(5, 5), noise_floor=0.0, jitter=agreeing)
+    assert race.winner == A
+
+
 def test_the_race_remeasures_finalists_and_is_bounded_by_max_rounds():
     # B and C 3% apart with 4% noise of their own: neither dropped nor within tolerance after round 2
     jitter = {B: [1.0, 1.04, 1.0], C: [1.04, 1.0, 1.0]}
