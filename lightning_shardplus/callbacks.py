@@ -599,6 +599,7 @@ class ScalingReport(CommunicationHookWrapper):
             micro_batches_per_step=_aggregation(trainer),
             communication_measured=self._world_size < 2 or self._hook_wrapped,
             timing=self._clock.name,
+            gradient_compression=getattr(trainer.strategy, "gradient_compression", None),
         )
         if not trainer.is_global_zero:
             return
@@ -684,11 +685,13 @@ def summarize_scaling(
     micro_batches_per_step: int = 1,
     communication_measured: bool = True,
     timing: str = "host",
+    gradient_compression: str | None = None,
 ) -> dict[str, Any]:
     """The report of :class:`ScalingReport` from each rank's totals (seconds per phase, samples, micro-batches):
     per-micro-batch milliseconds and shares of each phase (means over ranks), samples/s, efficiency, verdict.
     ``communication_measured=False``: exposed communication could not be told apart from backward; ``timing``:
-    the clock of the figures (``"host"`` or ``"<device> events"``)."""
+    the clock of the figures (``"host"`` or ``"<device> events"``); ``gradient_compression``: the strategy's, so
+    that the advice names what is not in use yet."""
     world_size = len(per_rank)
     counted = [rank for rank in per_rank if rank["micro_batches"] > 0]
     if not counted:
@@ -719,6 +722,7 @@ def summarize_scaling(
         "scaling_efficiency": efficiency,
         "communication_measured": communication_measured,
         "timing": timing,
+        "gradient_compression": gradient_compression,
         "per_rank": per_rank,
     }
     report["verdict"] = scaling_verdict(report, threshold)
@@ -737,8 +741,7 @@ def scaling_verdict(report: dict[str, Any], threshold: float = 0.2) -> str:
         "data": "data loading takes {:.0%} of each step: raise num_workers, set pin_memory/persistent_workers, "
         "or check with SyntheticDataModule that the model scales without your data",
         "communication": "gradient communication not hidden behind backward takes {:.0%} of each step: try "
-        "gradient_compression ('fp16', 'powersgd'), aggregation_frequency > 1, or another "
-        "tensor_fusion_threshold_mb",
+        + _communication_options(report),
         "between_steps": "the time between steps takes {:.0%} of each step (moving batches to the device, logging, "
         "checkpointing, callbacks, waiting for a slower rank): log less often, or look for the slow rank",
     }
@@ -750,6 +753,20 @@ def scaling_verdict(report: dict[str, Any], threshold: float = 0.2) -> str:
 
 
 _CLOCK_NAMES = {"host": "the host's wall clock"}
+
+
+def _communication_options(report: dict[str, Any]) -> str:
+    """What would cut exposed communication, leaving out what the run already does."""
+    options = []
+    compression = report.get("gradient_compression")
+    if compression in (None, "none"):
+        options.append("gradient_compression ('fp16', 'powersgd')")
+    elif compression != "powersgd":
+        options.append("gradient_compression='powersgd'")
+    micro_batches = report.get("micro_batches_per_optimizer_step", 1)
+    options.append("aggregation_frequency > 1" if micro_batches == 1 else f"aggregation_frequency > {micro_batches}")
+    options.append("another tensor_fusion_threshold_mb (or auto_tune_tensor_fusion)")
+    return ", ".join(options[:-1]) + ", or " + options[-1]
 
 
 def format_scaling_report(report: dict[str, Any]) -> str:

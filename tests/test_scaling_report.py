@@ -114,6 +114,15 @@ def test_verdict_names_the_larger_bottleneck_first_and_otherwise_the_computation
     both = summarize_scaling([totals(data=3.0, communication=4.0, forward=3.0)] * 2)
     assert both["verdict"].startswith("gradient communication not hidden behind backward takes 40%")
     assert "; data loading takes 30%" in both["verdict"]
+    assert "gradient_compression ('fp16', 'powersgd'), aggregation_frequency > 1, or another" in both["verdict"]
+    # the advice leaves out what the run already does
+    busy = summarize_scaling(
+        [totals(communication=4.0, forward=3.0)], micro_batches_per_step=4, gradient_compression="powersgd"
+    )
+    assert "try aggregation_frequency > 4, or another tensor_fusion_threshold_mb" in busy["verdict"]
+    assert "'fp16'" not in busy["verdict"]
+    fp16 = summarize_scaling([totals(communication=4.0, forward=3.0)], gradient_compression="fp16")
+    assert "try gradient_compression='powersgd', aggregation_frequency > 1" in fp16["verdict"]
     assert both["samples_per_second"] == pytest.approx(200 / 10.0)
     compute = summarize_scaling([totals(data=0.1, forward=0.5, backward=0.3, optimizer=0.1)])
     assert scaling_verdict(compute) == "compute-bound: forward/backward/optimizer take 90% of each step"
