@@ -435,3 +435,22 @@ def mark_resumed_step_saved(trainer: Any) -> None:
     for callback in trainer.checkpoint_callbacks:
         if isinstance(callback, ModelCheckpoint):
             callback._last_global_step_saved = max(callback._last_global_step_saved, trainer.global_step)
+
+
+# Lightning warnings that are wrong under shardplus, matched by their text (tests/test_lightning_private.py checks
+# that Lightning still emits them with these words).
+EVALUATION_SAMPLER_WARNING = r"Using `DistributedSampler` with the dataloaders\. During `trainer\."
+EPOCH_SYNC_WARNING = r"It is recommended to use `self\.log\(.*sync_dist=True\)` when logging on epoch level"
+
+
+def silence_wrong_warnings(exact_evaluation: bool, averaged_training_metrics: bool) -> None:
+    """Under exact evaluation no sample is replicated; with averaged training metrics as well, every epoch-level
+    value is reduced across ranks without ``sync_dist``: Lightning's advice otherwise would mislead."""
+    import warnings
+
+    from lightning.pytorch.utilities.warnings import PossibleUserWarning
+
+    if exact_evaluation:
+        warnings.filterwarnings("ignore", message=EVALUATION_SAMPLER_WARNING, category=PossibleUserWarning)
+        if averaged_training_metrics:
+            warnings.filterwarnings("ignore", message=EPOCH_SYNC_WARNING, category=PossibleUserWarning)

@@ -435,6 +435,7 @@ class ShardPlusStrategy(DDPStrategy):
         if self._exact_across_ranks and not any(isinstance(cb, ExactEvaluation) for cb in trainer.callbacks):
             # first, so that the epoch values are exact before any other callback reads them
             trainer.callbacks.insert(0, ExactEvaluation())
+        _lightning.silence_wrong_warnings(self._exact_across_ranks, self.average_training_metrics)
         if trainer.state.fn == TrainerFn.FITTING:
             self._compression = compression.build_compression(self.gradient_compression, self._ddp_comm_state)
             if self._compression is not None:

@@ -267,3 +267,28 @@ def test_model_checkpoint_skips_the_step_it_saved_last_and_does_not_restore_it()
     fresh = ModelCheckpoint(every_n_train_steps=3)
     fresh.load_state_dict(callback.state_dict())
     assert fresh._last_global_step_saved == 0
+
+
+def test_lightnings_misleading_distributed_warnings_still_read_as_shardplus_silences_them():
+    import re
+    import warnings
+    from pathlib import Path
+
+    import lightning.pytorch as pl
+    from lightning.pytorch.utilities.warnings import PossibleUserWarning
+
+    root = Path(pl.__file__).parent
+    connector = (root / "trainer/connectors/data_connector.py").read_text()
+    result = (root / "trainer/connectors/logger_connector/result.py").read_text()
+    sampler_text = "Using `DistributedSampler` with the dataloaders. During `trainer."
+    assert '"Using `DistributedSampler` with the dataloaders. During `trainer.' in connector.replace('f"', '"')
+    assert "It is recommended to use `self.log(" in result and "when logging on epoch level" in result
+    assert re.match(_lightning.EVALUATION_SAMPLER_WARNING, sampler_text)
+    epoch_text = "It is recommended to use `self.log('val_loss', ..., sync_dist=True)` when logging on epoch level in"
+    assert re.match(_lightning.EPOCH_SYNC_WARNING, epoch_text)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _lightning.silence_wrong_warnings(exact_evaluation=True, averaged_training_metrics=False)
+        warnings.warn(sampler_text + " ...", PossibleUserWarning, stacklevel=1)
+        warnings.warn(epoch_text, PossibleUserWarning, stacklevel=1)  # training epoch values are not averaged: kept
+        assert [str(w.message) for w in caught] == [epoch_text]
