@@ -5,6 +5,7 @@ for peers that never come or two take the same rank."""
 from __future__ import annotations
 
 import os
+from importlib.util import find_spec
 
 from lightning.fabric.plugins import ClusterEnvironment
 from lightning.fabric.plugins.environments import (
@@ -39,9 +40,30 @@ def _launcher_world_size(environment: ClusterEnvironment | None) -> tuple[int, i
     return world_size, int(local) if local.isdigit() and int(local) > 0 else None, name
 
 
+_MPI_WORLD_SIZE_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE")  # Open MPI; MPICH and Intel MPI
+
+
+def _check_mpi_is_seen(environment: ClusterEnvironment | None) -> None:
+    """Under mpirun, Lightning detects MPI only with mpi4py installed; without it every mpirun process would start
+    its own Lightning job and train alone, silently."""
+    if not isinstance(environment, LightningEnvironment):
+        return
+    for variable in _MPI_WORLD_SIZE_VARIABLES:
+        size = os.environ.get(variable, "")
+        if size.isdigit() and int(size) > 1:
+            why = "mpi4py is installed but MPI reports one process" if find_spec("mpi4py") else "no mpi4py"
+            raise RuntimeError(
+                f"This process was started by mpirun ({variable}={size}), but Lightning does not see MPI ({why}; "
+                f"its MPIEnvironment needs mpi4py): each of the {size} processes would start its own training job. "
+                "Install mpi4py (pip install mpi4py) in this environment, or launch with torchrun."
+            )
+
+
 def check_launcher_world_size(environment: ClusterEnvironment | None, devices: int, num_nodes: int) -> None:
     """Refuse, before any process group starts, a launcher whose world size is not ``devices x num_nodes``: the
-    processes would wait for peers that never come, or two would take the same rank."""
+    processes would wait for peers that never come, or two would take the same rank; and mpirun without mpi4py
+    (each process would train alone)."""
+    _check_mpi_is_seen(environment)
     found = _launcher_world_size(environment)
     if found is None or found[0] == devices * num_nodes:
         return

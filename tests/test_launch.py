@@ -267,6 +267,17 @@ def test_world_size_check_skips_processes_lightning_starts(monkeypatch):
     check_launcher_world_size(None, devices=2, num_nodes=1)
 
 
+@pytest.mark.parametrize("variable", ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE"])
+def test_mpirun_without_lightning_seeing_mpi_is_refused(monkeypatch, variable):
+    # without mpi4py Lightning falls back to its own environment and each mpirun process would train alone
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.setenv(variable, "2")
+    with pytest.raises(RuntimeError, match=rf"started by mpirun \({variable}=2\).*Install mpi4py"):
+        check_launcher_world_size(LightningEnvironment(), devices=2, num_nodes=1)
+    monkeypatch.setenv(variable, "1")  # a single MPI process: nothing to coordinate
+    check_launcher_world_size(LightningEnvironment(), devices=2, num_nodes=1)
+
+
 @pytest.mark.skipif(shutil.which("bash") is None, reason="bash not found")
 @pytest.mark.parametrize("script", ["torchrun_multinode.sh", "torchrun_restart.sh", "slurm.sbatch", "mpirun.sh"])
 def test_launch_examples_are_valid_bash(script):
