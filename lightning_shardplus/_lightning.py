@@ -432,25 +432,32 @@ def mark_resumed_step_saved(trainer: Any) -> None:
     saved already: the checkpoint being resumed is it."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
+    step = trainer.global_step
     for callback in trainer.checkpoint_callbacks:
-        if isinstance(callback, ModelCheckpoint):
-            callback._last_global_step_saved = max(callback._last_global_step_saved, trainer.global_step)
+        # only those that save "every n train steps" at this step: the others (at validation or epoch ends) did
+        # not save at it, and the same field would make them skip their next save at this step
+        every = getattr(callback, "_every_n_train_steps", 0) if isinstance(callback, ModelCheckpoint) else 0
+        if every >= 1 and step % every == 0:
+            callback._last_global_step_saved = max(callback._last_global_step_saved, step)
 
 
-# Lightning warnings that are wrong under shardplus, matched by their text (tests/test_lightning_private.py checks
-# that Lightning still emits them with these words).
+# A Lightning warning that is wrong under exact evaluation, matched by its text (tests/test_lightning_private.py
+# checks that Lightning still emits it with these words).
 EVALUATION_SAMPLER_WARNING = r"Using `DistributedSampler` with the dataloaders\. During `trainer\."
-EPOCH_SYNC_WARNING = r"It is recommended to use `self\.log\(.*sync_dist=True\)` when logging on epoch level"
 
 
-def silence_wrong_warnings(exact_evaluation: bool, averaged_training_metrics: bool) -> None:
-    """Under exact evaluation no sample is replicated; with averaged training metrics as well, every epoch-level
-    value is reduced across ranks without ``sync_dist``: Lightning's advice otherwise would mislead."""
+def silence_evaluation_sampler_warning() -> Any:
+    """Lightning advises one device for validate/test because its sampler replicates samples; exact evaluation
+    replicates none. Returns what undoes it (the filter is process-wide: remove it when the run ends)."""
     import warnings
 
     from lightning.pytorch.utilities.warnings import PossibleUserWarning
 
-    if exact_evaluation:
-        warnings.filterwarnings("ignore", message=EVALUATION_SAMPLER_WARNING, category=PossibleUserWarning)
-        if averaged_training_metrics:
-            warnings.filterwarnings("ignore", message=EPOCH_SYNC_WARNING, category=PossibleUserWarning)
+    warnings.filterwarnings("ignore", message=EVALUATION_SAMPLER_WARNING, category=PossibleUserWarning)
+    added = warnings.filters[0]
+
+    def restore() -> None:
+        if added in warnings.filters:  # an "ignore" filter leaves nothing in the warning registries to reset
+            warnings.filters.remove(added)
+
+    return restore

@@ -897,6 +897,7 @@ def run_fusion_shape(shape: tuple[str, int, int, int], args: argparse.Namespace)
     from lightning_shardplus.fusion import (
         DEFAULT_BUCKET_CAP_MB,
         DEFAULT_CANDIDATES_MB,
+        SUPPORTS_FIRST_BUCKET,
         AutotuneSettings,
         BucketSetting,
         bucket_layout,
@@ -912,7 +913,7 @@ def run_fusion_shape(shape: tuple[str, int, int, int], args: argparse.Namespace)
     uniform = BucketSetting(DEFAULT_BUCKET_CAP_MB)
     ddp_default = BucketSetting(DEFAULT_BUCKET_CAP_MB, 1.0)
     fixed, merged = merge_equivalent(
-        [BucketSetting(size) for size in candidates] + [ddp_default],
+        [BucketSetting(size) for size in candidates] + ([ddp_default] if SUPPORTS_FIRST_BUCKET else []),
         lambda setting: bucket_layout(parameters, setting),
         uniform,
     )
@@ -957,8 +958,12 @@ def run_fusion_shape(shape: tuple[str, int, int, int], args: argparse.Namespace)
     fixed_s = {s.label: step_s[s.label] for s in fixed}
     best_fixed = min(fixed_s, key=fixed_s.__getitem__)
     tuned_s = step_s[report["tuned"]]
-    default_label = next(s.label for s in fixed if ddp_default in (s, *merged.get(s, [])))
-    uniform_label = next(s.label for s in fixed if uniform in (s, *merged.get(s, [])))
+    # DDP's default where torch can set a first bucket (else the uniform 25 MB stands for it)
+    def label_of(setting: Any) -> str:
+        return next(s.label for s in fixed if setting in (s, *merged.get(s, [])))
+
+    default_label = label_of(ddp_default if SUPPORTS_FIRST_BUCKET else uniform)
+    uniform_label = label_of(uniform)
     # What the tuning steps cost beyond running them all at the tuned speed (re-wraps and bucket rebuilds
     # included), relative to a 2,000-step run; the tuned speed as measured while tuning, against the same drift.
     during = report["tuning_step_ms"] / 1000 if report["tuning_step_ms"] else tuned_s

@@ -180,16 +180,23 @@ def _sizes(name: str, values: Any, minimum_count: int) -> tuple[float, ...]:
 # ---------------------------------------------------------------------------------------------------- search
 
 
-def bucket_layout(parameters: Sequence[torch.Tensor], setting: BucketSetting) -> tuple[tuple[int, ...], ...]:
-    """The buckets (parameter indices) DDP builds under ``setting`` once it has rebuilt them in gradient-ready
-    order, taking that order to be the reverse of registration (the usual backward order). Settings with the
-    same layout are the same setting for this model."""
+def bucket_layout(parameters: Sequence[torch.Tensor], setting: BucketSetting) -> tuple[Any, ...]:
+    """The buckets (parameter indices) DDP builds under ``setting``, with DDP's own bucketing, for the gradients
+    taken in reverse registration order (the usual backward order, in which DDP rebuilds its buckets after the
+    first step) and in registration order (the other extreme). Settings with the same layout in both orders
+    are the same setting for this model, whatever order the gradients really come in."""
     limits = [int(mb * _MB) for mb in (setting.first_bucket_mb, setting.bucket_cap_mb) if mb is not None]
-    grads = [p for p in parameters if p.requires_grad][::-1]
+    grads = [p for p in parameters if p.requires_grad]
+    if not grads:
+        return (), ()
     shapes = [torch.empty(p.numel(), dtype=p.dtype, device="meta") for p in grads]  # sizes and dtypes only
-    # DDP's own bucketing (torch.distributed private: guarded by tests/test_lightning_private.py)
-    buckets, _ = dist._compute_bucket_assignment_by_size(shapes, limits, [False] * len(shapes))
-    return tuple(tuple(bucket) for bucket in buckets)
+
+    def buckets(order: list[torch.Tensor]) -> tuple[tuple[int, ...], ...]:
+        # torch.distributed private (guarded by tests/test_lightning_private.py)
+        assignment, _ = dist._compute_bucket_assignment_by_size(order, limits, [False] * len(order))
+        return tuple(tuple(bucket) for bucket in assignment)
+
+    return buckets(shapes[::-1]), buckets(shapes)
 
 
 def merge_equivalent(
@@ -322,8 +329,9 @@ class CandidateRace:
     def _end_round(self) -> None:
         self.round += 1
         if self.round == 1 and self.round < self.min_rounds:
-            leader = self.leader()
-            self.live = [c for c in self.live if self.ratio(c, leader) <= 1 + self.first_round_margin]
+            leader = self.leader()  # one sample each: the default is not dropped on it
+            margin = 1 + self.first_round_margin
+            self.live = [c for c in self.live if c == self.preferred or self.ratio(c, leader) <= margin]
         if self.round >= self.min_rounds or len(self.live) == 1:
             leader = self.leader()
             self.live = [c for c in self.live if not self._slower(c, leader)]
@@ -578,14 +586,20 @@ class FusionAutotuner:
             size = stage[0].bucket_cap_mb if stage else self.settings.fixed_bucket_cap_mb or DEFAULT_BUCKET_CAP_MB
             self._race = self._second_stage(size)
             if self._race is None:  # nothing to search
-                self.result = FusionResult(BucketSetting(size))
+                source = (
+                    "`tensor_fusion_threshold_mb` (no first bucket to race)"
+                    if not stage
+                    else "the candidates, which all give this model the same buckets"
+                )
+                self.result = FusionResult(BucketSetting(size), from_cache=True, source=source)
                 return self.result.setting
         return self._race.live[0]
 
     def _second_stage(self, bucket_cap_mb: float) -> CandidateRace | None:
         uniform = BucketSetting(bucket_cap_mb)
         stage, merged = merge_equivalent(self.settings.second_stage(bucket_cap_mb), self.layout, uniform)
-        self.merged.update(merged)
+        for kept, others in merged.items():
+            self.merged.setdefault(kept, []).extend(others)
         if len(stage) < 2:
             return None
         return CandidateRace(

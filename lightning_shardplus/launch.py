@@ -48,14 +48,17 @@ def _check_mpi_is_seen(environment: ClusterEnvironment | None) -> None:
     its own Lightning job and train alone, silently."""
     if not isinstance(environment, LightningEnvironment):
         return
+    if any(v in os.environ for v in ("LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "WORLD_SIZE")):
+        return  # ranks given by hand or by a wrapper (one process per node, Lightning starts the local ones)
     for variable in _MPI_WORLD_SIZE_VARIABLES:
         size = os.environ.get(variable, "")
         if size.isdigit() and int(size) > 1:
             why = "mpi4py is installed but MPI reports one process" if find_spec("mpi4py") else "no mpi4py"
             raise RuntimeError(
-                f"This process was started by mpirun ({variable}={size}), but Lightning does not see MPI ({why}; "
-                f"its MPIEnvironment needs mpi4py): each of the {size} processes would start its own training job. "
-                "Install mpi4py (pip install mpi4py) in this environment, or launch with torchrun."
+                f"This process was started by an MPI/PMI launcher (mpirun, srun --mpi=...: {variable}={size}), "
+                f"but Lightning does not see MPI ({why}; its MPIEnvironment needs mpi4py): each of the {size} "
+                "processes would start its own training job. Install mpi4py (pip install mpi4py) in this "
+                "environment, launch with torchrun, or set NODE_RANK/WORLD_SIZE for one process per node."
             )
 
 

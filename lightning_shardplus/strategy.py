@@ -74,13 +74,21 @@ _EVALUATION_STAGES = (
 
 def _process_group_timeout(timeout: Any) -> timedelta | None:
     """``timeout`` as DDPStrategy takes it: a timedelta; a number is seconds (as a YAML config gives it)."""
-    if timeout is None or isinstance(timeout, timedelta):
+    message = f"`timeout`={timeout!r} is not valid: expected a timedelta > 0, a number of seconds > 0, or None."
+    if timeout is None:
+        return None
+    if isinstance(timeout, timedelta):
+        if timeout <= timedelta(0):
+            raise ValueError(message)
         return timeout
-    if isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and 0 < timeout < math.inf:
+    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool):
+        raise TypeError(message)
+    try:
+        if not 0 < timeout < math.inf:
+            raise ValueError(message)
         return timedelta(seconds=timeout)
-    raise TypeError(
-        f"`timeout`={timeout!r} is not valid: expected a datetime.timedelta, a number of seconds > 0, or None."
-    )
+    except OverflowError:
+        raise ValueError(message) from None
 
 
 def _check_backend(backend: Any) -> None:
@@ -88,7 +96,7 @@ def _check_backend(backend: Any) -> None:
     ``"cpu:gloo,cuda:nccl"``."""
     known = [name for name in torch.distributed.Backend.backend_list if name not in ("undefined", "fake")]
     parts = backend.split(",") if isinstance(backend, str) else [None]
-    if not all(part is not None and part.split(":")[-1].strip().lower() in known for part in parts):
+    if not all(part is not None and part.split(":")[-1].lower() in known and part == part.strip() for part in parts):
         raise ValueError(
             f"`process_group_backend`={backend!r} is not valid: expected None (Lightning chooses), one of "
             f"{', '.join(repr(k) for k in known)}, or per device like 'cpu:gloo,cuda:nccl'."
@@ -326,6 +334,7 @@ class ShardPlusStrategy(DDPStrategy):
         self._fusion_tuner: fusion.FusionAutotuner | None = None
         self._fusion_checkpoint: dict[str, Any] | None = None  # the tuned setting of a checkpoint being resumed
         self._fusion_cache_key: str | None = None  # what `fusion_result` holds for
+        self._restore_warnings: Callable[[], None] | None = None  # undoes a warning filter set in `setup`
         # Set by ExactEvaluation while an evaluation epoch runs: logged values are reduced at its end instead.
         self.defer_logging_sync = False
         self._compression: compression.CastCompression | compression.PowerSGDCompression | None = None
@@ -435,7 +444,8 @@ class ShardPlusStrategy(DDPStrategy):
         if self._exact_across_ranks and not any(isinstance(cb, ExactEvaluation) for cb in trainer.callbacks):
             # first, so that the epoch values are exact before any other callback reads them
             trainer.callbacks.insert(0, ExactEvaluation())
-        _lightning.silence_wrong_warnings(self._exact_across_ranks, self.average_training_metrics)
+        if self._exact_across_ranks and self._restore_warnings is None:
+            self._restore_warnings = _lightning.silence_evaluation_sampler_warning()
         if trainer.state.fn == TrainerFn.FITTING:
             self._compression = compression.build_compression(self.gradient_compression, self._ddp_comm_state)
             if self._compression is not None:
@@ -466,7 +476,9 @@ class ShardPlusStrategy(DDPStrategy):
         """Before evaluating mid-fit, give every rank rank 0's buffers (BatchNorm running statistics), as DDP's
         next forward would: each rank's last training step updated its own copy, and evaluation skips DDP."""
         kwargs = _lightning.ddp_kwargs(self)
-        if not (self._exact_across_ranks and kwargs.get("forward_sync_buffers", kwargs.get("broadcast_buffers", True))):
+        sync = kwargs.get("forward_sync_buffers")  # DDP: None is its default, True
+        sync = kwargs.get("broadcast_buffers", True) if sync is None else sync
+        if not (self._exact_across_ranks and sync):
             return
         if not isinstance(self.model, DistributedDataParallel):
             return  # validate/test/predict outside fit: DDPStrategy.setup synchronized the module already
@@ -527,6 +539,9 @@ class ShardPlusStrategy(DDPStrategy):
         self._compression_checkpoint = None
         self._sampler_checkpoint, self._sampler_states_used = None, 0
         self._fusion_tuner, self._fusion_checkpoint = None, None
+        if self._restore_warnings is not None:
+            self._restore_warnings()
+            self._restore_warnings = None
         super().teardown()
 
     # ------------------------------------------------------------------ aggregation
@@ -650,7 +665,10 @@ class ShardPlusStrategy(DDPStrategy):
             cache_key=key,
             gradient_bytes=sum(p.numel() * p.element_size() for p in parameters),
             checkpointed=self._fusion_checkpoint,
-            layout=functools.partial(fusion.bucket_layout, parameters),
+            # with find_unused_parameters DDP keeps its first-iteration buckets (other cuts): no merging then
+            layout=None
+            if extra["find_unused_parameters"]
+            else functools.partial(fusion.bucket_layout, parameters),
         )
 
     def _set_bucket_setting(self, setting: fusion.BucketSetting) -> None:

@@ -140,16 +140,22 @@ def drive(tuner, clock, max_steps=500):
     raise AssertionError("tuning did not finish")
 
 
-def test_bucket_layout_is_ddps_bucketing_in_backward_order():
+def test_bucket_layout_is_ddps_bucketing_in_backward_and_registration_order():
     model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 256), torch.nn.Linear(256, 10))
     parameters = list(model.parameters())  # 256 kB, 1 kB, 256 kB, 1 kB, 10 kB, 40 B
-    one = fusion.bucket_layout(parameters, BucketSetting(25.0))
-    assert one == (tuple(range(6)),)  # one bucket, indices into the reversed parameter list
-    assert fusion.bucket_layout(parameters, BucketSetting(0.25)) == ((0, 1, 2, 3), (4, 5))  # closes at >= 0.25 MB
-    assert fusion.bucket_layout(parameters, BucketSetting(25.0, 0.001)) == ((0, 1), (2, 3, 4, 5))
+    backward, forward = fusion.bucket_layout(parameters, BucketSetting(25.0))
+    assert backward == forward == (tuple(range(6)),)  # one bucket, whatever the order
+    backward, forward = fusion.bucket_layout(parameters, BucketSetting(0.25))
+    assert backward == ((0, 1, 2, 3), (4, 5))  # indices into the reversed list; a bucket closes at >= 0.25 MB
+    assert forward == ((0,), (1, 2), (3, 4, 5))
+    assert fusion.bucket_layout(parameters, BucketSetting(25.0, 0.001))[0] == ((0, 1), (2, 3, 4, 5))
     # the same cuts as a DDP wrapper builds (its initial assignment, before the rebuild in backward order)
     buckets, _ = dist._compute_bucket_assignment_by_size(parameters[::-1], [int(0.25 * 2**20)], [False] * 6)
-    assert tuple(tuple(b) for b in buckets) == fusion.bucket_layout(parameters, BucketSetting(0.25))
+    assert tuple(tuple(b) for b in buckets) == backward
+    # sizes that cut the gradients the same way in one order but not the other are not merged: 10, 10, 1 MB
+    big = [torch.empty(n, device="meta", requires_grad=True) for n in (2_621_440, 2_621_440, 262_144)]
+    sixteen, twenty_five = (fusion.bucket_layout(big, BucketSetting(s)) for s in (16.0, 25.0))
+    assert sixteen[0] == twenty_five[0] and sixteen != twenty_five
 
 
 def test_candidates_with_the_same_buckets_are_raced_once_under_the_default_size(tmp_path):
@@ -175,6 +181,18 @@ def test_candidates_with_the_same_buckets_are_raced_once_under_the_default_size(
     # every candidate the same buckets and no first bucket to race: nothing to measure
     same = FusionAutotuner(settings, None, None, None, None, clock=clock, layout=lambda setting: "one")
     assert not same.tuning and same.initial_setting == DEFAULT and same.result.tuning_steps == 0
+    assert same.result.summary() == (
+        "shardplus: tensor fusion: bucket 25 MB from the candidates, which all give this model the same buckets "
+        "(no search)"
+    )
+
+
+def test_the_default_is_not_dropped_on_the_first_rounds_single_sample():
+    race = CandidateRace([A, B, DEFAULT], 2, 4, 0.01, preferred=DEFAULT, first_round_margin=0.5)
+    for setting, seconds in ((A, 1.0), (B, 1.6), (DEFAULT, 2.0)):
+        assert race.next_setting() == setting
+        race.record(setting, seconds)
+    assert race.next_setting() is not None and race.live == [A, DEFAULT]  # B dropped, the default kept
 
 
 def test_the_autotuner_finds_the_fastest_logs_each_sample_and_caches(tmp_path):

@@ -272,8 +272,11 @@ def test_mpirun_without_lightning_seeing_mpi_is_refused(monkeypatch, variable):
     # without mpi4py Lightning falls back to its own environment and each mpirun process would train alone
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     monkeypatch.setenv(variable, "2")
-    with pytest.raises(RuntimeError, match=rf"started by mpirun \({variable}=2\).*Install mpi4py"):
+    with pytest.raises(RuntimeError, match=rf"MPI/PMI launcher \(mpirun, srun --mpi=...: {variable}=2\).*mpi4py"):
         check_launcher_world_size(LightningEnvironment(), devices=2, num_nodes=1)
+    monkeypatch.setenv("NODE_RANK", "0")  # one process per node, ranks given by hand: Lightning starts the rest
+    check_launcher_world_size(LightningEnvironment(), devices=2, num_nodes=2)
+    monkeypatch.delenv("NODE_RANK")
     monkeypatch.setenv(variable, "1")  # a single MPI process: nothing to coordinate
     check_launcher_world_size(LightningEnvironment(), devices=2, num_nodes=1)
 
