@@ -215,7 +215,7 @@ def test_closure_and_missing_grads() -> None:
         (
             {"trust_coefficient": 0.0},
             ValueError,
-            r"`trust_coefficient`=0.0 is not valid: expected a number > 0",
+            r"`trust_coefficient`=0.0 is not valid: expected a finite number > 0",
         ),
         ({"trust_coefficient": -0.001}, ValueError, r"`trust_coefficient`=-0.001 is not valid"),
         ({"eps": -1e-8}, ValueError, r"`eps`=-1e-08 is not valid"),
