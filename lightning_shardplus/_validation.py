@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from datetime import timedelta
 from typing import Any
+
+import torch.distributed as dist
 
 
 def check_choice(name: str, value: Any, choices: Iterable[Any]) -> None:
@@ -33,3 +36,34 @@ def check_positive_number(name: str, value: Any) -> None:
 
 def _bound(minimum: int | None) -> str:
     return "" if minimum is None else f" >= {minimum}"
+
+
+def process_group_timeout(timeout: Any) -> timedelta | None:
+    """``timeout`` as DDPStrategy takes it: a timedelta; a number is seconds (as a YAML config gives it)."""
+    message = f"`timeout`={timeout!r} is not valid: expected a timedelta > 0, a number of seconds > 0, or None."
+    if timeout is None:
+        return None
+    if isinstance(timeout, timedelta):
+        if timeout <= timedelta(0):
+            raise ValueError(message)
+        return timeout
+    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool):
+        raise TypeError(message)
+    try:
+        if not 0 < timeout < math.inf:
+            raise ValueError(message)
+        return timedelta(seconds=timeout)
+    except OverflowError:
+        raise ValueError(message) from None
+
+
+def check_process_group_backend(backend: Any) -> None:
+    """A process-group backend torch knows (its own and registered third-party ones), or per-device ones as
+    ``"cpu:gloo,cuda:nccl"``."""
+    known = [name for name in dist.Backend.backend_list if name not in ("undefined", "fake")]
+    parts = backend.split(",") if isinstance(backend, str) else [None]
+    if not all(part is not None and part.split(":")[-1].lower() in known and part == part.strip() for part in parts):
+        raise ValueError(
+            f"`process_group_backend`={backend!r} is not valid: expected None (Lightning chooses), one of "
+            f"{', '.join(repr(k) for k in known)}, or per device like 'cpu:gloo,cuda:nccl'."
+        )

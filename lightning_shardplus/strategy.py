@@ -36,7 +36,14 @@ from torch.utils.data import DataLoader, DistributedSampler, Sampler
 from typing_extensions import override
 
 from lightning_shardplus import _lightning, aggregation, compression, fusion, sharding
-from lightning_shardplus._validation import check_bool, check_choice, check_int, check_positive_number
+from lightning_shardplus._validation import (
+    check_bool,
+    check_choice,
+    check_int,
+    check_positive_number,
+    check_process_group_backend,
+    process_group_timeout,
+)
 from lightning_shardplus.callbacks import VerifySharding
 from lightning_shardplus.compression import GRADIENT_COMPRESSIONS, CommunicationHookWrapper, GradientCompression
 from lightning_shardplus.datamodule import ShardPlusDataModule, per_device_batch_size
@@ -70,37 +77,6 @@ _EVALUATION_STAGES = (
     RunningStage.PREDICTING,
 )
 
-
-
-def _process_group_timeout(timeout: Any) -> timedelta | None:
-    """``timeout`` as DDPStrategy takes it: a timedelta; a number is seconds (as a YAML config gives it)."""
-    message = f"`timeout`={timeout!r} is not valid: expected a timedelta > 0, a number of seconds > 0, or None."
-    if timeout is None:
-        return None
-    if isinstance(timeout, timedelta):
-        if timeout <= timedelta(0):
-            raise ValueError(message)
-        return timeout
-    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool):
-        raise TypeError(message)
-    try:
-        if not 0 < timeout < math.inf:
-            raise ValueError(message)
-        return timedelta(seconds=timeout)
-    except OverflowError:
-        raise ValueError(message) from None
-
-
-def _check_backend(backend: Any) -> None:
-    """A process-group backend torch knows (its own and registered third-party ones), or per-device ones as
-    ``"cpu:gloo,cuda:nccl"``."""
-    known = [name for name in torch.distributed.Backend.backend_list if name not in ("undefined", "fake")]
-    parts = backend.split(",") if isinstance(backend, str) else [None]
-    if not all(part is not None and part.split(":")[-1].lower() in known and part == part.strip() for part in parts):
-        raise ValueError(
-            f"`process_group_backend`={backend!r} is not valid: expected None (Lightning chooses), one of "
-            f"{', '.join(repr(k) for k in known)}, or per device like 'cpu:gloo,cuda:nccl'."
-        )
 
 
 class _LaunchAfterPreflight:
@@ -223,9 +199,9 @@ class ShardPlusStrategy(DDPStrategy):
         **ddp_kwargs: Any,
     ) -> None:
         check_choice("start_method", start_method, ("popen", "spawn", "fork", "forkserver"))
-        timeout = _process_group_timeout(timeout)
+        timeout = process_group_timeout(timeout)
         if process_group_backend is not None:
-            _check_backend(process_group_backend)
+            check_process_group_backend(process_group_backend)
         for name, flag in (
             ("find_unused_parameters", find_unused_parameters),
             ("static_graph", static_graph),
