@@ -78,6 +78,7 @@ class ShardPlusDataModule(pl.LightningDataModule):
         self._given = {"train": train_dataset, "val": val_dataset, "test": test_dataset, "predict": predict_dataset}
         self.datasets: dict[str, Dataset | None] = {}
         self.world_size = 1
+        self._warned_uneven: tuple[int, int] | None = None  # (global batch, world size) warned about
 
     # The trainer is attached before any process group starts: check the batch against the world size then.
     @property
@@ -90,7 +91,10 @@ class ShardPlusDataModule(pl.LightningDataModule):
         if trainer is not None:
             self.world_size = trainer.num_devices * trainer.num_nodes
             per_device_batch_size(self.global_batch_size, self.world_size)  # raises on a bad combination
-            if self.effective_global_batch_size != self.global_batch_size:
+            uneven = (self.global_batch_size, self.world_size)
+            # once: with the fork launcher each worker attaches the copy of a datamodule that warned already
+            if self.effective_global_batch_size != self.global_batch_size and self._warned_uneven != uneven:
+                self._warned_uneven = uneven
                 rank_zero_warn(
                     f"global_batch_size={self.global_batch_size} is not divisible by the world size "
                     f"({self.world_size}): each process uses {self.per_device_batch_size} samples per step, so the "

@@ -1,6 +1,8 @@
 """Bad arguments are refused with an error naming the argument, the value and what is valid, before any
 process group starts."""
 
+import warnings
+
 import pytest
 import torch.distributed as dist
 from _models import IndexedDataset, RecordingModule, cpu_trainer
@@ -113,6 +115,9 @@ def test_uneven_global_batch_warns_with_the_effective_batch(tmp_path):
     with pytest.warns(UserWarning, match=message):
         datamodule.trainer = trainer
     assert datamodule.per_device_batch_size == 3
+    with warnings.catch_warnings():  # attached again (each fork worker does, with its copy): said once
+        warnings.simplefilter("error")
+        datamodule.trainer = trainer
 
 
 @pytest.mark.parametrize(
