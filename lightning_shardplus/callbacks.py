@@ -578,7 +578,7 @@ class ScalingReport(CommunicationHookWrapper):
             step = self._pending[0]
             if wait:
                 clock.wait(step.marks["end"])
-            elif not all(clock.ready(mark) for mark in step.all_marks()):
+            elif not isinstance(clock, HostClock) and not all(clock.ready(mark) for mark in step.all_marks()):
                 return
             self._pending.popleft()
             for phase, seconds in step.phases(clock, self._world_size).items():
