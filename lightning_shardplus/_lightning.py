@@ -461,3 +461,15 @@ def silence_evaluation_sampler_warning() -> Any:
             warnings.filters.remove(added)
 
     return restore
+
+
+def destroy_process_group_at_exit() -> None:
+    """Lightning registers its process-group teardown (``_destroy_dist_connection``) at exit for NCCL only. A gloo
+    group left alive until interpreter shutdown makes the process abort now and then ("terminate called without
+    an active exception", exit code 134, after training finished; plain ``ddp`` too). Registered once."""
+    import atexit
+
+    from lightning.fabric.utilities.distributed import _destroy_dist_connection
+
+    atexit.unregister(_destroy_dist_connection)  # no duplicate when Lightning registered it (NCCL)
+    atexit.register(_destroy_dist_connection)

@@ -414,6 +414,12 @@ class ShardPlusStrategy(DDPStrategy):
                 trainer.accumulate_grad_batches = self.aggregation_frequency
 
     @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            _lightning.destroy_process_group_at_exit()
+
+    @override
     def setup(self, trainer: pl.Trainer) -> None:
         if self.verify_sharding and not any(isinstance(cb, VerifySharding) for cb in trainer.callbacks):
             trainer.callbacks.append(VerifySharding())

@@ -293,3 +293,19 @@ def test_lightnings_evaluation_sampler_warning_still_reads_as_shardplus_silences
         restore()  # when the run ends: later Trainers (plain ddp) see it again
         warnings.warn(text + "validate()`, ...", PossibleUserWarning, stacklevel=1)
         assert [str(w.message)[:16] for w in caught] == ["another warning", text[:16]]
+
+
+def test_lightning_destroys_the_process_group_at_exit_for_nccl_only_and_shardplus_registers_it_once(monkeypatch):
+    import atexit
+    import inspect
+
+    from lightning.fabric.utilities import distributed
+
+    source = inspect.getsource(distributed._init_dist_connection)
+    assert 'if torch_distributed_backend == "nccl":' in source and "atexit.register(_destroy_dist_connection)" in source
+    registered = []
+    monkeypatch.setattr(atexit, "register", registered.append)
+    monkeypatch.setattr(atexit, "unregister", lambda f: registered.remove(f) if f in registered else None)
+    _lightning.destroy_process_group_at_exit()
+    _lightning.destroy_process_group_at_exit()
+    assert registered == [distributed._destroy_dist_connection]  # once, Lightning's own teardown
