@@ -801,10 +801,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 # Tensor-fusion autotuning: per model shape, one fit on --devices CPU ranks that tunes the bucket size
 # (auto_tune_tensor_fusion, no cache) and then, in the same processes, measures the fixed candidates and the tuned
 # setting interleaved (DDP re-wrapped between samples): the tuned setting's throughput relative to the best
-# fixed candidate and to the 25 MB default, and what tuning cost relative to a 2,000-step run.
+# fixed candidate and to DDP's default (what strategy="ddp" uses), and what tuning cost relative to a 2,000-step run.
 
 FUSION_SHAPES = "many-small:256:256:24,few-large:1024:2048:3"
 FUSION_REFERENCE_RUN_STEPS = 2000
+
+
+def _positive_ints(text: str) -> list[int]:
+    """``N`` or ``N,M,...``, each >= 1."""
+    items = text.split(",")
+    if not all(item.strip().isdigit() and int(item) >= 1 for item in items):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a number >= 1, or a comma-separated list of them")
+    return [int(item) for item in items]
 
 
 def _fusion_shapes(text: str) -> list[tuple[str, int, int, int]]:
@@ -892,12 +900,12 @@ class _InterleavedBuckets(Callback):
             )
 
 
-def run_fusion_shape(shape: tuple[str, int, int, int], args: argparse.Namespace) -> dict[str, Any]:
-    """Tune, then measure interleaved, on one model shape; returns the row."""
+def run_fusion_shape(shape: tuple[str, int, int, int], rounds: int, args: argparse.Namespace) -> dict[str, Any]:
+    """Tune, then measure ``rounds`` interleaved rounds, on one model shape; returns the row."""
     from lightning_shardplus.fusion import (
+        DDP_DEFAULT,
         DEFAULT_BUCKET_CAP_MB,
         DEFAULT_CANDIDATES_MB,
-        SUPPORTS_FIRST_BUCKET,
         AutotuneSettings,
         BucketSetting,
         bucket_layout,
@@ -908,14 +916,14 @@ def run_fusion_shape(shape: tuple[str, int, int, int], args: argparse.Namespace)
     candidates = list(args.fusion_candidates or DEFAULT_CANDIDATES_MB)
     model = ClassifierModule(input_dim=input_dim, hidden_dims=[hidden_dim] * layers)
     parameters = list(model.parameters())
-    # the fixed settings measured: one per distinct bucket layout among the candidates (sizes that cut this model's
-    # gradients the same way are one setting), and DDP's own default (25 MB, first bucket 1 MB: plain "ddp")
+    settings = AutotuneSettings(
+        candidates_mb=tuple(candidates), steps_per_sample=args.fusion_steps, warmup_steps=args.fusion_warmup
+    )
+    # the fixed settings measured: what tuning races first, one per distinct bucket layout (sizes that cut this
+    # model's gradients the same way are one setting): the candidates and DDP's default (plain "ddp")
     uniform = BucketSetting(DEFAULT_BUCKET_CAP_MB)
-    ddp_default = BucketSetting(DEFAULT_BUCKET_CAP_MB, 1.0)
     fixed, merged = merge_equivalent(
-        [BucketSetting(size) for size in candidates] + ([ddp_default] if SUPPORTS_FIRST_BUCKET else []),
-        lambda setting: bucket_layout(parameters, setting),
-        uniform,
+        settings.first_stage, lambda setting: bucket_layout(parameters, setting), (DDP_DEFAULT, uniform)
     )
     labels = {s.label: s.label + "".join(f" = {o.label}" for o in merged.get(s, [])) for s in fixed}
     with tempfile.TemporaryDirectory() as tmp:
@@ -930,10 +938,7 @@ def run_fusion_shape(shape: tuple[str, int, int, int], args: argparse.Namespace)
             autotune_cache=False,
             autotune_log=str(log),
         )
-        settings = AutotuneSettings(
-            candidates_mb=tuple(candidates), steps_per_sample=args.fusion_steps, warmup_steps=args.fusion_warmup
-        )
-        measured = (len(fixed) + 2) * args.fusion_rounds * (args.fusion_warmup + args.fusion_steps)
+        measured = (len(fixed) + 2) * rounds * (args.fusion_warmup + args.fusion_steps)
         max_steps = settings.max_tuning_steps + measured + 10
         trainer = _bench_trainer(
             "cpu",
@@ -941,7 +946,7 @@ def run_fusion_shape(shape: tuple[str, int, int, int], args: argparse.Namespace)
             strategy,
             max_steps,
             [
-                _InterleavedBuckets(fixed, args.fusion_steps, args.fusion_warmup, args.fusion_rounds, out),
+                _InterleavedBuckets(fixed, args.fusion_steps, args.fusion_warmup, rounds, out),
                 *([_Threads(args.threads)] if args.threads else []),
             ],
         )
@@ -958,11 +963,10 @@ def run_fusion_shape(shape: tuple[str, int, int, int], args: argparse.Namespace)
     fixed_s = {s.label: step_s[s.label] for s in fixed}
     best_fixed = min(fixed_s, key=fixed_s.__getitem__)
     tuned_s = step_s[report["tuned"]]
-    # DDP's default where torch can set a first bucket (else the uniform 25 MB stands for it)
     def label_of(setting: Any) -> str:
         return next(s.label for s in fixed if setting in (s, *merged.get(s, [])))
 
-    default_label = label_of(ddp_default if SUPPORTS_FIRST_BUCKET else uniform)
+    default_label = label_of(DDP_DEFAULT)
     uniform_label = label_of(uniform)
     # What the tuning steps cost beyond running them all at the tuned speed (re-wraps and bucket rebuilds
     # included), relative to a 2,000-step run; the tuned speed as measured while tuning, against the same drift.
@@ -1004,7 +1008,13 @@ def run_fusion_shape(shape: tuple[str, int, int, int], args: argparse.Namespace)
 
 
 def run_fusion(args: argparse.Namespace) -> dict[str, Any]:
-    rows = [run_fusion_shape(shape, args) for shape in args.fusion_shapes]
+    rounds = args.fusion_rounds * len(args.fusion_shapes) if len(args.fusion_rounds) == 1 else args.fusion_rounds
+    if len(rounds) != len(args.fusion_shapes):
+        raise SystemExit(
+            f"--fusion-rounds={','.join(map(str, args.fusion_rounds))}: expected one number, or one per shape "
+            f"({len(args.fusion_shapes)})"
+        )
+    rows = [run_fusion_shape(shape, n, args) for shape, n in zip(args.fusion_shapes, rounds, strict=True)]
     settings = {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()}
     return {"settings": settings, "fusion_rows": rows}
 
@@ -1021,8 +1031,9 @@ def _add_fusion_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --fusion: candidate bucket sizes in MB (default: the strategy's)")
     parser.add_argument("--fusion-steps", type=int, default=8, help="with --fusion: timed steps per sample (8)")
     parser.add_argument("--fusion-warmup", type=int, default=1, help="with --fusion: untimed steps per sample (1)")
-    parser.add_argument("--fusion-rounds", type=int, default=5,
-                        help="with --fusion: interleaved rounds measured after tuning (default 5)")
+    parser.add_argument("--fusion-rounds", type=_positive_ints, default=[5],
+                        help="with --fusion: interleaved rounds measured after tuning, one number or one per shape "
+                        "(default 5; a noisier shape needs more to resolve 1-2%% differences)")
 
 
 def format_fusion_table(report: dict[str, Any]) -> str:

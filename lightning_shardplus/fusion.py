@@ -14,19 +14,22 @@ How a decision is reached (Horovod's autotuner, made robust on a noisy machine a
   ``aggregation_frequency`` micro-batches); steps that span an epoch end or a validation are not counted. The
   sample's score is the median step time on each rank, reduced with MAX across ranks (the slowest rank sets the
   pace): one all_reduce per sample, not per step.
+- The reference is what DDP builds without tuning (:data:`DDP_DEFAULT`: 25 MB buckets, the first one 1 MB, what
+  ``strategy="ddp"`` uses; or the user's ``tensor_fusion_threshold_mb``): it is always raced, and kept unless
+  something is measurably faster.
 - Candidates that give the model the same buckets (e.g. 16, 25 and 64 MB for 6 MB of gradients: one bucket)
-  are one candidate: it is measured once, under the default's size where that is among them (:func:`bucket_layout`).
+  are one candidate: it is measured once, as the reference where that is among them (:func:`bucket_layout`).
 - Candidates are raced in interleaved rounds (each round visits every remaining candidate, in reverse order every
   other round, so the machine's drift spreads over all of them); a candidate's time is the median of its samples.
   After the first round, candidates more than 50% slower than the best are dropped; from ``min_rounds`` on, those
   slower than the best by more than two standard errors (from the noise measured across samples) and by the medians,
   and the finalists are measured again. The race stops as soon as one is left, when the finalists are within
-  ``tolerance`` (2%) of each other (a difference not worth more steps), or after ``max_rounds``. The default (or, for
-  the first bucket, a uniform bucket size) is kept unless the winner is faster by more than the tolerance *and* the
-  noise (two standard errors) *and* by the medians: a change has to be measurably better.
+  ``tolerance`` (2%) of each other (a difference not worth more steps), or after ``max_rounds``. The reference (or,
+  for the first bucket, the first stage's winner) is kept unless another is faster by more than the tolerance *and*
+  the noise (two standard errors) *and* by the medians: a change has to be measurably better.
 - Where torch's DDP takes ``bucket_cap_mb_list`` (torch >= 2.13: per-bucket caps, in gradient-ready order) the
-  first bucket is raced next, with the chosen size for the others: a small first bucket lets the all-reduce
-  start before the backward pass ends.
+  first bucket is raced next, with the chosen size for the others (settings raced in the first stage already are
+  not raced again): a small first bucket lets the all-reduce start before the backward pass ends.
 - Rank 0 decides and broadcasts the next setting (one broadcast per sample); it also writes one CSV row per
   sample (``autotune_log``) and caches the result in a JSON file keyed by what determines it (parameter layout,
   world size, device type, backend, torch version, communication hook, search space), so that the next run
@@ -58,17 +61,19 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightning_shardplus._validation import check_int
 
-# torch's DDP bucket size when none is given; the strategy's `tensor_fusion_threshold_mb` default.
+_MB = 1024 * 1024  # DDP's megabyte
+# torch's DDP bucket size when none is given
 DEFAULT_BUCKET_CAP_MB = 25.0
+# and its first bucket then (the gradients ready first); torch.distributed private, guarded by
+# tests/test_lightning_private.py
+DDP_FIRST_BUCKET_MB = dist._DEFAULT_FIRST_BUCKET_BYTES / _MB
 DEFAULT_CANDIDATES_MB: tuple[float, ...] = (1.0, 4.0, 16.0, 25.0, 64.0)
-# DDP's own first bucket when `bucket_cap_mb` is not given (dist._DEFAULT_FIRST_BUCKET_BYTES)
-DEFAULT_FIRST_BUCKET_CANDIDATES_MB: tuple[float, ...] = (1.0,)
+DEFAULT_FIRST_BUCKET_CANDIDATES_MB: tuple[float, ...] = (DDP_FIRST_BUCKET_MB,)
 DEFAULT_CACHE_PATH = Path("~/.cache/lightning_shardplus/fusion.json")
 # Untimed steps added to the first sample of a run: its first steps (data loading starts, allocations) are slower.
 FIRST_SAMPLE_EXTRA_WARMUP = 2
 # Whether this torch's DDP takes per-bucket caps (the first bucket can then be tuned on its own).
 SUPPORTS_FIRST_BUCKET = "bucket_cap_mb_list" in inspect.signature(DistributedDataParallel.__init__).parameters
-_MB = 1024 * 1024  # DDP's megabyte
 
 CSV_COLUMNS = (
     "sample",
@@ -92,7 +97,10 @@ class BucketSetting:
     first_bucket_mb: float | None = None
 
     def ddp_kwargs(self) -> dict[str, Any]:
-        """The keyword arguments of ``DistributedDataParallel`` that give it this setting (None: leave it out)."""
+        """The keyword arguments of ``DistributedDataParallel`` that give it this setting (None: leave it out).
+        :data:`DDP_DEFAULT` leaves both out: DDP's own default, exactly what ``strategy="ddp"`` builds, on any torch."""
+        if self == DDP_DEFAULT:
+            return {"bucket_cap_mb": None, "bucket_cap_mb_list": None}
         caps = None if self.first_bucket_mb is None else [self.first_bucket_mb, self.bucket_cap_mb]
         return {"bucket_cap_mb": self.bucket_cap_mb, "bucket_cap_mb_list": caps}
 
@@ -100,6 +108,12 @@ class BucketSetting:
     def label(self) -> str:
         size = f"{self.bucket_cap_mb:g} MB"
         return size if self.first_bucket_mb is None else f"{size} (first bucket {self.first_bucket_mb:g} MB)"
+
+
+# What DDP builds when no bucket size is given (``strategy="ddp"``, and shardplus without
+# ``tensor_fusion_threshold_mb``): the reference tuning has to beat measurably.
+DDP_DEFAULT = BucketSetting(DEFAULT_BUCKET_CAP_MB, DDP_FIRST_BUCKET_MB)
+DDP_DEFAULT_LABEL = f"DDP's default ({DEFAULT_BUCKET_CAP_MB:g} MB, first bucket {DDP_FIRST_BUCKET_MB:g} MB)"
 
 
 @dataclass(frozen=True)
@@ -130,10 +144,18 @@ class AutotuneSettings:
 
     @property
     def first_stage(self) -> list[BucketSetting]:
-        """The uniform bucket sizes raced first (none when the user fixed the size)."""
+        """The uniform bucket sizes raced first, and DDP's default: the reference (none when the user fixed the
+        size)."""
         if self.fixed_bucket_cap_mb is not None:
             return []
-        return [BucketSetting(size) for size in self.candidates_mb]
+        return [BucketSetting(size) for size in self.candidates_mb] + [DDP_DEFAULT]
+
+    @property
+    def reference(self) -> BucketSetting:
+        """What DDP would use without tuning: the user's size, else DDP's default."""
+        if self.fixed_bucket_cap_mb is not None:
+            return BucketSetting(self.fixed_bucket_cap_mb)
+        return DDP_DEFAULT
 
     def second_stage(self, bucket_cap_mb: float) -> list[BucketSetting]:
         """Uniform ``bucket_cap_mb`` and each smaller first bucket (empty where torch cannot set it)."""
@@ -158,6 +180,7 @@ class AutotuneSettings:
             "candidates_mb": list(self.candidates_mb),
             "first_bucket_candidates_mb": list(self.first_bucket_candidates_mb) if SUPPORTS_FIRST_BUCKET else [],
             "fixed_bucket_cap_mb": self.fixed_bucket_cap_mb,
+            "reference": self.reference.label,
         }
 
 
@@ -202,9 +225,9 @@ def bucket_layout(parameters: Sequence[torch.Tensor], setting: BucketSetting) ->
 def merge_equivalent(
     candidates: Sequence[BucketSetting],
     layout: Callable[[BucketSetting], Any] | None,
-    preferred: BucketSetting | None = None,
+    preferred: Sequence[BucketSetting] = (),
 ) -> tuple[list[BucketSetting], dict[BucketSetting, list[BucketSetting]]]:
-    """One candidate per distinct ``layout`` (all of them without one): ``preferred`` where it is in a group,
+    """One candidate per distinct ``layout`` (all of them without one): the first of ``preferred`` in a group,
     else the group's first; and, per kept candidate, the others it stands for."""
     if layout is None:
         return list(candidates), {}
@@ -213,7 +236,7 @@ def merge_equivalent(
         groups.setdefault(layout(candidate), []).append(candidate)
     kept, merged = [], {}
     for group in groups.values():
-        representative = preferred if preferred in group else group[0]
+        representative = next((p for p in preferred if p in group), group[0])
         kept.append(representative)
         if len(group) > 1:
             merged[representative] = [c for c in group if c != representative]
@@ -412,13 +435,14 @@ class FusionResult:
 
     setting: BucketSetting
     step_s: float | None = None  # the chosen setting's median step time
-    default_step_s: float | None = None  # the 25 MB default's (None when not measured)
+    default_step_s: float | None = None  # the reference's: DDP's default or the user's size (None: not measured)
     tuning_steps: int = 0
     tuning_s: float = 0.0  # wall time of the tuning steps, re-wraps included
     from_cache: bool = False  # known without a search: from the cache, or from the checkpoint resumed
     source: str = "the autotune cache"
     complete: bool = True
     paired_gain: float | None = None  # the default's step time / the chosen one's, paired round by round
+    reference: str = DDP_DEFAULT_LABEL  # what the default is: DDP's own, or the user's bucket size
 
     @property
     def gain(self) -> float | None:
@@ -436,9 +460,9 @@ class FusionResult:
             return f"shardplus: tensor fusion: bucket {self.setting.label} from {self.source} (no search)"
         chosen = f"{1000 * self.step_s:.2f} ms/step (median)" if self.step_s else "unmeasured"
         default = (
-            f"{1000 * self.default_step_s:.2f} ms/step at the {DEFAULT_BUCKET_CAP_MB:g} MB default"
+            f"{1000 * self.default_step_s:.2f} ms/step at {self.reference}"
             if self.default_step_s
-            else "the default not measured"
+            else f"{self.reference} not measured"
         )
         paired = " (paired round by round)" if self.paired_gain is not None else ""
         gain = f", {100 * (self.gain - 1):+.1f}% steps/s{paired}" if self.gain else ""
@@ -570,47 +594,49 @@ class FusionAutotuner:
             source = "the checkpoint resumed" if where == 2.0 else "the autotune cache"
             self.result = FusionResult(setting, from_cache=True, source=source)
             return setting
-        default = BucketSetting(DEFAULT_BUCKET_CAP_MB)
-        stage, self.merged = merge_equivalent(self.settings.first_stage, self.layout, default)
+        reference = self.settings.reference
+        # equal layouts: raced as DDP's default where it is among them, else as the uniform 25 MB
+        preferred = (reference, BucketSetting(DEFAULT_BUCKET_CAP_MB))
+        stage, self.merged = merge_equivalent(self.settings.first_stage, self.layout, preferred)
         if len(stage) > 1:
-            self._first_stage = self._race = CandidateRace(
-                stage,
-                self.settings.min_rounds,
-                self.settings.max_rounds,
-                self.settings.noise_floor,
-                preferred=default,
-                first_round_margin=self.settings.first_round_margin,
-                tolerance=self.settings.tolerance,
-            )
+            self._first_stage = self._race = self._new_race(stage, preferred=reference)
         else:  # the user's size, or one layout for every candidate: only the first bucket is left to race
-            size = stage[0].bucket_cap_mb if stage else self.settings.fixed_bucket_cap_mb or DEFAULT_BUCKET_CAP_MB
-            self._race = self._second_stage(size)
+            chosen = stage[0] if stage else reference
+            self._race = self._second_stage(chosen)
             if self._race is None:  # nothing to search
                 source = (
                     "`tensor_fusion_threshold_mb` (no first bucket to race)"
                     if not stage
                     else "the candidates, which all give this model the same buckets"
                 )
-                self.result = FusionResult(BucketSetting(size), from_cache=True, source=source)
+                self.result = FusionResult(chosen, from_cache=True, source=source)
                 return self.result.setting
         return self._race.live[0]
 
-    def _second_stage(self, bucket_cap_mb: float) -> CandidateRace | None:
-        uniform = BucketSetting(bucket_cap_mb)
-        stage, merged = merge_equivalent(self.settings.second_stage(bucket_cap_mb), self.layout, uniform)
+    def _new_race(self, candidates: list[BucketSetting], preferred: BucketSetting) -> CandidateRace:
+        settings = self.settings
+        return CandidateRace(
+            candidates,
+            settings.min_rounds,
+            settings.max_rounds,
+            settings.noise_floor,
+            preferred=preferred,
+            first_round_margin=settings.first_round_margin,
+            tolerance=settings.tolerance,
+        )
+
+    def _second_stage(self, chosen: BucketSetting, raced: Iterable[BucketSetting] = ()) -> CandidateRace | None:
+        """``chosen`` against the first buckets of its size that the first stage did not race (``raced``; nor one
+        with the same buckets): it stays unless one is measurably faster. None when there is nothing to race."""
+        layout = self.layout or (lambda setting: setting)
+        already = {layout(c) for c in raced if c != chosen}
+        candidates = [c for c in self.settings.second_stage(chosen.bucket_cap_mb) if layout(c) not in already]
+        if chosen not in candidates:
+            candidates.insert(0, chosen)
+        stage, merged = merge_equivalent(candidates, self.layout, (chosen,))
         for kept, others in merged.items():
             self.merged.setdefault(kept, []).extend(others)
-        if len(stage) < 2:
-            return None
-        return CandidateRace(
-            stage,
-            self.settings.min_rounds,
-            self.settings.max_rounds,
-            self.settings.noise_floor,
-            preferred=BucketSetting(bucket_cap_mb),
-            first_round_margin=self.settings.first_round_margin,
-            tolerance=self.settings.tolerance,
-        )
+        return self._new_race(stage, preferred=chosen) if len(stage) > 1 else None
 
     # -- driving
 
@@ -669,7 +695,7 @@ class FusionAutotuner:
             next_setting = self._race.next_setting()
             if next_setting is None and self._race is self._first_stage:
                 assert self._race.winner is not None
-                self._race = self._second_stage(self._race.winner.bucket_cap_mb) or self._race
+                self._race = self._second_stage(self._race.winner, self._race.samples) or self._race
                 next_setting = self._race.next_setting()
             more = next_setting is not None
             setting = next_setting if next_setting is not None else self._race.winner
@@ -696,36 +722,40 @@ class FusionAutotuner:
 
     def _finish(self, winner: BucketSetting, complete: bool) -> None:
         """Record the result; rank 0 (which holds the timings) caches it."""
-        default = BucketSetting(DEFAULT_BUCKET_CAP_MB)
+        reference = self.settings.reference
         default_s = step_s = None
         for stage in (self._first_stage, self._race):
-            if stage is not None and stage.samples.get(default):
-                default_s = stage.median(default)
+            if stage is not None and stage.samples.get(reference):
+                default_s = stage.median(reference)
             if stage is not None and stage.samples.get(winner):
                 step_s = stage.median(winner)
+        decider = self.collectives.is_decider
         self.result = FusionResult(
             winner,
-            step_s=step_s if self.collectives.is_decider else None,
-            default_step_s=default_s if self.collectives.is_decider else None,
+            step_s=step_s if decider else None,
+            default_step_s=default_s if decider else None,
             tuning_steps=self._steps,
             tuning_s=self.clock() - self._started_at,
             complete=complete,
-            paired_gain=self._paired_gain(winner, default) if self.collectives.is_decider else None,
+            paired_gain=self._paired_gain(winner, reference) if decider else None,
+            reference=DDP_DEFAULT_LABEL if reference == DDP_DEFAULT else f"the given {reference.label}",
         )
         self._race = self._first_stage = None
         if complete and self.collectives.is_decider and self.cache_path is not None and self.cache_key is not None:
             store_cached(self.cache_path, self.cache_key, self.result.cache_entry())
 
-    def _paired_gain(self, winner: BucketSetting, default: BucketSetting) -> float | None:
-        """default / winner step time, paired: through the winner's uniform size when its first bucket differs
-        (measured against the default in the first stage, against the winner in the second)."""
-        first, second = self._first_stage, self._race
-        uniform = BucketSetting(winner.bucket_cap_mb)
-        if first is None or default not in first.samples or uniform not in first.samples:
-            return None
-        gain = first.ratio(default, uniform)
-        if winner != uniform:
-            gain = gain * second.ratio(uniform, winner) if second is not None and second is not first else math.inf
+    def _paired_gain(self, winner: BucketSetting, reference: BucketSetting) -> float | None:
+        """reference / winner step time, paired: within the stage that raced both, else through the first stage's
+        winner (raced against the reference in the first stage, against the winner in the second)."""
+        stages = [s for s in (self._first_stage, self._race) if s is not None]
+        gain = math.inf
+        for stage in stages:
+            if stage.by_round.get(reference) and stage.by_round.get(winner):
+                gain = stage.ratio(reference, winner)
+        if not math.isfinite(gain) and len(stages) == 2 and stages[0] is not stages[1]:
+            chosen = stages[0].winner
+            if chosen is not None:
+                gain = stages[0].ratio(reference, chosen) * stages[1].ratio(chosen, winner)
         return gain if math.isfinite(gain) else None
 
     def _log_row(self, sample: _Sample, score: float) -> None:

@@ -127,10 +127,11 @@ class ShardPlusStrategy(DDPStrategy):
             evaluated exactly once; False keeps Lightning's padded ``DistributedSampler``.
         verify_sharding: debug aid: at the end of each training epoch the ranks check together that their
             shards were disjoint and covered the dataset.
-        tensor_fusion_threshold_mb: DDP's gradient bucket size (``bucket_cap_mb``); None: 25 MB, or the tuned
-            size with ``auto_tune_tensor_fusion``. A size given here is kept as it is, also when tuning.
+        tensor_fusion_threshold_mb: DDP's gradient bucket size (``bucket_cap_mb``); None: DDP's default (25 MB,
+            the first bucket 1 MB, as ``strategy="ddp"``), or the tuned size with ``auto_tune_tensor_fusion``. A
+            size given here is kept as it is (every bucket that size, as DDP does), also when tuning.
         auto_tune_tensor_fusion: choose the bucket size by measuring the first optimizer steps of training under
-            each of ``autotune_candidates_mb`` (25 MB among them), DDP re-wrapped between samples; training goes
+            each of ``autotune_candidates_mb`` and DDP's default, DDP re-wrapped between samples; training goes
             on with the fastest, and the result is cached (``autotune_cache``) so that the next run with the same
             model, world size, device, backend and torch starts tuned. With a ``tensor_fusion_threshold_mb`` of
             your own only the first bucket is tuned. See :mod:`lightning_shardplus.fusion`.
@@ -288,9 +289,9 @@ class ShardPlusStrategy(DDPStrategy):
             find_unused_parameters=find_unused_parameters,
             static_graph=static_graph,
             gradient_as_bucket_view=gradient_as_bucket_view,
-            bucket_cap_mb=fusion.DEFAULT_BUCKET_CAP_MB
-            if tensor_fusion_threshold_mb is None
-            else float(tensor_fusion_threshold_mb),
+            # None: DDP's own default (25 MB buckets, the first 1 MB), as with strategy="ddp". Passed by name even
+            # then: LightningCLI (jsonargparse) would otherwise offer DDP's `bucket_cap_mb` among `**ddp_kwargs`.
+            bucket_cap_mb=None if tensor_fusion_threshold_mb is None else float(tensor_fusion_threshold_mb),
             **ddp_kwargs,
         )
         self.aggregation_frequency = aggregation_frequency
@@ -300,8 +301,8 @@ class ShardPlusStrategy(DDPStrategy):
         self.shuffle_seed = shuffle_seed
         self.exact_evaluation = exact_evaluation
         self.verify_sharding = verify_sharding
-        # the bucket size in use: 25 MB unless given, or the tuned one once tuning has decided
-        self.tensor_fusion_threshold_mb = _lightning.ddp_kwargs(self)["bucket_cap_mb"]
+        # the bucket size in use: DDP's default 25 MB unless given, or the tuned one once tuning has decided
+        self.tensor_fusion_threshold_mb = _lightning.ddp_kwargs(self)["bucket_cap_mb"] or fusion.DEFAULT_BUCKET_CAP_MB
         self.auto_tune_tensor_fusion = auto_tune_tensor_fusion
         self.autotune_log = autotune_log
         self.autotune_cache: str | bool = autotune_cache

@@ -126,24 +126,26 @@ def test_fusion_bench_tunes_then_measures_every_setting_interleaved(tmp_path, ca
             "--fusion-candidates=0.0002,0.001,25",
             "--fusion-steps=2",
             "--fusion-warmup=1",
-            "--fusion-rounds=2",
+            "--fusion-rounds=2,3",  # one per shape
             "--global-batch-size=8",
             f"--json={tmp_path / 'fusion.json'}",
         ]
     )
     rows = report["fusion_rows"]
     assert [row["shape"] for row in rows] == ["small", "wide"]
-    for row in rows:
+    for row, rounds in zip(rows, (2, 3), strict=True):
         # one setting per distinct bucket layout ("25 MB = 64 MB": the same buckets), and DDP's own default
         measured = {name for label in row["ms_per_step"] for name in label.split(" = ")}
         assert {"0.0002 MB", "0.001 MB", "25 MB", "25 MB (first bucket 1 MB)"} <= measured
         assert row["tuned"] in row["ms_per_step"]
         assert "tuned, measured again" in row["ms_per_step"] and row["tuned_vs_itself_paired"] > 0  # the control
         distinct = len([label for label in row["ms_per_step"] if "first bucket" not in label and "tuned" not in label])
-        assert row["samples_per_setting"] == 2 and row["csv_rows"] >= distinct  # each raced at least once
+        assert row["samples_per_setting"] == rounds and row["csv_rows"] >= distinct  # each raced at least once
         assert row["tuned_vs_best_fixed"] > 0 and row["tuned_vs_default"] > 0 and row["tuning_steps"] > 0
     table = capsys.readouterr().out
     assert "| small | " in table and "tuned / best fixed" in table
     assert (tmp_path / "fusion.json").exists()
     with pytest.raises(SystemExit):
         bench.parse_args(["--fusion", "--fusion-shapes=small:8:16"])
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--fusion", "--fusion-rounds=0"])

@@ -28,10 +28,11 @@ from lightning_shardplus.fusion import (
 
 # ---------------------------------------------------------------------------------------------- one process
 
-A, B, C, DEFAULT = (BucketSetting(size) for size in (1.0, 4.0, 16.0, 25.0))
+A, B, C, PREFERRED = (BucketSetting(size) for size in (1.0, 4.0, 16.0, 25.0))
+UNIFORM_25, DDP_DEFAULT = PREFERRED, fusion.DDP_DEFAULT  # 25 MB buckets; DDP's default: the first one 1 MB
 
 
-def race_with(times, rounds=(2, 4), noise_floor=0.01, preferred=DEFAULT, jitter=None):
+def race_with(times, rounds=(2, 4), noise_floor=0.01, preferred=PREFERRED, jitter=None):
     """Run a race where setting ``s`` measures ``times[s]`` times ``jitter[k]`` on its k-th sample (``jitter``: a
     list for all settings, the same load in a round; or a list per setting)."""
     race = CandidateRace(list(times), *rounds, noise_floor, preferred=preferred)
@@ -47,8 +48,8 @@ def race_with(times, rounds=(2, 4), noise_floor=0.01, preferred=DEFAULT, jitter=
 
 
 def test_the_race_interleaves_drops_the_slow_and_stops_once_one_is_left():
-    race, order = race_with({A: 1.3, B: 1.0, C: 1.005, DEFAULT: 1.2}, jitter=[1.0, 1.004])
-    assert order[:8] == [A, B, C, DEFAULT, DEFAULT, C, B, A]  # every round visits all, alternating order
+    race, order = race_with({A: 1.3, B: 1.0, C: 1.005, PREFERRED: 1.2}, jitter=[1.0, 1.004])
+    assert order[:8] == [A, B, C, PREFERRED, PREFERRED, C, B, A]  # every round visits all, alternating order
     assert race.winner == B
     assert set(race.live) == {B, C} and race.round == 2  # the slow two dropped; B and C within noise: stop
     assert len(order) == 8
@@ -57,13 +58,13 @@ def test_the_race_interleaves_drops_the_slow_and_stops_once_one_is_left():
 def test_a_candidate_faster_paired_but_slower_by_the_medians_does_not_replace_the_default():
     # A is 10% faster in 3 of 5 rounds (no spread there: the noise estimate is ~0) but far slower in two rounds
     # where the default was fast: by the medians it is the slower one. Nothing is concluded: the default stays.
-    jitter = {A: [0.9, 4.5, 4.5, 10.0, 10.0], DEFAULT: [1.0, 5.0, 5.0, 0.1, 0.1]}
-    race, _ = race_with({A: 1.0, DEFAULT: 1.0}, rounds=(5, 5), noise_floor=0.0, jitter=jitter)
-    assert race.ratio(A, DEFAULT) == pytest.approx(0.9) and race.median(A) > race.median(DEFAULT)
-    assert set(race.live) == {A, DEFAULT} and race.winner == DEFAULT
+    jitter = {A: [0.9, 4.5, 4.5, 10.0, 10.0], PREFERRED: [1.0, 5.0, 5.0, 0.1, 0.1]}
+    race, _ = race_with({A: 1.0, PREFERRED: 1.0}, rounds=(5, 5), noise_floor=0.0, jitter=jitter)
+    assert race.ratio(A, PREFERRED) == pytest.approx(0.9) and race.median(A) > race.median(PREFERRED)
+    assert set(race.live) == {A, PREFERRED} and race.winner == PREFERRED
     # the same paired gain with medians that agree: A replaces the default
-    agreeing = {A: [0.9, 4.5, 4.5, 0.2, 0.2], DEFAULT: [1.0, 5.0, 5.0, 0.1, 0.1]}
-    race, _ = race_with({A: 1.0, DEFAULT: 1.0}, rounds=(5, 5), noise_floor=0.0, jitter=agreeing)
+    agreeing = {A: [0.9, 4.5, 4.5, 0.2, 0.2], PREFERRED: [1.0, 5.0, 5.0, 0.1, 0.1]}
+    race, _ = race_with({A: 1.0, PREFERRED: 1.0}, rounds=(5, 5), noise_floor=0.0, jitter=agreeing)
     assert race.winner == A
 
 
@@ -89,8 +90,8 @@ def test_after_one_round_only_the_clearly_slower_are_dropped():
 
 def test_one_burst_of_contention_does_not_decide_the_race():
     # B is 10% faster, but its second sample ran while another process took the CPU
-    race = CandidateRace([B, DEFAULT], 2, 4, 0.01, preferred=DEFAULT)
-    samples = {B: iter([1.0, 1.8, 1.0, 1.01, 1.0]), DEFAULT: iter([1.1, 1.1, 1.11, 1.1, 1.1])}
+    race = CandidateRace([B, PREFERRED], 2, 4, 0.01, preferred=PREFERRED)
+    samples = {B: iter([1.0, 1.8, 1.0, 1.01, 1.0]), PREFERRED: iter([1.1, 1.1, 1.11, 1.1, 1.1])}
     while (setting := race.next_setting()) is not None:
         race.record(setting, next(samples[setting]))
     assert race.winner == B and race.round >= 3  # measured again rather than decided on the burst
@@ -98,15 +99,15 @@ def test_one_burst_of_contention_does_not_decide_the_race():
 
 def test_a_load_change_between_rounds_cancels_in_the_paired_comparison():
     # the second round runs 50% slower for everyone (another job took the CPU): B is still 3% faster than C
-    race, order = race_with({B: 1.0, C: 1.03, DEFAULT: 1.2}, rounds=(2, 4), jitter=[1.0, 1.5])
+    race, order = race_with({B: 1.0, C: 1.03, PREFERRED: 1.2}, rounds=(2, 4), jitter=[1.0, 1.5])
     assert race.winner == B and race.round == 2 and len(order) == 6
     assert race.ratio(C, B) == pytest.approx(1.03) and race.noise == 0.01  # the floor: no noise left
 
 
 def test_within_noise_the_default_is_kept():
-    race, _ = race_with({B: 1.0, DEFAULT: 1.005})
-    assert race.winner == DEFAULT
-    race, _ = race_with({B: 1.0, DEFAULT: 1.1})
+    race, _ = race_with({B: 1.0, PREFERRED: 1.005})
+    assert race.winner == PREFERRED
+    race, _ = race_with({B: 1.0, PREFERRED: 1.1})
     assert race.winner == B
 
 
@@ -158,46 +159,50 @@ def test_bucket_layout_is_ddps_bucketing_in_backward_and_registration_order():
     assert sixteen[0] == twenty_five[0] and sixteen != twenty_five
 
 
-def test_candidates_with_the_same_buckets_are_raced_once_under_the_default_size(tmp_path):
+def test_candidates_with_the_same_buckets_are_raced_once_as_the_default(tmp_path):
     layouts = {1.0: "many", 4.0: "two", 16.0: "one", 25.0: "one", 64.0: "one"}
 
     def layout(setting):
         return (layouts[setting.bucket_cap_mb], setting.first_bucket_mb)
 
-    kept, merged = fusion.merge_equivalent([BucketSetting(s) for s in layouts], layout, DEFAULT)
-    assert kept == [A, B, DEFAULT] and merged == {DEFAULT: [C, BucketSetting(64.0)]}
+    kept, merged = fusion.merge_equivalent([BucketSetting(s) for s in layouts], layout, (PREFERRED,))
+    assert kept == [A, B, PREFERRED] and merged == {PREFERRED: [C, BucketSetting(64.0)]}
     assert fusion.merge_equivalent([A, B], None) == ([A, B], {})
 
     times = {BucketSetting(s): t for s, t in ((1.0, 0.9), (4.0, 0.5), (16.0, 0.6), (25.0, 0.6), (64.0, 0.6))}
+    times[DDP_DEFAULT] = 0.6
     settings = AutotuneSettings(candidates_mb=tuple(layouts), first_bucket_candidates_mb=(), steps_per_sample=2)
     clock = FakeClock(times)
     tuner = FusionAutotuner(settings, None, tmp_path / "log.csv", None, None, clock=clock, layout=layout)
-    assert tuner.candidates == [A, B, DEFAULT] and tuner.merged == {DEFAULT: [C, BucketSetting(64.0)]}
+    # DDP's default is always raced: the reference
+    assert tuner.candidates == [A, B, UNIFORM_25, DDP_DEFAULT]
+    assert tuner.merged == {UNIFORM_25: [C, BucketSetting(64.0)]}
     clock.setting = tuner.initial_setting
     drive(tuner, clock)
-    measured = {float(row["bucket_cap_mb"]) for row in csv.DictReader(open(tmp_path / "log.csv"))}
-    assert measured == {1.0, 4.0, 25.0} and tuner.result.setting == B
+    rows = list(csv.DictReader(open(tmp_path / "log.csv")))
+    measured = {(float(row["bucket_cap_mb"]), row["first_bucket_mb"]) for row in rows}
+    assert measured == {(1.0, ""), (4.0, ""), (25.0, ""), (25.0, "1")} and tuner.result.setting == B
 
-    # every candidate the same buckets and no first bucket to race: nothing to measure
+    # every candidate the same buckets, DDP's default too, and no first bucket to race: nothing to measure
     same = FusionAutotuner(settings, None, None, None, None, clock=clock, layout=lambda setting: "one")
-    assert not same.tuning and same.initial_setting == DEFAULT and same.result.tuning_steps == 0
+    assert not same.tuning and same.initial_setting == DDP_DEFAULT and same.result.tuning_steps == 0
     assert same.result.summary() == (
-        "shardplus: tensor fusion: bucket 25 MB from the candidates, which all give this model the same buckets "
-        "(no search)"
+        "shardplus: tensor fusion: bucket 25 MB (first bucket 1 MB) from the candidates, which all give this model "
+        "the same buckets (no search)"
     )
 
 
 def test_the_default_is_not_dropped_on_the_first_rounds_single_sample():
-    race = CandidateRace([A, B, DEFAULT], 2, 4, 0.01, preferred=DEFAULT, first_round_margin=0.5)
-    for setting, seconds in ((A, 1.0), (B, 1.6), (DEFAULT, 2.0)):
+    race = CandidateRace([A, B, PREFERRED], 2, 4, 0.01, preferred=PREFERRED, first_round_margin=0.5)
+    for setting, seconds in ((A, 1.0), (B, 1.6), (PREFERRED, 2.0)):
         assert race.next_setting() == setting
         race.record(setting, seconds)
-    assert race.next_setting() is not None and race.live == [A, DEFAULT]  # B dropped, the default kept
+    assert race.next_setting() is not None and race.live == [A, PREFERRED]  # B dropped, the preferred kept
 
 
 def test_the_autotuner_finds_the_fastest_logs_each_sample_and_caches(tmp_path):
     times = {BucketSetting(s): t for s, t in ((1.0, 0.9), (4.0, 0.5), (25.0, 0.7))}
-    times[BucketSetting(4.0, 1.0)] = 0.45
+    times[BucketSetting(4.0, 1.0)], times[DDP_DEFAULT] = 0.45, 0.68
     settings = AutotuneSettings(candidates_mb=(25, 1, 4), steps_per_sample=3, warmup_steps=1)
     clock = FakeClock(times)
     cache = tmp_path / "cache.json"
@@ -206,12 +211,14 @@ def test_the_autotuner_finds_the_fastest_logs_each_sample_and_caches(tmp_path):
     step, rewraps = drive(tuner, clock)
     result = tuner.result
     assert result.setting == BucketSetting(4.0, 1.0) == rewraps[-1]
-    assert result.step_s == pytest.approx(0.45) and result.default_step_s == pytest.approx(0.7)
-    assert result.gain == pytest.approx(0.7 / 0.45) and result.complete
+    assert result.step_s == pytest.approx(0.45) and result.default_step_s == pytest.approx(0.68)
+    assert result.gain == pytest.approx(0.68 / 0.45) and result.complete  # against DDP's default, paired
     assert step <= settings.max_tuning_steps and result.tuning_steps == step - 1  # steps that ended
     line = result.summary()
-    assert "bucket 4 MB (first bucket 1 MB): 450.00 ms/step (median) vs 700.00 ms/step at the 25 MB default" in line
-    assert "+55.6% steps/s (paired round by round)" in line
+    assert (
+        "bucket 4 MB (first bucket 1 MB): 450.00 ms/step (median) vs 680.00 ms/step at DDP's default (25 MB, first "
+        "bucket 1 MB), +51.1% steps/s (paired round by round)"
+    ) in line
     rows = list(csv.DictReader(open(tmp_path / "log.csv")))
     assert len(rows) == tuner.samples_taken and rows[0]["bucket_cap_mb"] == "1" and rows[0]["timed_steps"] == "3"
     assert {row["stage"] for row in rows} == {"bucket", "first_bucket"}
@@ -272,6 +279,24 @@ def test_first_bucket_tuning_follows_what_ddp_takes():
     assert fusion.SUPPORTS_FIRST_BUCKET  # torch 2.13's DDP takes bucket_cap_mb_list
     assert BucketSetting(4.0, 1.0).ddp_kwargs() == {"bucket_cap_mb": 4.0, "bucket_cap_mb_list": [1.0, 4.0]}
     assert BucketSetting(4.0).ddp_kwargs() == {"bucket_cap_mb": 4.0, "bucket_cap_mb_list": None}
+    # DDP's default is given as no size at all: what DDP builds then, on any torch
+    assert DDP_DEFAULT == BucketSetting(25.0, 1.0) and DDP_DEFAULT.ddp_kwargs() == dict.fromkeys(
+        ("bucket_cap_mb", "bucket_cap_mb_list")
+    )
+
+
+def test_the_first_bucket_is_raced_for_the_chosen_size_unless_the_first_stage_raced_it():
+    settings = AutotuneSettings(candidates_mb=(1, 4, 25))
+    # 4 MB won: 4 MB against 4 MB with a 1 MB first bucket
+    tuner = FusionAutotuner(settings)
+    race = tuner._second_stage(B, [A, B, UNIFORM_25, DDP_DEFAULT])
+    assert race.live == [B, BucketSetting(4.0, 1.0)] and race.preferred == B
+    # DDP's default won: its first bucket was raced against the uniform 25 MB already
+    assert tuner._second_stage(DDP_DEFAULT, [A, B, UNIFORM_25, DDP_DEFAULT]) is None
+    # ... unless other first buckets are asked for: those against DDP's default
+    other = FusionAutotuner(AutotuneSettings(candidates_mb=(1, 4, 25), first_bucket_candidates_mb=(0.5, 1.0)))
+    race = other._second_stage(DDP_DEFAULT, [A, B, UNIFORM_25, DDP_DEFAULT])
+    assert set(race.live) == {DDP_DEFAULT, BucketSetting(25.0, 0.5)} and race.preferred == DDP_DEFAULT
 
 
 @pytest.mark.parametrize(
@@ -308,10 +333,41 @@ def test_bad_autotune_arguments_raise_before_any_process_group(kwargs, error, me
     assert not dist.is_initialized()
 
 
-def test_the_default_bucket_size_is_25_mb_unless_given():
-    assert ShardPlusStrategy()._ddp_kwargs["bucket_cap_mb"] == 25.0
+def test_the_default_buckets_are_ddps_own_unless_a_size_is_given(tmp_path):
+    from lightning.pytorch.strategies import DDPStrategy
+    from torch.nn.parallel import DistributedDataParallel
+
+    default = ShardPlusStrategy()
+    assert default._ddp_kwargs["bucket_cap_mb"] is None and default.tensor_fusion_threshold_mb == 25.0
+    assert DDPStrategy()._ddp_kwargs.get("bucket_cap_mb") is None
     strategy = ShardPlusStrategy(auto_tune_tensor_fusion=True, tensor_fusion_threshold_mb=8)
     assert strategy.autotune_settings.fixed_bucket_cap_mb == 8.0 and strategy.tensor_fusion_threshold_mb == 8.0
+    assert strategy.autotune_settings.reference == BucketSetting(8.0)
+
+    # the buckets DDP builds (after its rebuild in backward order) under each setting, and as bucket_layout says
+    model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(24)])  # 6 MB of gradients
+    parameters = list(model.parameters())
+
+    def rebuilt_buckets(ddp_kwargs):
+        ddp = DistributedDataParallel(model, **ddp_kwargs)
+        for _ in range(3):  # DDP rebuilds its buckets at the second step
+            ddp(torch.ones(2, 256)).sum().backward()
+        indices = ddp._get_ddp_logging_data()["rebuilt_per_bucket_param_indices"]  # "47 46, 45 ...": last first
+        return tuple(tuple(len(parameters) - 1 - int(i) for i in bucket.split()) for bucket in indices.split(", "))
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        plain_ddp = rebuilt_buckets({})
+        assert len(plain_ddp) == 2  # a 1 MB first bucket, then the rest
+        assert rebuilt_buckets(default._ddp_kwargs | DDP_DEFAULT.ddp_kwargs()) == plain_ddp
+        assert rebuilt_buckets({k: v for k, v in default._ddp_kwargs.items() if v is not None}) == plain_ddp
+        assert fusion.bucket_layout(parameters, DDP_DEFAULT)[0] == plain_ddp
+        for setting in (UNIFORM_25, BucketSetting(1.0), BucketSetting(4.0, 1.0)):
+            kwargs = {k: v for k, v in setting.ddp_kwargs().items() if v is not None}
+            assert rebuilt_buckets(kwargs) == fusion.bucket_layout(parameters, setting)[0]
+        assert len(fusion.bucket_layout(parameters, UNIFORM_25)[0]) == 1  # what shardplus built before
+    finally:
+        dist.destroy_process_group()
 
 
 # ---------------------------------------------------------------------------------------------- 2 ranks
@@ -342,7 +398,7 @@ class RecordSteps(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         ddp = trainer.strategy.model
-        self.steps[-1] |= {"wrapper": id(ddp), "bucket_cap_mb": trainer.strategy._ddp_kwargs["bucket_cap_mb"]}
+        self.steps[-1] |= {"wrapper": id(ddp), "bucket_bytes": ddp.bucket_bytes_cap}  # the wrapper's own
 
     def on_train_end(self, trainer, pl_module):
         result = trainer.strategy.fusion_result
@@ -378,8 +434,8 @@ def wrappers(run):
 @pytest.mark.timeout(120)
 def test_tuning_on_two_ranks_finishes_logs_caches_and_a_second_run_starts_from_the_cache(tmp_path):
     cache, log = tmp_path / "fusion.json", tmp_path / "samples.csv"
-    plain_runs, plain = tuned_fit(tmp_path, "plain")
-    runs, tuned = tuned_fit(tmp_path, "tuned", autotune_cache=str(cache), autotune_log=str(log), **TUNING)
+    plain_runs, plain = tuned_fit(tmp_path, "plain", epochs=7)  # 84 steps: more than tuning's bound
+    runs, tuned = tuned_fit(tmp_path, "tuned", epochs=7, autotune_cache=str(cache), autotune_log=str(log), **TUNING)
     result = runs[0]["result"]
     # finished within its bound, on a candidate, and went on training with it
     assert result["complete"] and not result["from_cache"]
@@ -389,7 +445,7 @@ def test_tuning_on_two_ranks_finishes_logs_caches_and_a_second_run_starts_from_t
     assert wrappers(runs[0]) > 2  # re-wrapped while tuning
     for run in runs:
         after = [step for step in run["steps"] if step["step"] > result["tuning_steps"]]
-        assert after and all(step["bucket_cap_mb"] == winner for step in after)
+        assert after and all(step["bucket_bytes"] == int(winner * 2**20) for step in after)
         assert len({step["wrapper"] for step in after}) == 1
     # the ranks' weights agree at every step, before and after each re-wrap; as without tuning
     for first, second in zip(runs[0]["steps"], runs[1]["steps"], strict=True):
@@ -406,7 +462,7 @@ def test_tuning_on_two_ranks_finishes_logs_caches_and_a_second_run_starts_from_t
     again, _ = tuned_fit(tmp_path, "again", autotune_cache=str(cache), autotune_log=str(tmp_path / "2.csv"), **TUNING)
     assert again[0]["result"]["from_cache"] and again[0]["result"]["tuning_steps"] == 0
     for run in again:
-        assert wrappers(run) == 1 and all(step["bucket_cap_mb"] == winner for step in run["steps"])
+        assert wrappers(run) == 1 and all(step["bucket_bytes"] == int(winner * 2**20) for step in run["steps"])
     assert not (tmp_path / "2.csv").exists()
 
 
@@ -427,7 +483,7 @@ def test_a_run_resumed_from_a_checkpoint_goes_on_with_its_tuned_bucket_size(tmp_
     assert result["from_cache"] and result["source"] == "the checkpoint resumed" and result["tuning_steps"] == 0
     for run in resumed:
         assert run["steps"] and wrappers(run) == 1  # no search, no re-wrap
-        assert all(step["bucket_cap_mb"] == winner for step in run["steps"])
+        assert all(step["bucket_bytes"] == int(winner * 2**20) for step in run["steps"])
 
 
 @pytest.mark.timeout(120)
@@ -457,7 +513,7 @@ def test_the_communication_hook_runs_through_tuning_and_after_it(tmp_path):
 @pytest.mark.timeout(120)
 def test_a_fixed_bucket_size_is_kept_while_the_first_bucket_is_tuned(tmp_path):
     runs, _ = tuned_fit(tmp_path, "fixed", epochs=3, tensor_fusion_threshold_mb=25.0, autotune_cache=False, **TUNING)
-    assert all(step["bucket_cap_mb"] == 25.0 for run in runs for step in run["steps"])
+    assert all(step["bucket_bytes"] == 25 * 2**20 for run in runs for step in run["steps"])
     assert runs[0]["result"]["complete"] and runs[0]["result"]["setting"]["bucket_cap_mb"] == 25.0
     assert wrappers(runs[0]) >= 2  # first bucket 0.0002 MB and uniform were raced
 
@@ -484,7 +540,7 @@ def test_tuning_with_aggregation_rewraps_only_between_optimizer_steps(tmp_path):
 
 
 def test_a_run_that_ends_while_tuning_reports_the_best_so_far_and_caches_nothing(tmp_path):
-    times = {BucketSetting(s): t for s, t in ((1.0, 0.9), (4.0, 0.5), (25.0, 0.7))}
+    times = {BucketSetting(s): t for s, t in ((1.0, 0.9), (4.0, 0.5), (25.0, 0.7))} | {DDP_DEFAULT: 0.7}
     clock = FakeClock(times)
     settings = AutotuneSettings(candidates_mb=(1, 4, 25), steps_per_sample=2, warmup_steps=1)
     tuner = FusionAutotuner(settings, None, None, tmp_path / "cache.json", "key", clock=clock)
