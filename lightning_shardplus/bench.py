@@ -963,11 +963,11 @@ def run_fusion_shape(shape: tuple[str, int, int, int], rounds: int, args: argpar
     fixed_s = {s.label: step_s[s.label] for s in fixed}
     best_fixed = min(fixed_s, key=fixed_s.__getitem__)
     tuned_s = step_s[report["tuned"]]
-    def label_of(setting: Any) -> str:
-        return next(s.label for s in fixed if setting in (s, *merged.get(s, [])))
+    def label_of(setting: Any) -> str | None:
+        return next((s.label for s in fixed if setting in (s, *merged.get(s, []))), None)
 
     default_label = label_of(DDP_DEFAULT)
-    uniform_label = label_of(uniform)
+    uniform_label = label_of(uniform)  # None when no candidate cuts the gradients as a uniform 25 MB does
     # What the tuning steps cost beyond running them all at the tuned speed (re-wraps and bucket rebuilds
     # included), relative to a 2,000-step run; the tuned speed as measured while tuning, against the same drift.
     during = report["tuning_step_ms"] / 1000 if report["tuning_step_ms"] else tuned_s
@@ -991,13 +991,13 @@ def run_fusion_shape(shape: tuple[str, int, int, int], rounds: int, args: argpar
         # (25 MB, first bucket 1 MB: what strategy="ddp" uses), the uniform 25 MB beside it
         "tuned_vs_best_fixed": fixed_s[best_fixed] / tuned_s,
         "tuned_vs_default": step_s[default_label] / tuned_s,
-        "tuned_vs_uniform_25": step_s[uniform_label] / tuned_s,
+        "tuned_vs_uniform_25": step_s[uniform_label] / tuned_s if uniform_label else None,
         "tuned_vs_best_fixed_paired": paired(best_fixed),
         # the control: the tuned setting measured twice in each round; how far from 1 this is, is this run's noise
         "tuned_vs_itself": step_s[_InterleavedBuckets.CONTROL] / tuned_s,
         "tuned_vs_itself_paired": paired(_InterleavedBuckets.CONTROL),
         "tuned_vs_default_paired": paired(default_label),
-        "tuned_vs_uniform_25_paired": paired(uniform_label),
+        "tuned_vs_uniform_25_paired": paired(uniform_label) if uniform_label else None,
         "tuning_steps": report["tuning_steps"],
         "tuning_cost_of_2000_steps": cost,
         "samples_per_setting": len(next(iter(report["samples_s"].values()))),
@@ -1046,11 +1046,15 @@ def format_fusion_table(report: dict[str, Any]) -> str:
     ]
     for row in report["fusion_rows"]:
         times = ", ".join(f"{label}: {ms:.1f}" for label, ms in row["ms_per_step"].items())
+        uniform = (
+            f"{row['tuned_vs_uniform_25']:.3f} ({row['tuned_vs_uniform_25_paired']:.3f})"
+            if row["tuned_vs_uniform_25"] is not None
+            else "-"
+        )
         lines.append(
             f"| {row['shape']} | {row['parameters'] / 1e6:.2f}M | {row['tuned']} | {row['best_fixed']} | "
             f"{row['tuned_vs_best_fixed']:.3f} ({row['tuned_vs_best_fixed_paired']:.3f}) | "
-            f"{row['tuned_vs_default']:.3f} ({row['tuned_vs_default_paired']:.3f}) | "
-            f"{row['tuned_vs_uniform_25']:.3f} ({row['tuned_vs_uniform_25_paired']:.3f}) | "
+            f"{row['tuned_vs_default']:.3f} ({row['tuned_vs_default_paired']:.3f}) | {uniform} | "
             f"{row['tuned_vs_itself']:.3f} ({row['tuned_vs_itself_paired']:.3f}) | "
             f"{row['tuning_steps']} | "
             f"{100 * row['tuning_cost_of_2000_steps']:.2f}% | {times} |"

@@ -66,7 +66,7 @@ _MB = 1024 * 1024  # DDP's megabyte
 DEFAULT_BUCKET_CAP_MB = 25.0
 # and its first bucket then (the gradients ready first); torch.distributed private, guarded by
 # tests/test_lightning_private.py
-DDP_FIRST_BUCKET_MB = dist._DEFAULT_FIRST_BUCKET_BYTES / _MB
+DDP_FIRST_BUCKET_MB = getattr(dist, "_DEFAULT_FIRST_BUCKET_BYTES", _MB) / _MB  # (absent without distributed)
 DEFAULT_CANDIDATES_MB: tuple[float, ...] = (1.0, 4.0, 16.0, 25.0, 64.0)
 DEFAULT_FIRST_BUCKET_CANDIDATES_MB: tuple[float, ...] = (DDP_FIRST_BUCKET_MB,)
 DEFAULT_CACHE_PATH = Path("~/.cache/lightning_shardplus/fusion.json")
@@ -157,22 +157,25 @@ class AutotuneSettings:
             return BucketSetting(self.fixed_bucket_cap_mb)
         return DDP_DEFAULT
 
-    def second_stage(self, bucket_cap_mb: float) -> list[BucketSetting]:
-        """Uniform ``bucket_cap_mb`` and each smaller first bucket (empty where torch cannot set it)."""
-        smaller = [f for f in self.first_bucket_candidates_mb if f < bucket_cap_mb]
+    def second_stage(self, chosen: BucketSetting) -> list[BucketSetting]:
+        """``chosen``, its bucket size uniform and with each smaller first bucket (empty where torch cannot set a
+        first bucket or none is smaller)."""
+        cap = chosen.bucket_cap_mb
+        smaller = [f for f in self.first_bucket_candidates_mb if f < cap]
         if not SUPPORTS_FIRST_BUCKET or not smaller:
             return []
-        return [BucketSetting(bucket_cap_mb)] + [BucketSetting(bucket_cap_mb, f) for f in smaller]
+        stage = [BucketSetting(cap)] + [BucketSetting(cap, f) for f in smaller]
+        return stage if chosen in stage else [chosen, *stage]
 
     @property
     def max_tuning_steps(self) -> int:
         """Optimizer steps the search takes at most (it usually stops earlier), not counting steps that span an
         epoch end or a validation (they are not timed)."""
         sample = self.warmup_steps + self.steps_per_sample
-        largest = self.fixed_bucket_cap_mb or max(self.candidates_mb)  # the most first-bucket candidates
         first = len(self.first_stage) * self.max_rounds * sample
-        second = len(self.second_stage(largest)) * self.max_rounds * sample
-        return first + second + FIRST_SAMPLE_EXTRA_WARMUP
+        # the first stage's winner decides the second stage: the largest one it can be
+        second = max(len(self.second_stage(chosen)) for chosen in self.first_stage or [self.reference])
+        return first + second * self.max_rounds * sample + FIRST_SAMPLE_EXTRA_WARMUP
 
     def describe(self) -> dict[str, Any]:
         """The search space, as it enters the cache key."""
@@ -630,12 +633,11 @@ class FusionAutotuner:
         with the same buckets): it stays unless one is measurably faster. None when there is nothing to race."""
         layout = self.layout or (lambda setting: setting)
         already = {layout(c) for c in raced if c != chosen}
-        candidates = [c for c in self.settings.second_stage(chosen.bucket_cap_mb) if layout(c) not in already]
-        if chosen not in candidates:
-            candidates.insert(0, chosen)
+        candidates = [c for c in self.settings.second_stage(chosen) if c == chosen or layout(c) not in already]
         stage, merged = merge_equivalent(candidates, self.layout, (chosen,))
         for kept, others in merged.items():
-            self.merged.setdefault(kept, []).extend(others)
+            listed = self.merged.setdefault(kept, [])
+            listed.extend(other for other in others if other not in listed)
         return self._new_race(stage, preferred=chosen) if len(stage) > 1 else None
 
     # -- driving

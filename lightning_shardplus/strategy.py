@@ -137,9 +137,9 @@ class ShardPlusStrategy(DDPStrategy):
             your own only the first bucket is tuned. See :mod:`lightning_shardplus.fusion`.
         autotune_log: CSV file with one row per measured sample (written by rank 0).
         autotune_candidates_mb: bucket sizes raced (default 1, 4, 16, 25, 64 MB).
-        autotune_first_bucket_candidates_mb: sizes of the first bucket raced against a uniform size once the
-            bucket size is chosen (default 1 MB, DDP's own first bucket; torch >= 2.13, ``bucket_cap_mb_list``).
-            An empty list tunes the bucket size only.
+        autotune_first_bucket_candidates_mb: sizes of the first bucket raced against the chosen setting once
+            the bucket size is chosen (default 1 MB, DDP's own first bucket; torch >= 2.13, ``bucket_cap_mb_list``).
+            An empty list races none (DDP's default, with its 1 MB first bucket, is still raced first).
         autotune_steps_per_sample: timed optimizer steps per sample (default 8).
         autotune_warmup_steps: optimizer steps not timed after each re-wrap (default 1: DDP cuts its buckets
             after the first step of a new wrapper).

@@ -235,7 +235,8 @@ def test_the_autotuner_finds_the_fastest_logs_each_sample_and_caches(tmp_path):
 
 def test_a_fixed_bucket_size_is_not_searched():
     settings = AutotuneSettings(fixed_bucket_cap_mb=8.0, first_bucket_candidates_mb=(1.0, 16.0))
-    assert settings.first_stage == [] and settings.second_stage(8.0) == [BucketSetting(8.0), BucketSetting(8.0, 1.0)]
+    assert settings.first_stage == [] and settings.reference == BucketSetting(8.0)
+    assert settings.second_stage(BucketSetting(8.0)) == [BucketSetting(8.0), BucketSetting(8.0, 1.0)]
     times = {BucketSetting(8.0): 1.0, BucketSetting(8.0, 1.0): 2.0}
     clock = FakeClock(times)
     tuner = FusionAutotuner(settings, clock=clock)
@@ -297,6 +298,41 @@ def test_the_first_bucket_is_raced_for_the_chosen_size_unless_the_first_stage_ra
     other = FusionAutotuner(AutotuneSettings(candidates_mb=(1, 4, 25), first_bucket_candidates_mb=(0.5, 1.0)))
     race = other._second_stage(DDP_DEFAULT, [A, B, UNIFORM_25, DDP_DEFAULT])
     assert set(race.live) == {DDP_DEFAULT, BucketSetting(25.0, 0.5)} and race.preferred == DDP_DEFAULT
+    # 16 MB won, and 16 MB with a 1 MB first bucket cuts the gradients as DDP's default does (raced already)
+    layouts = {16.0: "one", 25.0: "one"}
+
+    def layout(setting):
+        return (layouts.get(setting.bucket_cap_mb, setting.bucket_cap_mb), setting.first_bucket_mb)
+
+    tuner = FusionAutotuner(AutotuneSettings(candidates_mb=(1, 16)), layout=layout)
+    assert tuner.candidates == [A, C, DDP_DEFAULT]
+    assert tuner._second_stage(C, [A, C, DDP_DEFAULT]) is None
+
+
+def test_the_step_bound_counts_the_largest_second_stage_the_first_can_lead_to():
+    sample = 1 + 8
+    # tiny sizes have no smaller first bucket; DDP's default can win, and leads to 25 MB against 25 MB (first 1 MB)
+    tiny = AutotuneSettings(candidates_mb=(0.0002, 0.001))
+    assert len(tiny.first_stage) == 3 and tiny.second_stage(DDP_DEFAULT) == [UNIFORM_25, DDP_DEFAULT]
+    assert tiny.max_tuning_steps == (3 + 2) * 4 * sample + 2
+    # first buckets of 0.5 and 2 MB: DDP's default against 25 MB uniform, first 0.5 and first 2 MB
+    other = AutotuneSettings(candidates_mb=(1, 4), first_bucket_candidates_mb=(0.5, 2))
+    assert len(other.second_stage(DDP_DEFAULT)) == 4
+    assert other.max_tuning_steps == (3 + 4) * 4 * sample + 2
+    assert AutotuneSettings(fixed_bucket_cap_mb=8.0).max_tuning_steps == 2 * 4 * sample + 2
+
+
+def test_a_cached_or_checkpointed_ddp_default_gives_ddp_no_bucket_size(tmp_path):
+    cache = tmp_path / "cache.json"
+    fusion.store_cached(cache, "key", {"bucket_cap_mb": 25.0, "first_bucket_mb": 1.0})
+    tuner = FusionAutotuner(AutotuneSettings(), cache_path=cache, cache_key="key")
+    assert not tuner.tuning and tuner.initial_setting == DDP_DEFAULT
+    strategy = ShardPlusStrategy(auto_tune_tensor_fusion=True)
+    strategy._set_bucket_setting(BucketSetting(4.0, 1.0))
+    assert strategy._ddp_kwargs["bucket_cap_mb_list"] == [1.0, 4.0]
+    strategy._set_bucket_setting(tuner.initial_setting)
+    assert "bucket_cap_mb" not in strategy._ddp_kwargs and "bucket_cap_mb_list" not in strategy._ddp_kwargs
+    assert strategy.tensor_fusion_threshold_mb == 25.0
 
 
 @pytest.mark.parametrize(
@@ -360,7 +396,6 @@ def test_the_default_buckets_are_ddps_own_unless_a_size_is_given(tmp_path):
         plain_ddp = rebuilt_buckets({})
         assert len(plain_ddp) == 2  # a 1 MB first bucket, then the rest
         assert rebuilt_buckets(default._ddp_kwargs | DDP_DEFAULT.ddp_kwargs()) == plain_ddp
-        assert rebuilt_buckets({k: v for k, v in default._ddp_kwargs.items() if v is not None}) == plain_ddp
         assert fusion.bucket_layout(parameters, DDP_DEFAULT)[0] == plain_ddp
         for setting in (UNIFORM_25, BucketSetting(1.0), BucketSetting(4.0, 1.0)):
             kwargs = {k: v for k, v in setting.ddp_kwargs().items() if v is not None}
@@ -398,7 +433,7 @@ class RecordSteps(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         ddp = trainer.strategy.model
-        self.steps[-1] |= {"wrapper": id(ddp), "bucket_bytes": ddp.bucket_bytes_cap}  # the wrapper's own
+        self.steps[-1] |= {"wrapper": id(ddp), "caps": wrapper_caps(ddp)}
 
     def on_train_end(self, trainer, pl_module):
         result = trainer.strategy.fusion_result
@@ -410,6 +445,21 @@ class RecordSteps(Callback):
             "max_tuning_steps": trainer.strategy.autotune_settings.max_tuning_steps,
         }
         (self.out_dir / f"rank{trainer.global_rank}.json").write_text(json.dumps(data))
+
+
+def wrapper_caps(ddp):
+    """What a DDP wrapper was built with: its bucket cap, per-bucket caps, and whether it took DDP's own default
+    (a smaller first bucket) because no size was given."""
+    return [ddp.bucket_bytes_cap, list(ddp.bucket_bytes_cap_list), ddp.bucket_bytes_cap_default]
+
+
+def caps_of(setting):
+    """:func:`wrapper_caps` of a wrapper built with ``setting`` (a FusionResult's setting, as a dict)."""
+    setting = BucketSetting(setting["bucket_cap_mb"], setting["first_bucket_mb"])
+    cap = int(setting.bucket_cap_mb * 2**20)
+    if setting == DDP_DEFAULT:
+        return [cap, [], True]
+    return [cap, [] if setting.first_bucket_mb is None else [int(setting.first_bucket_mb * 2**20), cap], False]
 
 
 def tuned_fit(tmp_path, name, callbacks=(), epochs=6, size=96, trainer_kwargs=None, ckpt_path=None, **kwargs):
@@ -434,8 +484,8 @@ def wrappers(run):
 @pytest.mark.timeout(120)
 def test_tuning_on_two_ranks_finishes_logs_caches_and_a_second_run_starts_from_the_cache(tmp_path):
     cache, log = tmp_path / "fusion.json", tmp_path / "samples.csv"
-    plain_runs, plain = tuned_fit(tmp_path, "plain", epochs=7)  # 84 steps: more than tuning's bound
-    runs, tuned = tuned_fit(tmp_path, "tuned", epochs=7, autotune_cache=str(cache), autotune_log=str(log), **TUNING)
+    plain_runs, plain = tuned_fit(tmp_path, "plain", epochs=8)  # 96 steps: more than tuning's bound
+    runs, tuned = tuned_fit(tmp_path, "tuned", epochs=8, autotune_cache=str(cache), autotune_log=str(log), **TUNING)
     result = runs[0]["result"]
     # finished within its bound, on a candidate, and went on training with it
     assert result["complete"] and not result["from_cache"]
@@ -445,7 +495,7 @@ def test_tuning_on_two_ranks_finishes_logs_caches_and_a_second_run_starts_from_t
     assert wrappers(runs[0]) > 2  # re-wrapped while tuning
     for run in runs:
         after = [step for step in run["steps"] if step["step"] > result["tuning_steps"]]
-        assert after and all(step["bucket_bytes"] == int(winner * 2**20) for step in after)
+        assert after and all(step["caps"] == caps_of(result["setting"]) for step in after)
         assert len({step["wrapper"] for step in after}) == 1
     # the ranks' weights agree at every step, before and after each re-wrap; as without tuning
     for first, second in zip(runs[0]["steps"], runs[1]["steps"], strict=True):
@@ -462,7 +512,7 @@ def test_tuning_on_two_ranks_finishes_logs_caches_and_a_second_run_starts_from_t
     again, _ = tuned_fit(tmp_path, "again", autotune_cache=str(cache), autotune_log=str(tmp_path / "2.csv"), **TUNING)
     assert again[0]["result"]["from_cache"] and again[0]["result"]["tuning_steps"] == 0
     for run in again:
-        assert wrappers(run) == 1 and all(step["bucket_bytes"] == int(winner * 2**20) for step in run["steps"])
+        assert wrappers(run) == 1 and all(step["caps"] == caps_of(result["setting"]) for step in run["steps"])
     assert not (tmp_path / "2.csv").exists()
 
 
@@ -473,7 +523,7 @@ def test_a_run_resumed_from_a_checkpoint_goes_on_with_its_tuned_bucket_size(tmp_
     first, _ = tuned_fit(
         tmp_path, "first", callbacks=[checkpoints], trainer_kwargs=enable, autotune_cache=False, **TUNING
     )
-    winner = first[0]["result"]["setting"]["bucket_cap_mb"]
+    winner = first[0]["result"]["setting"]
     assert first[0]["result"]["complete"] and not first[0]["result"]["from_cache"]
     # no cache: only the checkpoint knows the tuned size
     resumed, _ = tuned_fit(
@@ -483,7 +533,7 @@ def test_a_run_resumed_from_a_checkpoint_goes_on_with_its_tuned_bucket_size(tmp_
     assert result["from_cache"] and result["source"] == "the checkpoint resumed" and result["tuning_steps"] == 0
     for run in resumed:
         assert run["steps"] and wrappers(run) == 1  # no search, no re-wrap
-        assert all(step["bucket_bytes"] == int(winner * 2**20) for step in run["steps"])
+        assert all(step["caps"] == caps_of(winner) for step in run["steps"])
 
 
 @pytest.mark.timeout(120)
@@ -513,9 +563,10 @@ def test_the_communication_hook_runs_through_tuning_and_after_it(tmp_path):
 @pytest.mark.timeout(120)
 def test_a_fixed_bucket_size_is_kept_while_the_first_bucket_is_tuned(tmp_path):
     runs, _ = tuned_fit(tmp_path, "fixed", epochs=3, tensor_fusion_threshold_mb=25.0, autotune_cache=False, **TUNING)
-    assert all(step["bucket_bytes"] == 25 * 2**20 for run in runs for step in run["steps"])
+    assert all(step["caps"][0] == 25 * 2**20 for run in runs for step in run["steps"])  # the size is kept
     assert runs[0]["result"]["complete"] and runs[0]["result"]["setting"]["bucket_cap_mb"] == 25.0
-    assert wrappers(runs[0]) >= 2  # first bucket 0.0002 MB and uniform were raced
+    raced = {json.dumps(step["caps"]) for step in runs[0]["steps"]}
+    assert raced == {json.dumps(caps_of({"bucket_cap_mb": 25.0, "first_bucket_mb": f})) for f in (None, 0.0002)}
 
 
 @pytest.mark.timeout(120)

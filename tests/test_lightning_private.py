@@ -249,6 +249,18 @@ def test_torch_computes_ddp_bucket_assignments_from_sizes_and_limits():
     assert [list(b) for b in buckets] == [[0], [1, 2]] and list(limits) == [2**20, 25 * 2**20]
 
 
+def test_ddps_default_first_bucket_is_read_where_torch_keeps_it():
+    # fusion.DDP_FIRST_BUCKET_MB is torch.distributed's private _DEFAULT_FIRST_BUCKET_BYTES, the first bucket DDP
+    # builds when no bucket size is given (tests/test_fusion.py checks the buckets DDP really builds)
+    import torch.distributed as dist
+    import torch.nn.parallel.distributed as ddp_module
+
+    from lightning_shardplus import fusion
+
+    assert dist._DEFAULT_FIRST_BUCKET_BYTES == 2**20 and fusion.DDP_FIRST_BUCKET_MB == 1.0
+    assert "dist._DEFAULT_FIRST_BUCKET_BYTES" in inspect.getsource(ddp_module)  # what DDP reads
+
+
 def test_model_checkpoint_skips_the_step_it_saved_last_and_does_not_restore_it():
     # _lightning.mark_resumed_step_saved sets `_last_global_step_saved`: Lightning must still read it, and still
     # not restore it from a checkpoint (once it does, the workaround can go)
