@@ -47,6 +47,7 @@ import hashlib
 import inspect
 import json
 import math
+import numbers
 import os
 import statistics
 import time
@@ -188,18 +189,13 @@ class AutotuneSettings:
 
 
 def _sizes(name: str, values: Any, minimum_count: int) -> tuple[float, ...]:
-    try:
-        if isinstance(values, (str, bytes)):
-            raise TypeError
-        sizes = tuple(float(v) for v in values if not isinstance(v, bool))
-        valid = len(sizes) == len(values) and len(sizes) >= minimum_count
-    except TypeError:
-        valid = False
-    if not valid or not all(math.isfinite(s) and s > 0 for s in sizes):
-        raise ValueError(
-            f"`{name}`={values!r} is not valid: expected a list of at least {minimum_count} bucket size(s) in MB, "
-            "each a number > 0."
-        )
+    all_numbers = isinstance(values, (list, tuple)) and all(
+        isinstance(v, numbers.Real) and not isinstance(v, bool) for v in values
+    )
+    if not all_numbers or len(values) < minimum_count or not all(math.isfinite(v) and v > 0 for v in values):
+        expected = f"at least {minimum_count} bucket size(s) in MB" if minimum_count else "bucket sizes in MB (or none)"
+        raise ValueError(f"`{name}`={values!r} is not valid: expected a list of {expected}, each a number > 0.")
+    sizes = tuple(float(v) for v in values)
     return tuple(sorted(set(sizes)))
 
 
@@ -348,7 +344,10 @@ class CandidateRace:
         return leader
 
     def _slower(self, setting: BucketSetting, leader: BucketSetting) -> bool:
-        """Measurably slower than ``leader``: paired by more than the noise, and by the medians."""
+        """Measurably slower than ``leader``: paired by more than the noise, and by the medians (never when they
+        share no round: not measured is not slower)."""
+        if setting != leader and not self._ratios(setting, leader):
+            return False
         paired = self.ratio(setting, leader) > 1 + self.margin(setting, leader)
         return paired and self.median(setting) > self.median(leader)
 
@@ -725,12 +724,7 @@ class FusionAutotuner:
     def _finish(self, winner: BucketSetting, complete: bool) -> None:
         """Record the result; rank 0 (which holds the timings) caches it."""
         reference = self.settings.reference
-        default_s = step_s = None
-        for stage in (self._first_stage, self._race):
-            if stage is not None and stage.samples.get(reference):
-                default_s = stage.median(reference)
-            if stage is not None and stage.samples.get(winner):
-                step_s = stage.median(winner)
+        step_s, default_s = self._step_times(winner, reference)
         decider = self.collectives.is_decider
         self.result = FusionResult(
             winner,
@@ -745,6 +739,21 @@ class FusionAutotuner:
         self._race = self._first_stage = None
         if complete and self.collectives.is_decider and self.cache_path is not None and self.cache_key is not None:
             store_cached(self.cache_path, self.cache_key, self.result.cache_entry())
+
+    def _step_times(self, winner: BucketSetting, reference: BucketSetting) -> tuple[float | None, float | None]:
+        """The winner's and the reference's median step times on one time base (the machine's speed drifts between
+        stages): from the last stage that raced both; else the first stage's, the winner's as the first stage's
+        winner times their paired ratio in the second; else what was measured (None: not measured)."""
+        stages = [s for s in (self._first_stage, self._race) if s is not None]
+        for stage in reversed(stages):
+            if stage.samples.get(winner) and stage.samples.get(reference):
+                return stage.median(winner), stage.median(reference)
+        measured = {s: stage.median(s) for stage in stages for s in (winner, reference) if stage.samples.get(s)}
+        if len(stages) == 2 and stages[0] is not stages[1] and stages[0].winner is not None and reference in measured:
+            chosen, first, second = stages[0].winner, stages[0], stages[1]
+            bridged = first.median(chosen) * second.ratio(winner, chosen)
+            return (bridged if math.isfinite(bridged) else None), measured[reference]
+        return measured.get(winner), measured.get(reference)
 
     def _paired_gain(self, winner: BucketSetting, reference: BucketSetting) -> float | None:
         """reference / winner step time, paired: within the stage that raced both, else through the first stage's

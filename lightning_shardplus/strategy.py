@@ -249,10 +249,16 @@ class ShardPlusStrategy(DDPStrategy):
             warmup_steps=autotune_warmup_steps,
             fixed_bucket_cap_mb=None if tensor_fusion_threshold_mb is None else float(tensor_fusion_threshold_mb),
         )
-        if auto_tune_tensor_fusion and ddp_kwargs.get("bucket_cap_mb_list") is not None:
+        caps = ddp_kwargs.get("bucket_cap_mb_list")
+        if caps is not None and (auto_tune_tensor_fusion or tensor_fusion_threshold_mb is not None):
+            other = (
+                "`auto_tune_tensor_fusion`=True"
+                if auto_tune_tensor_fusion
+                else f"`tensor_fusion_threshold_mb`={tensor_fusion_threshold_mb!r}"
+            )
             raise ValueError(
-                f"`bucket_cap_mb_list`={ddp_kwargs['bucket_cap_mb_list']!r} and `auto_tune_tensor_fusion`=True both "
-                "set DDP's bucket sizes: give one of them."
+                f"`bucket_cap_mb_list`={caps!r} and {other} both set DDP's bucket sizes (DDP would take the list and "
+                "ignore the size): give one of them."
             )
         if auto_tune_tensor_fusion and ddp_comm_hook is not None and ddp_comm_state is not None:
             raise ValueError(

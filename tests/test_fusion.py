@@ -353,6 +353,21 @@ def test_a_cached_or_checkpointed_ddp_default_gives_ddp_no_bucket_size(tmp_path)
             r"`bucket_cap_mb_list`=\[1, 4\] and `auto_tune_tensor_fusion`=True both set",
         ),
         (
+            {"tensor_fusion_threshold_mb": 8, "bucket_cap_mb_list": [1, 25]},
+            ValueError,
+            r"`bucket_cap_mb_list`=\[1, 25\] and `tensor_fusion_threshold_mb`=8 both set DDP's bucket sizes",
+        ),
+        (
+            {"autotune_candidates_mb": ["4"]},
+            ValueError,
+            r"`autotune_candidates_mb`=\['4'\] is not valid: expected a list of at least 1 bucket size",
+        ),
+        (
+            {"autotune_first_bucket_candidates_mb": "1"},
+            ValueError,
+            r"`autotune_first_bucket_candidates_mb`='1' is not valid: expected a list of bucket sizes in MB \(or none",
+        ),
+        (
             {
                 "auto_tune_tensor_fusion": True,
                 "ddp_comm_hook": powerSGD_hook.powerSGD_hook,
@@ -605,3 +620,57 @@ def test_a_run_that_ends_while_tuning_reports_the_best_so_far_and_caches_nothing
     result = tuner.finish_early()
     assert result.setting == BucketSetting(4.0) and not result.complete
     assert "best so far, not cached" in result.summary() and not (tmp_path / "cache.json").exists()
+
+
+def test_a_run_that_ends_before_the_default_was_measured_keeps_the_default():
+    times = {BucketSetting(s): t for s, t in ((1.0, 0.5), (4.0, 0.6), (25.0, 0.7))} | {DDP_DEFAULT: 0.7}
+    clock = FakeClock(times)
+    tuner = FusionAutotuner(AutotuneSettings(candidates_mb=(1, 4, 25), steps_per_sample=2), clock=clock)
+    clock.setting = tuner.initial_setting
+    tuner.start()
+    for step in range(9):  # 1 MB and 4 MB measured, DDP's default not yet
+        if (setting := tuner.on_step_boundary(step)) is not None:
+            clock.setting = setting
+        clock.step()
+    assert tuner.samples_taken == 2
+    result = tuner.finish_early()
+    assert result.setting == DDP_DEFAULT and not result.complete  # not measured is not slower
+    assert result.default_step_s is None and "not measured" in result.summary()
+
+
+def test_the_summary_compares_times_measured_in_the_same_stage():
+    # the machine runs 30% slower once the first-bucket stage starts: 4 MB's time in the summary is the one
+    # measured beside DDP's default, not the later one
+    times = {BucketSetting(s): t for s, t in ((1.0, 0.9), (4.0, 0.5), (25.0, 0.7))}
+    times |= {DDP_DEFAULT: 0.7, BucketSetting(4.0, 1.0): 0.6}
+    clock = FakeClock(times)
+    tuner = FusionAutotuner(AutotuneSettings(candidates_mb=(1, 4, 25), steps_per_sample=3), clock=clock)
+    clock.setting = tuner.initial_setting
+    tuner.start()
+    step, second_stage_steps = 0, 0
+    while tuner.tuning:
+        if (setting := tuner.on_step_boundary(step)) is not None:
+            clock.setting = setting
+        slower = tuner.tuning and tuner._race is not tuner._first_stage
+        second_stage_steps += slower
+        clock.now += times[clock.setting] * (1.3 if slower else 1.0)
+        step += 1
+    result = tuner.result
+    assert second_stage_steps > 0 and result.setting == B
+    assert result.step_s == pytest.approx(0.5) and result.default_step_s == pytest.approx(0.7)
+    assert result.gain == pytest.approx(0.7 / 0.5)
+    # a winner raced only in the second stage: its time on the first stage's base, through the paired ratio
+    times[BucketSetting(4.0, 1.0)] = 0.45
+    clock, step = FakeClock(times), 0
+    tuner = FusionAutotuner(AutotuneSettings(candidates_mb=(1, 4, 25), steps_per_sample=3), clock=clock)
+    clock.setting = tuner.initial_setting
+    tuner.start()
+    while tuner.tuning:
+        if (setting := tuner.on_step_boundary(step)) is not None:
+            clock.setting = setting
+        slower = tuner.tuning and tuner._race is not tuner._first_stage
+        clock.now += times[clock.setting] * (1.3 if slower else 1.0)
+        step += 1
+    assert tuner.result.setting == BucketSetting(4.0, 1.0)
+    assert tuner.result.step_s == pytest.approx(0.45) and tuner.result.default_step_s == pytest.approx(0.7)
+
