@@ -467,7 +467,7 @@ class FusionResult:
             else f"{self.reference} not measured"
         )
         paired = " (paired round by round)" if self.paired_gain is not None else ""
-        gain = f", {100 * (self.gain - 1):+.1f}% steps/s{paired}" if self.gain else ""
+        gain = f", {100 * (self.gain - 1):+.1f}% steps/s while tuning{paired}" if self.gain else ""
         status = "" if self.complete else " (training ended before the search did: best so far, not cached)"
         return (
             f"shardplus: tensor fusion tuned: bucket {self.setting.label}: {chosen} vs {default}{gain}; "
