@@ -156,9 +156,9 @@ def test_in_one_process_the_verdict_is_printed_and_the_users_profiler_still_sees
 
 @pytest.mark.timeout(120)
 def test_the_steps_of_fusion_autotuning_are_not_counted(tmp_path):
-    # two layouts (a bucket per parameter; one bucket), samples of 1 untimed + 1 timed step (2 more untimed for
-    # the run's first), at most 4 rounds: tuning ends within 19 of the 30 batches; it and the step after it are
-    # left out
+    # three layouts (a bucket per parameter; one bucket; DDP's default: a 1 MB first bucket, then the rest), samples
+    # of 1 untimed + 1 timed step (2 more untimed for the run's first): tuning takes at least one round (8 steps)
+    # and at most its bound; it and the step after it are left out
     tuning = {
         "auto_tune_tensor_fusion": True,
         "autotune_candidates_mb": [0.001, 25.0],
@@ -167,10 +167,12 @@ def test_the_steps_of_fusion_autotuning_are_not_counted(tmp_path):
         "autotune_warmup_steps": 1,
         "autotune_cache": False,
     }
-    report = fit_with_report(tmp_path, devices=2, delay=0.0, strategy_kwargs=tuning, batches=30)
-    plain = fit_with_report(tmp_path / "plain", devices=2, delay=0.0, batches=30)
-    assert plain["micro_batches"] == 28
-    assert 30 - 19 - 1 <= report["micro_batches"] <= 30 - 6 - 1
+    bound = ShardPlusStrategy(**tuning).autotune_settings.max_tuning_steps
+    assert bound == 3 * 4 * 2 + 2
+    report = fit_with_report(tmp_path, devices=2, delay=0.0, strategy_kwargs=tuning, batches=40)
+    plain = fit_with_report(tmp_path / "plain", devices=2, delay=0.0, batches=40)
+    assert plain["micro_batches"] == 38
+    assert 40 - (bound + 1) - 1 <= report["micro_batches"] <= 40 - 8 - 1  # + 1: the batch tuning starts at
 
 
 class CountingClock:
