@@ -477,7 +477,7 @@ def caps_of(setting):
     return [cap, [] if setting.first_bucket_mb is None else [int(setting.first_bucket_mb * 2**20), cap], False]
 
 
-def tuned_fit(tmp_path, name, callbacks=(), epochs=6, size=96, trainer_kwargs=None, ckpt_path=None, **kwargs):
+def tuned_fit(tmp_path, name, callbacks=(), epochs=8, size=96, trainer_kwargs=None, ckpt_path=None, **kwargs):
     recorder = RecordSteps(tmp_path / f"steps-{name}")
     trainer = cpu_trainer(
         ShardPlusStrategy(start_method="fork", **kwargs),
@@ -499,8 +499,8 @@ def wrappers(run):
 @pytest.mark.timeout(120)
 def test_tuning_on_two_ranks_finishes_logs_caches_and_a_second_run_starts_from_the_cache(tmp_path):
     cache, log = tmp_path / "fusion.json", tmp_path / "samples.csv"
-    plain_runs, plain = tuned_fit(tmp_path, "plain", epochs=8)  # 96 steps: more than tuning's bound
-    runs, tuned = tuned_fit(tmp_path, "tuned", epochs=8, autotune_cache=str(cache), autotune_log=str(log), **TUNING)
+    plain_runs, plain = tuned_fit(tmp_path, "plain")  # 8 epochs of 12 steps: more than tuning's bound
+    runs, tuned = tuned_fit(tmp_path, "tuned", autotune_cache=str(cache), autotune_log=str(log), **TUNING)
     result = runs[0]["result"]
     # finished within its bound, on a candidate, and went on training with it
     assert result["complete"] and not result["from_cache"]
@@ -542,7 +542,7 @@ def test_a_run_resumed_from_a_checkpoint_goes_on_with_its_tuned_bucket_size(tmp_
     assert first[0]["result"]["complete"] and not first[0]["result"]["from_cache"]
     # no cache: only the checkpoint knows the tuned size
     resumed, _ = tuned_fit(
-        tmp_path, "resumed", epochs=8, ckpt_path=tmp_path / "checkpoints" / "last.ckpt", autotune_cache=False, **TUNING
+        tmp_path, "resumed", epochs=10, ckpt_path=tmp_path / "checkpoints" / "last.ckpt", autotune_cache=False, **TUNING
     )
     result = resumed[0]["result"]
     assert result["from_cache"] and result["source"] == "the checkpoint resumed" and result["tuning_steps"] == 0
