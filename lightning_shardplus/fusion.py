@@ -189,14 +189,21 @@ class AutotuneSettings:
 
 
 def _sizes(name: str, values: Any, minimum_count: int) -> tuple[float, ...]:
-    all_numbers = isinstance(values, (list, tuple)) and all(
-        isinstance(v, numbers.Real) and not isinstance(v, bool) for v in values
+    items = None
+    if not isinstance(values, (str, bytes)):
+        try:
+            items = list(values)
+        except TypeError:  # not a collection
+            items = None
+    valid = (
+        items is not None
+        and len(items) >= minimum_count
+        and all(isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v) and v > 0 for v in items)
     )
-    if not all_numbers or len(values) < minimum_count or not all(math.isfinite(v) and v > 0 for v in values):
+    if not valid:
         expected = f"at least {minimum_count} bucket size(s) in MB" if minimum_count else "bucket sizes in MB (or none)"
         raise ValueError(f"`{name}`={values!r} is not valid: expected a list of {expected}, each a number > 0.")
-    sizes = tuple(float(v) for v in values)
-    return tuple(sorted(set(sizes)))
+    return tuple(sorted({float(v) for v in items}))
 
 
 # ---------------------------------------------------------------------------------------------------- search
@@ -336,11 +343,17 @@ class CandidateRace:
 
     def best(self) -> BucketSetting:
         """The leader; the preferred candidate where it is not measurably slower: within ``tolerance`` of the
-        leader, within the noise (:meth:`margin`), or no slower by the medians (the two measures disagree)."""
+        leader, within the noise (:meth:`margin`), or no slower by the medians (the two measures disagree). A
+        preferred candidate dropped earlier (slower than the leader then) is still chosen over a final leader that
+        is no faster than it in the rounds both ran."""
         leader, preferred = self.leader(), self.preferred
-        if preferred in self.live and preferred != leader:
+        if preferred is None or preferred == leader:
+            return leader
+        if preferred in self.live:
             if self.ratio(preferred, leader) <= 1 + self.tolerance or not self._slower(preferred, leader):
                 return preferred
+        elif self._ratios(preferred, leader) and self.ratio(preferred, leader) <= 1:
+            return preferred
         return leader
 
     def _slower(self, setting: BucketSetting, leader: BucketSetting) -> bool:
@@ -456,10 +469,15 @@ class FusionResult:
             return None
         return self.default_step_s / self.step_s
 
+    @property
+    def chosen(self) -> str:
+        """The setting, in words."""
+        return DDP_DEFAULT_LABEL if self.setting == DDP_DEFAULT else f"bucket {self.setting.label}"
+
     def summary(self) -> str:
         """One readable line: chosen size, its step time, the default's, the gain."""
         if self.from_cache:
-            return f"shardplus: tensor fusion: bucket {self.setting.label} from {self.source} (no search)"
+            return f"shardplus: tensor fusion: {self.chosen} from {self.source} (no search)"
         chosen = f"{1000 * self.step_s:.2f} ms/step (median)" if self.step_s else "unmeasured"
         default = (
             f"{1000 * self.default_step_s:.2f} ms/step at {self.reference}"
@@ -470,7 +488,7 @@ class FusionResult:
         gain = f", {100 * (self.gain - 1):+.1f}% steps/s while tuning{paired}" if self.gain else ""
         status = "" if self.complete else " (training ended before the search did: best so far, not cached)"
         return (
-            f"shardplus: tensor fusion tuned: bucket {self.setting.label}: {chosen} vs {default}{gain}; "
+            f"shardplus: tensor fusion tuned: {self.chosen}: {chosen} vs {default}{gain}; "
             f"{self.tuning_steps} tuning steps{status}"
         )
 
@@ -742,17 +760,20 @@ class FusionAutotuner:
 
     def _step_times(self, winner: BucketSetting, reference: BucketSetting) -> tuple[float | None, float | None]:
         """The winner's and the reference's median step times on one time base (the machine's speed drifts between
-        stages): from the last stage that raced both; else the first stage's, the winner's as the first stage's
-        winner times their paired ratio in the second; else what was measured (None: not measured)."""
+        stages and rounds): over the rounds both ran in the last stage that raced both; else the first stage's, the
+        winner's as the first stage's winner's divided by their paired ratio in the second (the factor of
+        :meth:`_paired_gain`); else what was measured (None: not measured)."""
         stages = [s for s in (self._first_stage, self._race) if s is not None]
         for stage in reversed(stages):
-            if stage.samples.get(winner) and stage.samples.get(reference):
-                return stage.median(winner), stage.median(reference)
+            mine, theirs = stage.by_round.get(winner, {}), stage.by_round.get(reference, {})
+            shared = [r for r in mine if r in theirs]
+            if shared:
+                return statistics.median(mine[r] for r in shared), statistics.median(theirs[r] for r in shared)
         measured = {s: stage.median(s) for stage in stages for s in (winner, reference) if stage.samples.get(s)}
         if len(stages) == 2 and stages[0] is not stages[1] and stages[0].winner is not None and reference in measured:
             chosen, first, second = stages[0].winner, stages[0], stages[1]
-            bridged = first.median(chosen) * second.ratio(winner, chosen)
-            return (bridged if math.isfinite(bridged) else None), measured[reference]
+            bridged = first.median(chosen) / second.ratio(chosen, winner)
+            return (bridged if math.isfinite(bridged) and bridged > 0 else None), measured[reference]
         return measured.get(winner), measured.get(reference)
 
     def _paired_gain(self, winner: BucketSetting, reference: BucketSetting) -> float | None:

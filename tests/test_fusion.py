@@ -187,8 +187,8 @@ def test_candidates_with_the_same_buckets_are_raced_once_as_the_default(tmp_path
     same = FusionAutotuner(settings, None, None, None, None, clock=clock, layout=lambda setting: "one")
     assert not same.tuning and same.initial_setting == DDP_DEFAULT and same.result.tuning_steps == 0
     assert same.result.summary() == (
-        "shardplus: tensor fusion: bucket 25 MB (first bucket 1 MB) from the candidates, which all give this model "
-        "the same buckets (no search)"
+        "shardplus: tensor fusion: DDP's default (25 MB, first bucket 1 MB) from the candidates, which all give this "
+        "model the same buckets (no search)"
     )
 
 
@@ -673,4 +673,24 @@ def test_the_summary_compares_times_measured_in_the_same_stage():
         step += 1
     assert tuner.result.setting == BucketSetting(4.0, 1.0)
     assert tuner.result.step_s == pytest.approx(0.45) and tuner.result.default_step_s == pytest.approx(0.7)
+    assert tuner.result.gain == pytest.approx(0.7 / 0.45)  # the same factor as the times
+
+
+def test_a_dropped_default_is_kept_over_a_final_leader_no_faster_than_it():
+    race = CandidateRace([A, B, PREFERRED], 3, 4, 0.01, preferred=PREFERRED)
+
+    def measured(setting, scores):
+        race.samples[setting], race.by_round[setting] = list(scores), dict(enumerate(scores))
+
+    measured(A, [1.0, 1.0, 1.0, 1.5])
+    measured(B, [1.2] * 4)
+    measured(PREFERRED, [1.1] * 3)  # dropped after the third round
+    race.live = [A, B]
+    assert race.leader() == A and race.best() == A  # faster than the default in the rounds both ran
+    measured(A, [1.2, 1.4, 1.4, 0.2])  # median 1.3
+    assert race.leader() == B and race.best() == PREFERRED  # the final leader is slower than the default was
+    # the times in a summary come from the rounds both ran (A's median there is 1.4, not 1.3)
+    tuner = FusionAutotuner(AutotuneSettings(candidates_mb=(1, 4, 25)))
+    tuner._first_stage = tuner._race = race
+    assert tuner._step_times(A, PREFERRED) == (pytest.approx(1.4), pytest.approx(1.1))
 
