@@ -694,3 +694,29 @@ def test_a_dropped_default_is_kept_over_a_final_leader_no_faster_than_it():
     tuner._first_stage = tuner._race = race
     assert tuner._step_times(A, PREFERRED) == (pytest.approx(1.4), pytest.approx(1.1))
 
+
+@pytest.mark.parametrize("run", [1, 2, 3, 4])
+def test_the_benchmark_runs_in_the_readme_replay_to_the_same_choices(run):
+    # docs/bench/fusion-2cpu-run*.json hold each tuning sample (the autotune CSV): fed to the race as it is now, in
+    # the order it asks for them, they lead to the setting the README reports. A change of the race that would
+    # decide otherwise fails here: run the benchmark again and update the README.
+    from lightning_shardplus.demo import ClassifierModule
+
+    path = Path(__file__).parents[1] / "docs" / "bench" / f"fusion-2cpu-run{run}.json"
+    shapes = {"many-small": (256, 256, 24), "few-large": (1024, 2048, 3)}
+    for row in json.loads(path.read_text())["fusion_rows"]:
+        input_dim, hidden, layers = shapes[row["shape"]]
+        parameters = list(ClassifierModule(input_dim=input_dim, hidden_dims=[hidden] * layers).parameters())
+        tuner = FusionAutotuner(AutotuneSettings(), layout=lambda s, p=parameters: fusion.bucket_layout(p, s))
+        for sample in csv.DictReader(row["csv"]):
+            first = float(sample["first_bucket_mb"]) if sample["first_bucket_mb"] else None
+            setting = BucketSetting(float(sample["bucket_cap_mb"]), first)
+            race = tuner._race
+            assert race.next_setting() == setting  # the race asks for the sample that was measured
+            race.record(setting, float(sample["step_ms"]) / 1000)
+            if race.next_setting() is None and race is tuner._first_stage:
+                tuner._race = tuner._second_stage(race.winner, race.samples) or race
+        assert tuner._race.next_setting() is None  # decided on these samples, no more
+        tuned = tuner._race.winner
+        assert row["tuned"].split(" = ")[0] == tuned.label
+
