@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Iterable
 from datetime import timedelta
 from typing import Any
@@ -30,7 +31,7 @@ def check_int(name: str, value: Any, minimum: int | None = None) -> None:
 
 
 def check_positive_number(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value < math.inf:
         raise ValueError(f"`{name}`={value!r} is not valid: expected a finite number > 0.")
 
 
@@ -47,12 +48,12 @@ def process_group_timeout(timeout: Any) -> timedelta | None:
         if timeout <= timedelta(0):
             raise ValueError(message)
         return timeout
-    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool):
+    if not isinstance(timeout, numbers.Real) or isinstance(timeout, bool):
         raise TypeError(message)
     try:
         if not 0 < timeout < math.inf:
             raise ValueError(message)
-        return timedelta(seconds=timeout)
+        return timedelta(seconds=float(timeout))
     except OverflowError:
         raise ValueError(message) from None
 

@@ -57,6 +57,15 @@ def test_strategy_passes_ddp_arguments_through():
     assert ShardPlusStrategy(process_group_backend="cpu:gloo,cuda:nccl")._process_group_backend == "cpu:gloo,cuda:nccl"
 
 
+def test_numpy_numbers_are_numbers():
+    import numpy as np
+
+    strategy = ShardPlusStrategy(tensor_fusion_threshold_mb=np.float32(4), timeout=np.int64(60))
+    assert strategy._ddp_kwargs["bucket_cap_mb"] == 4.0 and type(strategy._ddp_kwargs["bucket_cap_mb"]) is float
+    assert strategy._timeout.total_seconds() == 60
+    assert ShardPlusStrategy(autotune_candidates_mb=np.array([1.0, 4.0])).autotune_settings.candidates_mb == (1.0, 4.0)
+
+
 def test_a_timeout_in_seconds_becomes_a_timedelta():
     from datetime import timedelta
 
