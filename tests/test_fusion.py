@@ -4,6 +4,7 @@ every re-wrap, keeps the communication hook, trains the same weights as without 
 from the cache without re-wrapping."""
 
 import csv
+import functools
 import json
 import math
 from pathlib import Path
@@ -707,16 +708,22 @@ def test_the_benchmark_runs_in_the_readme_replay_to_the_same_choices(run):
     for row in json.loads(path.read_text())["fusion_rows"]:
         input_dim, hidden, layers = shapes[row["shape"]]
         parameters = list(ClassifierModule(input_dim=input_dim, hidden_dims=[hidden] * layers).parameters())
-        tuner = FusionAutotuner(AutotuneSettings(), layout=lambda s, p=parameters: fusion.bucket_layout(p, s))
-        for sample in csv.DictReader(row["csv"]):
-            first = float(sample["first_bucket_mb"]) if sample["first_bucket_mb"] else None
-            setting = BucketSetting(float(sample["bucket_cap_mb"]), first)
-            race = tuner._race
-            assert race.next_setting() == setting  # the race asks for the sample that was measured
-            race.record(setting, float(sample["step_ms"]) / 1000)
-            if race.next_setting() is None and race is tuner._first_stage:
-                tuner._race = tuner._second_stage(race.winner, race.samples) or race
-        assert tuner._race.next_setting() is None  # decided on these samples, no more
-        tuned = tuner._race.winner
-        assert row["tuned"].split(" = ")[0] == tuned.label
-
+        recorded = [
+            (BucketSetting(float(r["bucket_cap_mb"]), float(r["first_bucket_mb"]) if r["first_bucket_mb"] else None),
+             float(r["step_ms"]) / 1000)
+            for r in csv.DictReader(row["csv"])
+        ]
+        clock = FakeClock(times=None)  # advanced by hand below
+        layout = functools.partial(fusion.bucket_layout, parameters)
+        tuner = FusionAutotuner(AutotuneSettings(), clock=clock, layout=layout)
+        tuner.start()
+        step = 0
+        while tuner.tuning:  # every step of a sample takes the time that sample measured
+            tuner.on_step_boundary(step)
+            if tuner.tuning:
+                setting, seconds = recorded[tuner.samples_taken]
+                assert tuner._sample.setting == setting  # the race asks for the sample that was measured
+                clock.now += seconds
+                step += 1
+        assert tuner.samples_taken == len(recorded)  # decided on these samples, no more
+        assert tuner.result.setting.label == row["tuned"].split(" = ")[0]
