@@ -742,7 +742,7 @@ class FusionAutotuner:
     def _finish(self, winner: BucketSetting, complete: bool) -> None:
         """Record the result; rank 0 (which holds the timings) caches it."""
         reference = self.settings.reference
-        step_s, default_s = self._step_times(winner, reference)
+        step_s, default_s, paired_gain = self._measured_against(winner, reference)
         decider = self.collectives.is_decider
         self.result = FusionResult(
             winner,
@@ -751,44 +751,37 @@ class FusionAutotuner:
             tuning_steps=self._steps,
             tuning_s=self.clock() - self._started_at,
             complete=complete,
-            paired_gain=self._paired_gain(winner, reference) if decider else None,
+            paired_gain=paired_gain if decider else None,
             reference=DDP_DEFAULT_LABEL if reference == DDP_DEFAULT else f"the given {reference.label}",
         )
         self._race = self._first_stage = None
         if complete and self.collectives.is_decider and self.cache_path is not None and self.cache_key is not None:
             store_cached(self.cache_path, self.cache_key, self.result.cache_entry())
 
-    def _step_times(self, winner: BucketSetting, reference: BucketSetting) -> tuple[float | None, float | None]:
+    def _measured_against(
+        self, winner: BucketSetting, reference: BucketSetting
+    ) -> tuple[float | None, float | None, float | None]:
         """The winner's and the reference's median step times on one time base (the machine's speed drifts between
-        stages and rounds): over the rounds both ran in the last stage that raced both; else the first stage's, the
-        winner's as the first stage's winner's divided by their paired ratio in the second (the factor of
-        :meth:`_paired_gain`); else what was measured (None: not measured)."""
+        stages and rounds) and reference / winner paired round by round: from the rounds both ran in the last stage
+        that raced both; else through the first stage's winner (raced against the reference in the first stage,
+        against the winner in the second), the winner's time being its time divided by their paired ratio; else
+        what was measured, unpaired (None: not measured)."""
         stages = [s for s in (self._first_stage, self._race) if s is not None]
         for stage in reversed(stages):
             mine, theirs = stage.by_round.get(winner, {}), stage.by_round.get(reference, {})
             shared = [r for r in mine if r in theirs]
             if shared:
-                return statistics.median(mine[r] for r in shared), statistics.median(theirs[r] for r in shared)
+                times = statistics.median(mine[r] for r in shared), statistics.median(theirs[r] for r in shared)
+                return *times, stage.ratio(reference, winner)
+        first, second = stages[0], stages[-1]
+        chosen = first.winner
+        if second is not first and chosen is not None and first.samples.get(reference):
+            factor = second.ratio(chosen, winner)  # inf when they share no round
+            step, gain = first.median(chosen) / factor, first.ratio(reference, chosen) * factor
+            if math.isfinite(gain) and step > 0:
+                return step, first.median(reference), gain
         measured = {s: stage.median(s) for stage in stages for s in (winner, reference) if stage.samples.get(s)}
-        if len(stages) == 2 and stages[0] is not stages[1] and stages[0].winner is not None and reference in measured:
-            chosen, first, second = stages[0].winner, stages[0], stages[1]
-            bridged = first.median(chosen) / second.ratio(chosen, winner)
-            return (bridged if math.isfinite(bridged) and bridged > 0 else None), measured[reference]
-        return measured.get(winner), measured.get(reference)
-
-    def _paired_gain(self, winner: BucketSetting, reference: BucketSetting) -> float | None:
-        """reference / winner step time, paired: within the stage that raced both, else through the first stage's
-        winner (raced against the reference in the first stage, against the winner in the second)."""
-        stages = [s for s in (self._first_stage, self._race) if s is not None]
-        gain = math.inf
-        for stage in stages:
-            if stage.by_round.get(reference) and stage.by_round.get(winner):
-                gain = stage.ratio(reference, winner)
-        if not math.isfinite(gain) and len(stages) == 2 and stages[0] is not stages[1]:
-            chosen = stages[0].winner
-            if chosen is not None:
-                gain = stages[0].ratio(reference, chosen) * stages[1].ratio(chosen, winner)
-        return gain if math.isfinite(gain) else None
+        return measured.get(winner), measured.get(reference), None
 
     def _log_row(self, sample: _Sample, score: float) -> None:
         if self.log_path is None:
