@@ -27,17 +27,22 @@ plugin unscales AMP gradients (it is linear, so scaling a scaled gradient is the
 ``on_before_optimizer_step`` hooks and before gradient clipping (which thus clips the corrected gradient).
 ``on_after_backward`` still sees the uncorrected, Lightning-normalized gradients of each micro-batch.
 
-This module holds the arithmetic and the batch-size bookkeeping; it imports neither the strategy nor the other
-algorithm modules.
+:class:`GradientAggregation` is the strategy's component for one fit; the functions hold the arithmetic and the
+batch-size bookkeeping. This module imports neither the strategy nor the other algorithm modules.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
+from lightning.pytorch.callbacks import GradientAccumulationScheduler
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch.optim import Optimizer
 from torch.utils.data import DataLoader
+
+from lightning_shardplus import _lightning
 
 
 def window_length(micro_batches_done: int, frequency: int) -> int:
@@ -82,6 +87,95 @@ def check_accumulation(aggregation_frequency: int, accumulate_grad_batches: Any)
         )
 
 
+def check_aggregation(frequency: int, trainer: Any, model: Any | None) -> None:
+    """Refuse, before a fit starts, what cannot work with ``aggregation_frequency`` = ``frequency``."""
+    check_accumulation(frequency, trainer.accumulate_grad_batches)
+    if frequency == 1:
+        return
+    if model is not None and not model.automatic_optimization:
+        raise ValueError(
+            f"`aggregation_frequency`={frequency} needs automatic optimization, but "
+            f"{type(model).__name__} sets `automatic_optimization = False`: use aggregation_frequency=1 "
+            "and aggregate yourself (manual_backward inside `self.trainer.strategy.model.no_sync()` on "
+            "all but the last micro-batch)."
+        )
+    if any(isinstance(cb, GradientAccumulationScheduler) for cb in trainer.callbacks):
+        raise ValueError(
+            f"`aggregation_frequency`={frequency} and a GradientAccumulationScheduler callback both set "
+            "the micro-batches per optimizer step: use one of them (aggregation_frequency=1 to keep the "
+            "scheduler)."
+        )
+
+
+class GradientAggregation:
+    """Aggregation windows for one fit: Lightning's accumulation loop runs them (``trainer.accumulate_grad_batches``
+    is set to ``frequency`` until :meth:`close` puts the user's value back), and :meth:`wrap_closure` corrects each
+    window's gradient (the mean over the micro-batches actually aggregated, or their sum).
+
+    Example::
+
+        aggregation = GradientAggregation(trainer, frequency=4, average=True)
+        closure = aggregation.wrap_closure(optimizer, closure)  # in the strategy's optimizer_step
+    """
+
+    def __init__(self, trainer: Any, frequency: int, average: bool) -> None:
+        self.trainer, self.average = trainer, average
+        self._user_accumulate = trainer.accumulate_grad_batches
+        if frequency > 1:
+            trainer.accumulate_grad_batches = frequency
+
+    @property
+    def micro_batches_per_step(self) -> int:
+        return micro_batches_per_step(self.trainer)
+
+    def close(self) -> None:
+        """The fit ends: the Trainer's own ``accumulate_grad_batches`` again."""
+        self.trainer.accumulate_grad_batches = self._user_accumulate
+
+    def on_train_start(self, gradient_compression: str) -> None:
+        """Say what one optimizer step is; after a resume, keep step-triggered checkpoints from saving mid-window."""
+        trainer, micro_batches = self.trainer, self.micro_batches_per_step
+        if trainer.ckpt_path is not None and micro_batches > 1:
+            # resumed at an optimizer step: checkpointing "every n steps" must not save again mid-window
+            _lightning.mark_resumed_step_saved(trainer)
+        per_device, batch = micro_batch_size(trainer), effective_batch_size(trainer)
+        rank_zero_info(
+            f"shardplus: effective batch {batch or 'unknown'} = {per_device or '?'} per device x "
+            f"{trainer.world_size} processes x {micro_batches} micro-batches per optimizer step "
+            f"({'mean' if self.average else 'sum'} of aggregated gradients); "
+            f"gradient compression {gradient_compression!r}"
+        )
+
+    def wrap_closure(self, optimizer: Optimizer, closure: Callable[[], Any]) -> Callable[[], Any]:
+        """``closure`` (forward + backward of the window's last micro-batch, whose backward all-reduced the
+        window's gradient), then the gradient corrected from Lightning's ``sum(loss / N)`` to the mean over the
+        micro-batches actually aggregated (or their sum). Runs before unscaling, hooks and clipping."""
+        trainer, frequency = self.trainer, self.micro_batches_per_step
+        if frequency == 1 or not trainer.lightning_module.automatic_optimization or not trainer.training:
+            return closure
+
+        def closure_then_normalize() -> Any:
+            result = closure()
+            aggregated = window_length(_lightning.micro_batches_done_in_epoch(trainer), frequency)
+            parameters = (p for group in optimizer.param_groups for p in group["params"])
+            scale_gradients(parameters, gradient_correction(frequency, aggregated, self.average))
+            return result
+
+        return closure_then_normalize
+
+    def warn_if_mid_window(self) -> None:
+        """A checkpoint is saved now: say so if it is inside a window (its accumulated gradient is not in it)."""
+        trainer, frequency = self.trainer, self.micro_batches_per_step
+        batches_done = _lightning.micro_batches_trained_in_epoch(trainer)
+        if batches_done % frequency and batches_done < trainer.num_training_batches:
+            rank_zero_warn(
+                f"shardplus: a checkpoint is saved after micro-batch {batches_done} of the epoch, inside an "
+                f"aggregation window of {frequency}: the gradients accumulated so far are not in it, so a "
+                "run resumed from it does not equal an uninterrupted one. Save at optimizer steps (ModelCheckpoint "
+                "every_n_train_steps counts them)."
+            )
+
+
 # ---------------------------------------------------------------------------------------------- batch sizes
 
 
@@ -98,19 +192,12 @@ def dataloaders(loaders: Any) -> Iterator[DataLoader]:
 
 
 def micro_batches_per_step(trainer: Any) -> int:
-    """Micro-batches per optimizer step.
-
-    ``ShardPlusStrategy`` sets ``trainer.accumulate_grad_batches`` to its ``aggregation_frequency`` when a fit
-    starts (the two may not differ), so they are the same count and never multiplied; before that, and with
-    other strategies, the larger of the two is the one that applies.
-    """
-    frequency = getattr(trainer.strategy, "aggregation_frequency", 1)
-    if isinstance(frequency, bool) or not isinstance(frequency, int) or frequency < 1:
-        frequency = 1
+    """Micro-batches per optimizer step: Lightning's ``accumulate_grad_batches`` (``ShardPlusStrategy`` sets it
+    to its ``aggregation_frequency`` for the fit: they are one count, never multiplied)."""
     accumulate = trainer.accumulate_grad_batches
     if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
-        accumulate = 1
-    return max(frequency, accumulate)
+        return 1
+    return accumulate
 
 
 def micro_batch_size(trainer: Any) -> int | None:

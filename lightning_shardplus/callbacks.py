@@ -599,7 +599,7 @@ class ScalingReport(CommunicationHookWrapper):
             micro_batches_per_step=_aggregation(trainer),
             communication_measured=self._world_size < 2 or self._hook_wrapped,
             timing=self._clock.name,
-            gradient_compression=getattr(trainer.strategy, "gradient_compression", None),
+            gradient_compression=getattr(getattr(trainer.strategy, "config", None), "gradient_compression", None),
         )
         if not trainer.is_global_zero:
             return

@@ -383,6 +383,92 @@ def checkpoint_entry(name: str, per_rank: list[dict[str, Any] | None]) -> dict[s
     return {"name": name, "world_size": len(per_rank), "per_rank": per_rank}
 
 
+class CommunicationHook:
+    """The gradient communication hook of one fit, registered on each DDP wrapper the strategy builds: the hook
+    of ``gradient_compression`` (with its state) or the user's ``ddp_comm_hook``, wrapped by ``ddp_comm_wrapper``
+    and then by ``wrappers`` (the instrumentation callbacks' ``wrap``); and the compression state in checkpoints.
+
+    Example::
+
+        hook = CommunicationHook("fp16", backend="gloo", device=torch.device("cpu"))
+        hook.register(ddp_model)  # again after each re-wrap: PowerSGD's state carries over
+    """
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        backend: str,
+        device: torch.device,
+        user_hook: Callable | None = None,
+        user_state: object | None = None,
+        user_wrapper: Callable | None = None,
+        wrappers: list[Callable[[Callable], Callable]] | None = None,
+    ) -> None:
+        self.name, self.backend = name, backend
+        self.user_hook, self.user_state, self.user_wrapper = user_hook, user_state, user_wrapper
+        self.wrappers = wrappers or []
+        self.compression = build_compression(name, user_state)
+        if self.compression is not None:
+            self.compression.check_backend(backend, device)
+
+    def register(self, model: DistributedDataParallel) -> None:
+        """Register the hook on ``model`` (once per wrapper; a wrapper that has it already is left alone)."""
+        if getattr(model, _HOOK_REGISTERED, False):
+            return
+        hook, state = self.user_hook, self.user_state
+        if self.compression is not None:
+            hook, state = self.compression.hook_for(model, self.backend)
+        if hook is None and (self.user_wrapper is not None or self.wrappers):
+            hook, state = default_hooks.allreduce_hook, None  # DDP's all-reduce, as a hook that can be wrapped
+        if hook is None:
+            return
+        if self.user_wrapper is not None:
+            hook = self.user_wrapper(hook)
+        for wrap in self.wrappers:
+            hook = wrap(hook)
+        try:
+            model.register_comm_hook(state, hook)
+        except Exception as err:
+            raise RuntimeError(
+                f"DDP refused the communication hook {getattr(hook, '__qualname__', hook)!r} "
+                f"(`gradient_compression`={self.name!r}) on the {self.backend!r} backend: {err}"
+            ) from err
+        setattr(model, _HOOK_REGISTERED, True)
+
+    def local_state_dict(self) -> dict[str, Any] | None:
+        """This rank's compression state (PowerSGD's error feedback is per rank); None when stateless."""
+        return None if self.compression is None else self.compression.state_dict()
+
+    def state_dict(self) -> dict[str, Any] | None:
+        """Every rank's compression state, gathered on rank 0 (which writes the checkpoint): a collective, call
+        it on every rank. None when stateless (and on ranks other than 0)."""
+        state = self.local_state_dict()
+        if state is None:
+            return None
+        if not (dist.is_available() and dist.is_initialized()):
+            return checkpoint_entry(self.name, [state])
+        gathered: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        dist.gather_object(state, gathered, dst=0)
+        return None if gathered is None else checkpoint_entry(self.name, gathered)
+
+    def load_state_dict(self, entry: dict[str, Any]) -> None:
+        """Continue with this rank's part of a checkpoint's compression state (see :func:`checkpoint_entry`)."""
+        if self.compression is None or entry.get("name") != self.name:
+            rank_zero_warn(
+                f"shardplus: the checkpoint holds {entry.get('name')!r} gradient-compression state, this run "
+                f"uses `gradient_compression`={self.name!r}: it starts without it."
+            )
+            return
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        rank = dist.get_rank() if world > 1 else 0
+        self.compression.load_checkpoint_entry(entry, rank, world)
+
+
+# Set on a DistributedDataParallel wrapper once `CommunicationHook.register` has given it its hook.
+_HOOK_REGISTERED = "_shardplus_hook_registered"
+
+
 # ------------------------------------------------------------------------------------------------ counting
 
 

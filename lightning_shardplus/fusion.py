@@ -35,9 +35,10 @@ How a decision is reached (Horovod's autotuner, made robust on a noisy machine a
   world size, device type, backend, torch version, communication hook, search space), so that the next run
   with the same key starts with the tuned setting and does not search.
 
-This module knows nothing of the Trainer: the strategy calls :meth:`FusionAutotuner.on_step_boundary` at the
-start of each optimizer step and re-wraps DDP when it returns a setting. Collectives and the clock are passed
-in, so the search runs in one process in tests.
+:class:`FusionAutotuner` knows nothing of the Trainer: collectives and the clock are passed in, so the search runs
+in one process in tests. :class:`TensorFusion` is the strategy's component for one fit: it builds the autotuner
+(cache key, log), drives it at optimizer-step boundaries and reports the result; the strategy re-wraps DDP when
+it returns a setting.
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_shardplus._validation import check_int
@@ -622,7 +624,7 @@ class FusionAutotuner:
             self._first_stage = self._race = self._new_race(stage, preferred=reference)
         else:  # the user's size, or one layout for every candidate: only the first bucket is left to race
             chosen = stage[0] if stage else reference
-            self._race = self._second_stage(chosen)
+            self._race = self.second_stage(chosen)
             if self._race is None:  # nothing to search
                 source = (
                     "`tensor_fusion_threshold_mb` (no first bucket to race)"
@@ -645,7 +647,7 @@ class FusionAutotuner:
             tolerance=settings.tolerance,
         )
 
-    def _second_stage(self, chosen: BucketSetting, raced: Iterable[BucketSetting] = ()) -> CandidateRace | None:
+    def second_stage(self, chosen: BucketSetting, raced: Iterable[BucketSetting] = ()) -> CandidateRace | None:
         """``chosen`` against the first buckets of its size that the first stage did not race (``raced``; nor one
         with the same buckets): it stays unless one is measurably faster. None when there is nothing to race."""
         layout = self.layout or (lambda setting: setting)
@@ -662,6 +664,21 @@ class FusionAutotuner:
     @property
     def tuning(self) -> bool:
         return self.result is None
+
+    @property
+    def stage(self) -> str:
+        """``"bucket"`` while the bucket size is raced, ``"first_bucket"`` while the first bucket is."""
+        return "bucket" if self._race is self._first_stage else "first_bucket"
+
+    @property
+    def measuring(self) -> BucketSetting | None:
+        """The setting the sample in progress measures (None when not tuning)."""
+        return self._sample.setting if self.tuning and self._sample is not None else None
+
+    @property
+    def sample_intervals(self) -> list[float]:
+        """The step times counted so far in the sample in progress (warm-up steps are not counted)."""
+        return list(self._sample.intervals) if self._sample is not None else []
 
     @property
     def candidates(self) -> list[BucketSetting]:
@@ -714,7 +731,7 @@ class FusionAutotuner:
             next_setting = self._race.next_setting()
             if next_setting is None and self._race is self._first_stage:
                 assert self._race.winner is not None
-                self._race = self._second_stage(self._race.winner, self._race.samples) or self._race
+                self._race = self.second_stage(self._race.winner, self._race.samples) or self._race
                 next_setting = self._race.next_setting()
             more = next_setting is not None
             setting = next_setting if next_setting is not None else self._race.winner
@@ -742,7 +759,8 @@ class FusionAutotuner:
     def _finish(self, winner: BucketSetting, complete: bool) -> None:
         """Record the result; rank 0 (which holds the timings) caches it."""
         reference = self.settings.reference
-        step_s, default_s, paired_gain = self._measured_against(winner, reference)
+        stages = [stage for stage in (self._first_stage, self._race) if stage is not None]
+        step_s, default_s, paired_gain = measured_against(stages, winner, reference)
         decider = self.collectives.is_decider
         self.result = FusionResult(
             winner,
@@ -758,35 +776,10 @@ class FusionAutotuner:
         if complete and self.collectives.is_decider and self.cache_path is not None and self.cache_key is not None:
             store_cached(self.cache_path, self.cache_key, self.result.cache_entry())
 
-    def _measured_against(
-        self, winner: BucketSetting, reference: BucketSetting
-    ) -> tuple[float | None, float | None, float | None]:
-        """The winner's and the reference's median step times on one time base (the machine's speed drifts between
-        stages and rounds) and reference / winner paired round by round: from the rounds both ran in the last stage
-        that raced both; else through the first stage's winner (raced against the reference in the first stage,
-        against the winner in the second), the winner's time being its time divided by their paired ratio; else
-        what was measured, unpaired (None: not measured)."""
-        stages = [s for s in (self._first_stage, self._race) if s is not None]
-        for stage in reversed(stages):
-            mine, theirs = stage.by_round.get(winner, {}), stage.by_round.get(reference, {})
-            shared = [r for r in mine if r in theirs]
-            if shared:
-                times = statistics.median(mine[r] for r in shared), statistics.median(theirs[r] for r in shared)
-                return *times, stage.ratio(reference, winner)
-        first, second = stages[0], stages[-1]
-        chosen = first.winner
-        if second is not first and chosen is not None and first.samples.get(reference):
-            factor = second.ratio(chosen, winner)  # inf when they share no round
-            step, gain = first.median(chosen) / factor, first.ratio(reference, chosen) * factor
-            if math.isfinite(gain) and step > 0:
-                return step, first.median(reference), gain
-        measured = {s: stage.median(s) for stage in stages for s in (winner, reference) if stage.samples.get(s)}
-        return measured.get(winner), measured.get(reference), None
-
     def _log_row(self, sample: _Sample, score: float) -> None:
         if self.log_path is None:
             return
-        stage = "bucket" if self._race is self._first_stage else "first_bucket"
+        stage = self.stage
         bytes_per_s = self.gradient_bytes / score if score > 0 else 0.0
         row = [
             self.samples_taken,
@@ -803,5 +796,177 @@ class FusionAutotuner:
             csv.writer(f).writerow(row)
 
 
+def measured_against(
+    stages: Sequence[CandidateRace], winner: BucketSetting, reference: BucketSetting
+) -> tuple[float | None, float | None, float | None]:
+    """The winner's and the reference's median step times on one time base (the machine's speed drifts between
+    stages and rounds) and reference / winner paired round by round: from the rounds both ran in the last stage
+    that raced both; else through the first stage's winner (raced against the reference in the first stage,
+    against the winner in the second), the winner's time being its time divided by their paired ratio; else
+    what was measured, unpaired (None: not measured)."""
+    for stage in reversed(stages):
+        mine, theirs = stage.by_round.get(winner, {}), stage.by_round.get(reference, {})
+        shared = [r for r in mine if r in theirs]
+        if shared:
+            times = statistics.median(mine[r] for r in shared), statistics.median(theirs[r] for r in shared)
+            return *times, stage.ratio(reference, winner)
+    first, second = stages[0], stages[-1]
+    chosen = first.winner
+    if second is not first and chosen is not None and first.samples.get(reference):
+        factor = second.ratio(chosen, winner)  # inf when they share no round
+        step, gain = first.median(chosen) / factor, first.ratio(reference, chosen) * factor
+        if math.isfinite(gain) and step > 0:
+            return step, first.median(reference), gain
+    measured = {s: stage.median(s) for stage in stages for s in (winner, reference) if stage.samples.get(s)}
+    return measured.get(winner), measured.get(reference), None
+
+
 def _encode_first(setting: BucketSetting) -> float:
     return -1.0 if setting.first_bucket_mb is None else setting.first_bucket_mb
+
+
+# ---------------------------------------------------------------------------------------------------- component
+
+
+class TensorFusion:
+    """DDP's bucket setting for one fit: the configured one, or, with ``tune``, the one a :class:`FusionAutotuner`
+    chooses by measurement. Owns the search, its cache key, CSV log, summary line and logged result.
+
+    The strategy wraps DDP with :meth:`initial_setting`, calls :meth:`on_train_start` once, :meth:`at_batch_start`
+    before every training micro-batch (re-wrapping DDP when it returns a setting), :meth:`interrupt` before
+    validation and :meth:`on_train_end`. ``state_dict`` holds a finished tuning's setting, so that a resumed run
+    goes on with it instead of searching again.
+
+    Args:
+        trainer: the Trainer of the fit (its step counters, and its loggers for the result).
+        settings: the search space; ``settings.reference`` is the setting without tuning.
+        tune: search (``auto_tune_tensor_fusion``); False: DDP keeps ``settings.reference``.
+        log_path / cache: ``autotune_log`` and ``autotune_cache`` (True: :data:`DEFAULT_CACHE_PATH`).
+        cache_extra: what else the best setting depends on (communication hook, DDP flags, micro-batches per
+            step), beside the parameters, world size, device, backend and torch version.
+    """
+
+    def __init__(
+        self,
+        trainer: Any,
+        settings: AutotuneSettings,
+        *,
+        tune: bool = False,
+        log_path: str | os.PathLike | None = None,
+        cache: str | os.PathLike | bool = True,
+        cache_extra: dict[str, Any] | None = None,
+    ) -> None:
+        self.trainer, self.settings, self.tune, self.log_path = trainer, settings, tune, log_path
+        self.cache_path = DEFAULT_CACHE_PATH if cache is True else (cache or None)
+        self.cache_extra = {"search": settings.describe(), **(cache_extra or {})}
+        self.tuner: FusionAutotuner | None = None
+        self._checkpointed: dict[str, Any] | None = None  # the tuned setting of a checkpoint being resumed
+        self._reported = False
+
+    @property
+    def result(self) -> FusionResult | None:
+        """What tuning decided (None without tuning, or while it measures)."""
+        return None if self.tuner is None else self.tuner.result
+
+    @property
+    def tuning(self) -> bool:
+        """Whether the search is still measuring (DDP may be re-wrapped at the next optimizer step)."""
+        return self.tuner is not None and self.tuner.tuning
+
+    def initial_setting(
+        self, module: torch.nn.Module, world_size: int, device: torch.device, backend: str
+    ) -> BucketSetting:
+        """The setting to wrap DDP with first: the checkpoint's or the cached tuned one, else the first to measure
+        (a broadcast from rank 0 when tuning: call it on every rank)."""
+        if not self.tune:
+            return self.settings.reference
+        parameters = [p for p in module.parameters() if p.requires_grad]
+        key = cache_key(parameters, world_size, device.type, backend, self.cache_extra)
+        self.tuner = FusionAutotuner(
+            self.settings,
+            Collectives.torch_distributed(device),
+            log_path=self.log_path,
+            cache_path=self.cache_path,
+            cache_key=key,
+            gradient_bytes=sum(p.numel() * p.element_size() for p in parameters),
+            checkpointed=self._checkpointed,
+            # with find_unused_parameters DDP keeps its first-iteration buckets (other cuts): no merging then
+            layout=None if self.cache_extra.get("find_unused_parameters") else _partial_layout(parameters),
+        )
+        return self.tuner.initial_setting
+
+    def on_train_start(self) -> None:
+        """Start measuring, or report the setting found without a search."""
+        tuner = self.tuner
+        if tuner is None:
+            return
+        if not tuner.tuning:
+            self._report()
+            return
+        tuner.start(self.trainer.global_step)
+        raced = tuner.candidates or [self.settings.reference]
+        same = "".join(
+            f"; {', '.join(o.label for o in others)}: the same buckets as {kept.label} for this model"
+            for kept, others in tuner.merged.items()
+        )
+        rank_zero_info(
+            f"shardplus: tuning the tensor-fusion bucket size among {', '.join(s.label for s in raced)}{same}: at "
+            f"most {self.settings.max_tuning_steps} optimizer steps"
+        )
+        total = self.trainer.estimated_stepping_batches
+        if math.isfinite(total) and total < self.settings.max_tuning_steps:
+            rank_zero_warn(
+                f"shardplus: this run has {int(total)} optimizer steps, tensor-fusion tuning may take up to "
+                f"{self.settings.max_tuning_steps}: it may end before tuning does (then nothing is cached). Give fewer "
+                "`autotune_candidates_mb` or a smaller `autotune_steps_per_sample`."
+            )
+
+    def at_batch_start(self, batch_idx: int) -> BucketSetting | None:
+        """A training micro-batch starts: at an optimizer-step boundary while tuning, time the step that ended;
+        returns the setting to re-wrap DDP with before this step (a collective then: every rank gets it)."""
+        tuner = self.tuner
+        if tuner is None or not tuner.tuning or batch_idx % self.trainer.accumulate_grad_batches:
+            return None  # inside an aggregation window: DDP is re-wrapped only between optimizer steps
+        # the step that ended at an epoch's first batch spans the epoch end: not timed
+        setting = tuner.on_step_boundary(self.trainer.global_step, counted=batch_idx > 0)
+        if not tuner.tuning:
+            self._report()
+        return setting
+
+    def interrupt(self) -> None:
+        """Something other than a training step runs now (validation): the step in progress is not timed."""
+        if self.tuner is not None:
+            self.tuner.interrupt()
+
+    def on_train_end(self) -> None:
+        """Training ends while tuning: the best setting so far (a broadcast: every rank), not cached."""
+        if self.tuner is not None and self.tuner.tuning:
+            self.tuner.finish_early()
+            self._report()
+
+    def _report(self) -> None:
+        """The summary line, and the result to the Lightning loggers (rank 0, which holds the timings)."""
+        result = self.result
+        if result is None or self._reported:
+            return
+        self._reported = True
+        where = []
+        if self.log_path and not result.from_cache:
+            where.append(f"samples in {self.log_path}")
+        if self.tuner is not None and self.tuner.cache_path is not None and result.complete:
+            if result.source == "the autotune cache":
+                where.append(f"cache {self.tuner.cache_path}")
+        rank_zero_info(result.summary() + (f" ({'; '.join(where)})" if where else ""))
+        if self.trainer.is_global_zero:
+            for logger in self.trainer.loggers:
+                logger.log_metrics(result.metrics(), step=self.trainer.global_step)
+
+    def state_dict(self) -> dict[str, Any] | None:
+        return None if self.tuner is None else checkpoint_entry(self.result, self.tuner.cache_key)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._checkpointed = state
+
+
+def _partial_layout(parameters: list[torch.Tensor]) -> Callable[[BucketSetting], Any]:
+    return lambda setting: bucket_layout(parameters, setting)

@@ -5,7 +5,9 @@ for peers that never come or two take the same rank."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from importlib.util import find_spec
+from typing import Any
 
 from lightning.fabric.plugins import ClusterEnvironment
 from lightning.fabric.plugins.environments import (
@@ -85,3 +87,16 @@ def check_launcher_world_size(environment: ClusterEnvironment | None, devices: i
         f"--nnodes={num_nodes}; SLURM --ntasks-per-node={devices} --nodes={num_nodes}; mpirun -np "
         f"{devices * num_nodes})."
     )
+
+
+class LaunchAfterCheck:
+    """A launcher's ``launch`` that first runs ``check`` on the Trainer call's arguments, in the launching process,
+    before any worker or process group starts. A class, not a closure: the spawn and forkserver launchers pickle
+    the Trainer, its strategy and this launcher with it."""
+
+    def __init__(self, check: Callable[..., None], launch: Callable) -> None:
+        self.check, self.launch = check, launch
+
+    def __call__(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        self.check(*args, *kwargs.values(), trainer=trainer)
+        return self.launch(function, *args, trainer=trainer, **kwargs)

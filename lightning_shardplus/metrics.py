@@ -719,25 +719,27 @@ class ExactEvaluation(Callback):
     """Wires exact evaluation into Lightning: added by ``ShardPlusStrategy(exact_evaluation=True)`` when more
     than one process runs.
 
-    From the start of an evaluation run until its epoch end the strategy's ``reduce`` does not communicate
-    (Lightning's per-value ``sync_dist`` would be a per-batch collective) and torchmetrics ``Metric`` modules do
-    not sync; at the epoch end every rank joins one reduction of all logged values, then the Metrics' own sync.
+    From the start of an evaluation run until its epoch end it is :attr:`deferring`: the strategy's ``reduce`` does
+    not communicate then (Lightning's per-value ``sync_dist`` would be a per-batch collective), and torchmetrics
+    ``Metric`` modules do not sync; at the epoch end every rank joins one reduction of all logged values, then the
+    Metrics' own sync.
     """
 
     def __init__(self) -> None:
+        self.deferring = False
         self._metric_flags: dict[Metric, tuple[bool, bool]] = {}
 
     # ------------------------------------------------------------------ window
 
     def _open(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        trainer.strategy.defer_logging_sync = True
+        self.deferring = True
         for metric in pl_module.modules():
             if isinstance(metric, Metric):
                 self._metric_flags[metric] = (metric.sync_on_compute, metric.dist_sync_on_step)
                 metric.sync_on_compute = metric.dist_sync_on_step = False
 
     def _close(self, trainer: pl.Trainer) -> None:
-        trainer.strategy.defer_logging_sync = False
+        self.deferring = False
         for metric, (sync_on_compute, dist_sync_on_step) in self._metric_flags.items():
             metric.sync_on_compute, metric.dist_sync_on_step = sync_on_compute, dist_sync_on_step
             # torchmetrics copies `sync_on_compute` into `_to_sync` on each update: a `compute()` the user calls
@@ -816,3 +818,12 @@ class ExactEvaluation(Callback):
         else:
             value = torch.tensor(_IDENTITY[entry["reduction"]], device=trainer.strategy.root_device)
         return _lightning.log_placeholder(results, entry, value, trainer.strategy.reduce)
+
+
+def share_rank_zero_buffers(module: torch.nn.Module, ddp_kwargs: dict[str, Any]) -> None:
+    """Before evaluating mid-fit, give every rank rank 0's buffers (BatchNorm running statistics), as DDP's next
+    forward would: each rank's last training step updated its own copy, and exact evaluation skips DDP."""
+    sync = ddp_kwargs.get("forward_sync_buffers")  # DDP: None is its default, True
+    if ddp_kwargs.get("broadcast_buffers", True) if sync is None else sync:
+        for buffer in module.buffers():
+            dist.broadcast(buffer, src=0)

@@ -335,8 +335,8 @@ def test_the_new_arguments_parse_from_the_cli(monkeypatch):
         run=False,
     )
     strategy = cli.trainer.strategy
-    assert (strategy.aggregation_frequency, strategy.average_aggregated_gradients) == (4, False)
-    assert strategy.gradient_compression == "fp16"
+    assert (strategy.config.aggregation_frequency, strategy.config.average_aggregated_gradients) == (4, False)
+    assert strategy.config.gradient_compression == "fp16"
     with pytest.raises(ValueError, match=r"`aggregation_frequency`=0 is not valid: expected an integer >= 1"):
         ShardPlusCLI(
             args=["--config", str(config), "--trainer.strategy.init_args.aggregation_frequency=0"], run=False

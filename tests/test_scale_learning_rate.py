@@ -393,12 +393,11 @@ def test_aggregation_counts_the_strategy_frequency_or_accumulation_once() -> Non
 
     from lightning_shardplus.callbacks import _aggregation
 
-    # ShardPlusStrategy sets accumulate_grad_batches to its aggregation_frequency: one count, not a product
+    # ShardPlusStrategy sets accumulate_grad_batches to its aggregation_frequency: one count, not a product (the
+    # strategy sets it in its setup, before any callback's on_fit_start: test_effective_batch_is_the_strategy_figure...)
     trainer: Any = SimpleNamespace(
         strategy=SimpleNamespace(aggregation_frequency=3), accumulate_grad_batches=3
     )
-    assert _aggregation(trainer) == 3
-    trainer.accumulate_grad_batches = 1  # before the strategy has set it
     assert _aggregation(trainer) == 3
     trainer.strategy = SimpleNamespace()  # a strategy without the attribute
     trainer.accumulate_grad_batches = 2
@@ -410,14 +409,21 @@ def test_effective_batch_is_the_strategy_figure_with_aggregation(tmp_path: Path)
     scale = ScaleLearningRate(rule="linear")
     records = _fit_aggregated(tmp_path, scale)
     assert records["callback"] == records["strategy"] == 4 * 2 * 3
+    assert records["at_fit_start"] == 3  # the strategy's count, already when the first callback hook of a fit runs
 
 
 def _fit_aggregated(directory: Path, scale: ScaleLearningRate) -> dict[str, Any]:
+    from lightning_shardplus.callbacks import _aggregation
+
     class Report(Callback):
+        def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            self.at_fit_start = _aggregation(trainer)
+
         def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
             if trainer.is_global_zero:
                 strategy_figure = trainer.strategy.effective_batch_size
                 figures = {"callback": scale.effective_batch_size, "strategy": strategy_figure}
+                figures["at_fit_start"] = self.at_fit_start
                 (directory / "figures.json").write_text(json.dumps(figures))
 
     trainer = pl.Trainer(

@@ -167,7 +167,7 @@ def test_the_steps_of_fusion_autotuning_are_not_counted(tmp_path):
         "autotune_warmup_steps": 1,
         "autotune_cache": False,
     }
-    bound = ShardPlusStrategy(**tuning).autotune_settings.max_tuning_steps
+    bound = ShardPlusStrategy(**tuning).config.autotune_settings.max_tuning_steps
     assert bound == 3 * 4 * 2 + 2
     report = fit_with_report(tmp_path, devices=2, delay=0.0, strategy_kwargs=tuning, batches=40)
     plain = fit_with_report(tmp_path / "plain", devices=2, delay=0.0, batches=40)

@@ -1,0 +1,131 @@
+"""``RunComponents``: what one Trainer run of ``ShardPlusStrategy`` is made of, built from its config.
+
+The strategy builds one in ``setup()`` and drops it in ``teardown()``: every piece of per-run state lives in
+these components, not in strategy attributes. The ones with checkpoint state are saved under their own keys by
+the strategy's one loop (:meth:`RunComponents.stateful`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.trainer.states import TrainerFn
+
+from lightning_shardplus import compression, fusion, sharding
+from lightning_shardplus.aggregation import GradientAggregation
+from lightning_shardplus.callbacks import VerifySharding
+from lightning_shardplus.compression import CommunicationHook, CommunicationHookWrapper
+from lightning_shardplus.config import ShardPlusConfig
+from lightning_shardplus.datamodule import ShardPlusDataModule
+from lightning_shardplus.loaders import ShardedLoaders
+from lightning_shardplus.metrics import AverageTrainingMetrics, ExactEvaluation
+
+# Where each stateful component's state goes in a Lightning checkpoint.
+CHECKPOINT_KEYS = (sharding.CHECKPOINT_KEY, compression.CHECKPOINT_KEY, fusion.CHECKPOINT_KEY)
+
+
+@dataclass
+class DistributedSetup:
+    """What the components need to know of the strategy's processes and DDP."""
+
+    num_replicas: int
+    rank: int
+    backend: str
+    device: torch.device
+    ddp_comm_hook: Callable | None = None
+    ddp_comm_state: object | None = None
+    ddp_comm_wrapper: Callable | None = None
+    ddp_kwargs: dict[str, Any] | None = None
+
+
+@dataclass
+class RunComponents:
+    """The components of one Trainer run; ``aggregation``, ``hook`` and ``fusion`` exist in fit only."""
+
+    loaders: ShardedLoaders
+    exact: ExactEvaluation | None = None  # the callback, when evaluation is exact across more than one rank
+    aggregation: GradientAggregation | None = None
+    hook: CommunicationHook | None = None
+    fusion: fusion.TensorFusion | None = None
+
+    @classmethod
+    def build(cls, config: ShardPlusConfig, trainer: pl.Trainer, setup: DistributedSetup) -> RunComponents:
+        """The components of ``trainer``'s run; the callbacks shardplus needs are added to the Trainer's."""
+        exact_across_ranks = config.exact_evaluation and setup.num_replicas > 1
+        _add_callbacks(config, trainer, exact_across_ranks)
+        datamodule = getattr(trainer, "datamodule", None)
+        loaders = ShardedLoaders(
+            trainer,
+            setup.num_replicas,
+            setup.rank,
+            padding=config.shard_padding,
+            seed=config.epoch_seed,
+            # Lightning marks every training loader as shuffled when it injects its sampler: read the datamodule's
+            shuffle=not isinstance(datamodule, ShardPlusDataModule) or datamodule.shuffle,
+            exact_evaluation=config.exact_evaluation,
+            record_indices=config.verify_sharding,
+        )
+        exact = next((cb for cb in trainer.callbacks if isinstance(cb, ExactEvaluation)), None)
+        parts = cls(loaders, exact=exact if exact_across_ranks else None)
+        if trainer.state.fn == TrainerFn.FITTING:
+            parts.aggregation = GradientAggregation(
+                trainer, config.aggregation_frequency, config.average_aggregated_gradients
+            )
+            parts.hook = CommunicationHook(
+                config.gradient_compression,
+                backend=setup.backend,
+                device=setup.device,
+                user_hook=setup.ddp_comm_hook,
+                user_state=setup.ddp_comm_state,
+                user_wrapper=setup.ddp_comm_wrapper,
+                wrappers=[cb.wrap for cb in trainer.callbacks if isinstance(cb, CommunicationHookWrapper)],
+            )
+            parts.fusion = _tensor_fusion(config, trainer, setup, parts.aggregation.micro_batches_per_step)
+        return parts
+
+    def stateful(self) -> dict[str, Any]:
+        """The components with checkpoint state (``state_dict`` / ``load_state_dict``), by checkpoint key."""
+        parts = dict(zip(CHECKPOINT_KEYS, (self.loaders, self.hook, self.fusion), strict=True))
+        return {key: part for key, part in parts.items() if part is not None}
+
+    def close(self) -> None:
+        """The run ends: what the components changed outside themselves is put back."""
+        self.loaders.close()
+        if self.aggregation is not None:
+            self.aggregation.close()
+
+
+def _add_callbacks(config: ShardPlusConfig, trainer: pl.Trainer, exact_across_ranks: bool) -> None:
+    callbacks = trainer.callbacks
+    if config.verify_sharding and not any(isinstance(cb, VerifySharding) for cb in callbacks):
+        callbacks.append(VerifySharding())
+    # first, so that epoch values are exact, and training metrics averaged, before other callbacks read them
+    if exact_across_ranks and not any(isinstance(cb, ExactEvaluation) for cb in callbacks):
+        callbacks.insert(0, ExactEvaluation())
+    if config.average_training_metrics and not any(isinstance(cb, AverageTrainingMetrics) for cb in callbacks):
+        callbacks.insert(0, AverageTrainingMetrics())
+
+
+def _tensor_fusion(
+    config: ShardPlusConfig, trainer: pl.Trainer, setup: DistributedSetup, micro_batches_per_step: int
+) -> fusion.TensorFusion:
+    ddp_kwargs = setup.ddp_kwargs or {}
+    # what the best bucket size depends on, beside the parameters, world size, device, backend and torch
+    extra = {
+        "gradient_compression": config.gradient_compression,
+        "ddp_comm_hook": getattr(setup.ddp_comm_hook, "__qualname__", None),
+        "micro_batches_per_step": micro_batches_per_step,
+        **{k: ddp_kwargs.get(k) for k in ("find_unused_parameters", "static_graph", "gradient_as_bucket_view")},
+    }
+    return fusion.TensorFusion(
+        trainer,
+        config.autotune_settings,
+        tune=config.auto_tune_tensor_fusion,
+        log_path=config.autotune_log,
+        cache=config.autotune_cache,
+        cache_extra=extra,
+    )

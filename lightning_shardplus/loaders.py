@@ -1,0 +1,176 @@
+"""``ShardedLoaders``: the shardplus samplers put into the loaders Lightning prepared, and the training samplers'
+progress saved in checkpoints so that a resumed run reads exactly the samples that were next.
+
+Lightning injects a ``DistributedSampler`` into every loader that has none of its own; this component replaces
+it with a :class:`~lightning_shardplus.sharding.PaddedShardSampler` for training (equal padded shards, one
+global permutation per epoch) and an :class:`~lightning_shardplus.sharding.ExactShardSampler` for evaluation
+(every sample once). Loaders the user sharded, or that Lightning left alone (iterable datasets), pass through.
+One is built per Trainer run by the strategy and dropped at its teardown.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import lightning.pytorch as pl
+import torch.distributed
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch.utils.data import DataLoader, DistributedSampler, Sampler
+
+from lightning_shardplus import _lightning, aggregation
+from lightning_shardplus.sharding import (
+    ExactShardSampler,
+    PaddedShardSampler,
+    PaddingMode,
+    PlaceholderShardSampler,
+    checkpoint_entry,
+)
+
+EVALUATION_STAGES = (
+    RunningStage.VALIDATING,
+    RunningStage.SANITY_CHECKING,
+    RunningStage.TESTING,
+    RunningStage.PREDICTING,
+)
+
+
+class ShardedLoaders:
+    """Samplers for one Trainer run on ``num_replicas`` processes.
+
+    Args:
+        trainer: the Trainer of the run (its stage, its training loaders and batch counter are read).
+        shuffle: the training order is shuffled (False: a ``ShardPlusDataModule(shuffle=False)``).
+        exact_evaluation: evaluation loaders get unpadded shards.
+    """
+
+    def __init__(
+        self,
+        trainer: pl.Trainer,
+        num_replicas: int,
+        rank: int,
+        *,
+        padding: PaddingMode,
+        seed: int,
+        shuffle: bool,
+        exact_evaluation: bool,
+        record_indices: bool,
+    ) -> None:
+        self.trainer, self.num_replicas, self.rank = trainer, num_replicas, rank
+        self.padding, self.seed, self.shuffle = padding, seed, shuffle
+        self.exact_evaluation, self.record_indices = exact_evaluation, record_indices
+        self._resumed: dict[str, Any] | None = None  # a checkpoint's sampler progress, until the loaders are built
+        self._resumed_used = 0  # how many of its sampler states were given to samplers so far
+        self._restore_warnings: Callable[[], None] | None = None
+        if exact_evaluation and num_replicas > 1:
+            # Lightning warns that its evaluation sampler replicates samples: not so with exact shards
+            self._restore_warnings = _lightning.silence_evaluation_sampler_warning()
+
+    def close(self) -> None:
+        """The run ends: put the warning filter back."""
+        if self._restore_warnings is not None:
+            self._restore_warnings()
+            self._restore_warnings = None
+
+    def process(self, dataloader: Any) -> Any:
+        """``dataloader`` with a shardplus sampler where Lightning injected its ``DistributedSampler``."""
+        if not isinstance(dataloader, DataLoader):
+            return dataloader
+        sampler = _lightning.effective_sampler(dataloader)
+        if not _lightning.is_injected(sampler):
+            if isinstance(sampler, DistributedSampler):
+                rank_zero_warn(
+                    "shardplus: a DataLoader already has a DistributedSampler; it is left alone, so padded "
+                    "equal shards and exact evaluation do not apply to it. Pass a plain DataLoader to get "
+                    "them."
+                )
+            return dataloader
+        if not _lightning.injected_over_dataset_order(sampler):
+            rank_zero_warn(
+                "shardplus: a DataLoader has a custom sampler; Lightning's DistributedSamplerWrapper shards "
+                "it, and padded equal shards and exact evaluation do not apply to it."
+            )
+            return dataloader
+        stage = self.trainer.state.stage
+        if stage == RunningStage.TRAINING:
+            return _lightning.replace_sampler(dataloader, self._training_sampler(dataloader, sampler), stage)
+        if stage in EVALUATION_STAGES and self.exact_evaluation:
+            exact: Sampler = ExactShardSampler(dataloader.dataset, self.num_replicas, self.rank)
+            if len(exact) == 0 and len(dataloader.dataset) > 0:
+                exact = PlaceholderShardSampler()
+            return _lightning.replace_sampler(dataloader, exact, stage)
+        return dataloader
+
+    def training_loaders_built(self) -> None:
+        """Training starts: a later reload (``reload_dataloaders_every_n_epochs``) starts its epoch whole."""
+        self._resumed, self._resumed_used = None, 0
+
+    def _training_sampler(self, dataloader: DataLoader, injected: Any) -> PaddedShardSampler:
+        if len(dataloader.dataset) == 0:
+            raise ValueError(
+                "The training dataset is empty (len(train dataset) == 0): give it at least one sample."
+            )
+        sampler = PaddedShardSampler(
+            dataloader.dataset,
+            self.num_replicas,
+            self.rank,
+            shuffle=bool(injected.shuffle) and self.shuffle,
+            seed=self.seed,
+            padding=self.padding,
+            record_indices=self.record_indices,
+        )
+        self._resume(sampler, loader_batch_size(dataloader))
+        return sampler
+
+    def _resume(self, sampler: PaddedShardSampler, batch_size: int | None) -> None:
+        """Give ``sampler`` its state from the checkpoint being resumed, if any: the training loaders take the
+        checkpoint's sampler states in order. The epoch continues where the checkpoint stopped, resharded over
+        this run's ranks (see ``PaddedShardSampler.load_state_dict``)."""
+        entry = self._resumed
+        if entry is None or self._resumed_used >= len(entry["samplers"]):
+            return
+        state = entry["samplers"][self._resumed_used]
+        self._resumed_used += 1
+        if batch_size is None or state is None:
+            rank_zero_warn("shardplus: a training loader has no batch size; its epoch restarts from the beginning.")
+            return
+        if state["seed"] != sampler.seed:
+            rank_zero_warn(
+                f"shardplus: the checkpoint's training order has seed {state['seed']}, this run's seed is "
+                f"{sampler.seed}: the checkpoint's seed is kept for the rest of training, so that the run goes on "
+                "in the order it started with (as if it had not stopped)."
+            )
+        sampler.load_state_dict(state, samples_counted=int(entry["batches_done"]) * batch_size)
+
+    def state_dict(self) -> dict[str, Any] | None:
+        """The training samplers' progress at the last trained batch; None outside fit or without our samplers."""
+        trainer = self.trainer
+        if trainer.state.fn != TrainerFn.FITTING:
+            return None
+        samplers = [
+            (loader.sampler, loader_batch_size(loader))
+            for loader in aggregation.dataloaders(trainer.train_dataloader)
+            if isinstance(loader.sampler, PaddedShardSampler)
+        ]
+        if not samplers:
+            return None
+        return checkpoint_entry(_lightning.micro_batches_trained_in_epoch(trainer), samplers)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """The progress of a checkpoint being resumed: the training samplers built next continue its epoch."""
+        self._resumed, self._resumed_used = state, 0
+
+
+def loader_batch_size(loader: DataLoader) -> int | None:
+    """Samples per batch of ``loader`` (its ``batch_size``, or its batch sampler's); None when unknown."""
+    size = loader.batch_size if loader.batch_size is not None else getattr(loader.batch_sampler, "batch_size", None)
+    return size if isinstance(size, int) and size >= 1 else None
+
+
+def gather_predictions(predictions: list[Any], num_replicas: int) -> None:
+    """Replace this rank's list of prediction batches by every rank's, in dataset order: exact shards are
+    contiguous blocks in rank order, so concatenating the ranks' lists gives every sample once, in order."""
+    gathered: list[Any] = [None] * num_replicas
+    torch.distributed.all_gather_object(gathered, predictions)
+    predictions[:] = [batch for rank_batches in gathered for batch in rank_batches]
