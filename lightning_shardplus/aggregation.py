@@ -110,7 +110,9 @@ def check_aggregation(frequency: int, trainer: Any, model: Any | None) -> None:
 class GradientAggregation:
     """Aggregation windows for one fit: Lightning's accumulation loop runs them (``trainer.accumulate_grad_batches``
     is set to ``frequency`` until :meth:`close` puts the user's value back), and :meth:`wrap_closure` corrects each
-    window's gradient (the mean over the micro-batches actually aggregated, or their sum).
+    window's gradient (the mean over the micro-batches actually aggregated, or their sum). ``ranks_correction``
+    (micro-batches done in the epoch, aggregated, average) -> factor corrects it further where some ranks had no
+    data (``uneven.EvenSteps.gradient_correction``).
 
     Example::
 
@@ -118,8 +120,14 @@ class GradientAggregation:
         closure = aggregation.wrap_closure(optimizer, closure)  # in the strategy's optimizer_step
     """
 
-    def __init__(self, trainer: Any, frequency: int, average: bool) -> None:
-        self.trainer, self.average = trainer, average
+    def __init__(
+        self,
+        trainer: Any,
+        frequency: int,
+        average: bool,
+        ranks_correction: Callable[[int, int, bool], float] | None = None,
+    ) -> None:
+        self.trainer, self.average, self.ranks_correction = trainer, average, ranks_correction
         self._user_accumulate = trainer.accumulate_grad_batches
         if frequency > 1:
             trainer.accumulate_grad_batches = frequency
@@ -150,15 +158,21 @@ class GradientAggregation:
         """``closure`` (forward + backward of the window's last micro-batch, whose backward all-reduced the
         window's gradient), then the gradient corrected from Lightning's ``sum(loss / N)`` to the mean over the
         micro-batches actually aggregated (or their sum). Runs before unscaling, hooks and clipping."""
-        trainer, frequency = self.trainer, self.micro_batches_per_step
-        if frequency == 1 or not trainer.lightning_module.automatic_optimization or not trainer.training:
+        trainer, frequency, ranks_correction = self.trainer, self.micro_batches_per_step, self.ranks_correction
+        if frequency == 1 and ranks_correction is None:
+            return closure
+        if not trainer.lightning_module.automatic_optimization or not trainer.training:
             return closure
 
         def closure_then_normalize() -> Any:
             result = closure()
-            aggregated = window_length(_lightning.micro_batches_done_in_epoch(trainer), frequency)
+            done = _lightning.micro_batches_done_in_epoch(trainer)
+            aggregated = window_length(done, frequency)
+            factor = gradient_correction(frequency, aggregated, self.average)
+            if ranks_correction is not None:
+                factor *= ranks_correction(done, aggregated, self.average)
             parameters = (p for group in optimizer.param_groups for p in group["params"])
-            scale_gradients(parameters, gradient_correction(frequency, aggregated, self.average))
+            scale_gradients(parameters, factor)
             return result
 
         return closure_then_normalize

@@ -23,6 +23,7 @@ from lightning_shardplus.config import ShardPlusConfig
 from lightning_shardplus.datamodule import ShardPlusDataModule
 from lightning_shardplus.loaders import ShardedLoaders
 from lightning_shardplus.metrics import AverageTrainingMetrics, ExactEvaluation
+from lightning_shardplus.uneven import EvenSteps
 
 # Where each stateful component's state goes in a Lightning checkpoint.
 CHECKPOINT_KEYS = (sharding.CHECKPOINT_KEY, compression.CHECKPOINT_KEY, fusion.CHECKPOINT_KEY)
@@ -44,10 +45,12 @@ class DistributedSetup:
 
 @dataclass
 class RunComponents:
-    """The components of one Trainer run; ``aggregation``, ``hook`` and ``fusion`` exist in fit only."""
+    """The components of one Trainer run; ``even``, ``aggregation``, ``hook`` and ``fusion`` exist in fit only."""
 
     loaders: ShardedLoaders
     exact: ExactEvaluation | None = None  # the callback, when evaluation is exact across more than one rank
+    metrics: AverageTrainingMetrics | None = None  # the callback, when training metrics are averaged
+    even: EvenSteps | None = None
     aggregation: GradientAggregation | None = None
     hook: CommunicationHook | None = None
     fusion: fusion.TensorFusion | None = None
@@ -70,10 +73,15 @@ class RunComponents:
             record_indices=config.verify_sharding,
         )
         exact = next((cb for cb in trainer.callbacks if isinstance(cb, ExactEvaluation)), None)
-        parts = cls(loaders, exact=exact if exact_across_ranks else None)
+        metrics = next((cb for cb in trainer.callbacks if isinstance(cb, AverageTrainingMetrics)), None)
+        parts = cls(loaders, exact=exact if exact_across_ranks else None, metrics=metrics)
         if trainer.state.fn == TrainerFn.FITTING:
+            parts.even = EvenSteps(config.uneven_inputs, setup.num_replicas, setup.backend, trainer)
             parts.aggregation = GradientAggregation(
-                trainer, config.aggregation_frequency, config.average_aggregated_gradients
+                trainer,
+                config.aggregation_frequency,
+                config.average_aggregated_gradients,
+                ranks_correction=parts.even.gradient_correction,
             )
             parts.hook = CommunicationHook(
                 config.gradient_compression,

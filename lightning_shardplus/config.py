@@ -35,6 +35,7 @@ from lightning_shardplus._validation import (
 )
 from lightning_shardplus.compression import GRADIENT_COMPRESSIONS, GradientCompression
 from lightning_shardplus.sharding import PADDING_MODES, PaddingMode
+from lightning_shardplus.uneven import UNEVEN_INPUTS, UnevenInputs
 
 # Keyword arguments DDPStrategy forwards to torch's DistributedDataParallel.
 DDP_KWARGS = frozenset(inspect.signature(DistributedDataParallel.__init__).parameters) - {
@@ -67,6 +68,7 @@ class ShardPlusConfig:
     autotune_warmup_steps: int = 1
     autotune_cache: str | os.PathLike | bool = True
     average_training_metrics: bool = True
+    uneven_inputs: UnevenInputs = "join"
 
     def __post_init__(self) -> None:
         check_int("aggregation_frequency", self.aggregation_frequency, minimum=1)
@@ -88,6 +90,7 @@ class ShardPlusConfig:
             )
         _ = self.autotune_settings  # checked even when tuning is off: a YAML typo fails early
         check_bool("average_training_metrics", self.average_training_metrics)
+        check_choice("uneven_inputs", self.uneven_inputs, UNEVEN_INPUTS)
 
     @classmethod
     def from_arguments(cls, arguments: dict[str, Any]) -> ShardPlusConfig:

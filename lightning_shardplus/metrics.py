@@ -166,6 +166,8 @@ class _Layout:
     header: list[float]  # this rank's header: 1, slots, slots^2, then each digest byte and its square
     slots: int
     position: dict[str, int]  # first body slot of each key
+    # with max/min keys: where one slot per rank says that rank contributed (a rank without data does not)
+    presence: int | None = None
 
     @classmethod
     def of(cls, signature: tuple[tuple[str, str], ...], world_size: int) -> _Layout:
@@ -174,8 +176,11 @@ class _Layout:
         for key, reduction in signature:
             position[key] = slots
             slots += _slots(reduction, world_size)
+        presence = None
+        if any(reduction in ("max", "min") for _, reduction in signature):
+            presence, slots = slots, slots + world_size
         header = [1, slots, slots * slots] + [x for b in _digest(signature) for x in (b, b * b)]
-        return cls(signature, [float(x) for x in header], slots, position)
+        return cls(signature, [float(x) for x in header], slots, position, presence)
 
 
 class _Window:
@@ -214,6 +219,7 @@ class Launched:
     window: _Window
     buffer: Tensor
     work: Any
+    abstain: bool = False
 
 
 class FusedMetricReducer:
@@ -288,11 +294,23 @@ class FusedMetricReducer:
             self._layout = _Layout.of(signature, self.world_size)
         return self._layout
 
-    def pack(self, device: torch.device | str = "cpu", flag: bool = False, window: _Window | None = None) -> Tensor:
-        """This rank's contribution: header (always) and body (when it fits the agreed capacity)."""
+    def pack(
+        self,
+        device: torch.device | str = "cpu",
+        flag: bool = False,
+        window: _Window | None = None,
+        abstain: bool = False,
+    ) -> Tensor:
+        """This rank's contribution: header (always) and body (when it fits the agreed capacity). ``abstain``: a rank
+        without data in this step contributes nothing (zeros): the reductions are over the other ranks."""
         window = window or self._window
         layout = self._layout_of(window)
+        if abstain:
+            nothing = [0.0] * _FLAG + [float(flag)] + [0.0] * self.capacity
+            return torch.tensor(nothing, dtype=torch.float64, device=device)
         numbers = layout.header + [float(flag)] + [0.0] * self.capacity
+        if layout.presence is not None and layout.slots <= self.capacity:
+            numbers[_HEADER + layout.presence + self.rank] = 1.0
         if window.values and layout.slots <= self.capacity:
             seen: set[int] = set()  # max/min slots holding a value already
             for key, value, weight in zip(window.keys, window.floats(), window.weights, strict=True):
@@ -321,16 +339,17 @@ class FusedMetricReducer:
         window = window or self._window
         numbers = buffer.tolist()
         header = [int(x) for x in numbers[:_HEADER]]  # exact: small integers summed in float64
-        world = self.world_size
-        if header[0] != world:
+        world, contributors = self.world_size, header[0]  # ranks without data in this step do not contribute
+        if not 0 < contributors <= world:
             raise RuntimeError(
-                f"shardplus: the training-metrics collective summed {header[0]} contributions, expected {world}."
+                f"shardplus: the training-metrics collective summed {contributors} contributions, expected 1 to "
+                f"{world}."
             )
         self.flagged_ranks = header[_FLAG]
         pairs = [(header[i], header[i + 1]) for i in range(1, _FLAG, 2)]
-        if any(world * squares != total * total for total, squares in pairs):  # the ranks' numbers differ
+        if any(contributors * squares != total * total for total, squares in pairs):  # the ranks' numbers differ
             self._raise_mismatch(where, window)
-        slots = header[1] // world
+        slots = header[1] // contributors
         if slots > self.capacity:
             self.capacity = 1 << (slots - 1).bit_length()
             return None
@@ -349,6 +368,9 @@ class FusedMetricReducer:
                 floats.append(numbers[slot])
             else:
                 per_rank = numbers[slot : slot + world]
+                if layout.presence is not None:  # the ranks that contributed
+                    present = numbers[_HEADER + layout.presence : _HEADER + layout.presence + world]
+                    per_rank = [value for value, here in zip(per_rank, present, strict=True) if here] or [math.nan]
                 extreme = per_rank[0]
                 for value in per_rank[1:]:
                     extreme = (_max if reduction == "max" else _min)(extreme, value)
@@ -359,18 +381,19 @@ class FusedMetricReducer:
         return reduced
 
     def reduce(
-        self, device: torch.device | str = "cpu", where: str = "this step", flag: bool = False
+        self, device: torch.device | str = "cpu", where: str = "this step", flag: bool = False, abstain: bool = False
     ) -> dict[str, Reduced]:
         """Reduce everything observed since the last call, on all ranks; every rank must call it at the same
-        step (also with nothing observed). One all_reduce, two in the step where the capacity grows."""
-        return self._complete(self._window, device, where, flag)
+        step (also with nothing observed; ``abstain``: a rank without data, see :meth:`pack`). One all_reduce, two
+        in the step where the capacity grows."""
+        return self._complete(self._window, device, where, flag, abstain)
 
-    def start(self, device: torch.device | str = "cpu", flag: bool = False) -> Launched:
+    def start(self, device: torch.device | str = "cpu", flag: bool = False, abstain: bool = False) -> Launched:
         """Start reducing what was observed so far without waiting for it (every rank at the same point, as
         for :meth:`reduce`); later observations go to the next reduction. Complete it with :meth:`finish`."""
         window, self._window = self._window, _Window()
-        buffer = self.pack(device, flag, window)
-        return Launched(window, buffer, self._all_reduce(buffer, async_op=True))
+        buffer = self.pack(device, flag, window, abstain)
+        return Launched(window, buffer, self._all_reduce(buffer, async_op=True), abstain)
 
     def finish(
         self, launched: Launched, device: torch.device | str = "cpu", where: str = "this step"
@@ -381,11 +404,13 @@ class FusedMetricReducer:
         reduced = self.unpack(launched.buffer, where, launched.window)
         if reduced is not None:
             return reduced
-        return self._complete(launched.window, device, where, bool(self.flagged_ranks))
+        return self._complete(launched.window, device, where, bool(self.flagged_ranks), launched.abstain)
 
-    def _complete(self, window: _Window, device: torch.device | str, where: str, flag: bool) -> dict[str, Reduced]:
+    def _complete(
+        self, window: _Window, device: torch.device | str, where: str, flag: bool, abstain: bool = False
+    ) -> dict[str, Reduced]:
         while True:
-            buffer = self.pack(device, flag, window)
+            buffer = self.pack(device, flag, window, abstain)
             self._all_reduce(buffer)
             reduced = self.unpack(buffer, where, window)
             if reduced is not None:
@@ -493,6 +518,17 @@ class AverageTrainingMetrics(Callback):
         self._last: dict[str, Tensor] = {}  # the last reduced step value of each metric
         self._warned: set[str] = set()
         self._weight = _BatchWeight()
+        self._without_data = False  # this rank had no data in a micro-batch of this logged step (uneven inputs)
+
+    def abstain_this_step(self) -> None:
+        """This rank has no data in the current micro-batch (``uneven_inputs="join"``): in a logged step where it
+        observed nothing, it takes part in the collective without contributing, so the values are the means over
+        the ranks that had data."""
+        self._without_data = True
+
+    def _abstains(self) -> bool:
+        assert self._reducer is not None
+        return self._without_data and not self._reducer.pending
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._stop()
@@ -551,7 +587,7 @@ class AverageTrainingMetrics(Callback):
         # Packing reads the values on the host: on an accelerator that would wait for the forward pass before
         # backward is queued, so there the collective stays in `on_train_batch_end` (which must read them anyway).
         if self._late_values is False and trainer.strategy.root_device.type == "cpu":
-            self._launched = self._reducer.start(trainer.strategy.root_device, flag=self._announce)
+            self._launched = self._reducer.start(trainer.strategy.root_device, self._announce, self._abstains())
             self._announce = False
 
     def on_train_batch_end(
@@ -571,7 +607,7 @@ class AverageTrainingMetrics(Callback):
             if self._launched is None:
                 flag = self._logged_after_backward or self._announce
                 self._announce = False
-                self._apply(self._pending, self._reducer.reduce(device, where, flag))
+                self._apply(self._pending, self._reducer.reduce(device, where, flag, self._abstains()))
                 if self._late_values is None:
                     self._late_values = self._reducer.flagged_ranks > 0
                 return
@@ -579,7 +615,7 @@ class AverageTrainingMetrics(Callback):
             if self._reducer.flagged_ranks:
                 # a rank logged after backward in an earlier step: from now on every step reduces in this hook
                 self._late_values = True
-                self._apply(self._after_launch, self._reducer.reduce(device, where), applied)
+                self._apply(self._after_launch, self._reducer.reduce(device, where, abstain=self._abstains()), applied)
             elif self._after_launch:
                 self._warn_not_averaged(self._after_launch)
                 self._announce = True  # the next collective tells every rank
@@ -625,7 +661,7 @@ class AverageTrainingMetrics(Callback):
         self._launched = None
         self._pending.clear()
         self._after_launch.clear()
-        self._backward_began = self._logged_after_backward = False
+        self._backward_began = self._logged_after_backward = self._without_data = False
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._stop()

@@ -33,6 +33,7 @@ from lightning_shardplus.launch import LaunchAfterCheck, check_launcher_world_si
 from lightning_shardplus.loaders import gather_predictions
 from lightning_shardplus.metrics import share_rank_zero_buffers
 from lightning_shardplus.sharding import PaddingMode
+from lightning_shardplus.uneven import NO_BATCH, UnevenInputs, forward_without_data
 
 
 class ShardPlusStrategy(DDPStrategy):
@@ -64,6 +65,8 @@ class ShardPlusStrategy(DDPStrategy):
             or False.
         average_training_metrics: values logged with ``on_step=True`` in training are averaged over all ranks
             (batch-weighted) in one fused collective per optimizer step; False: Lightning's behaviour.
+        uneven_inputs: training streams (iterable datasets) of different lengths per rank: ``"join"`` (every sample
+            once; ranks that ran out take part without data) or ``"drop"`` (every rank stops at the shortest).
         find_unused_parameters, static_graph, gradient_as_bucket_view, broadcast_buffers: passed to
             ``DistributedDataParallel``, as are other keyword arguments it accepts.
 
@@ -103,6 +106,7 @@ class ShardPlusStrategy(DDPStrategy):
         autotune_warmup_steps: int = 1,
         autotune_cache: str | bool = True,
         average_training_metrics: bool = True,
+        uneven_inputs: UnevenInputs = "join",
         find_unused_parameters: bool = False,
         static_graph: bool = False,
         gradient_as_bucket_view: bool = False,
@@ -267,9 +271,14 @@ class ShardPlusStrategy(DDPStrategy):
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
-        """Put shardplus samplers into the loaders Lightning prepared (see ``loaders.ShardedLoaders``)."""
+        """Put shardplus samplers into the loaders Lightning prepared (``loaders.ShardedLoaders``); training streams
+        go in steps every rank takes together (``uneven.EvenSteps``)."""
         dataloader = super().process_dataloader(dataloader)
-        return dataloader if self._components is None else self._components.loaders.process(dataloader)
+        if (parts := self._components) is None:
+            return dataloader
+        dataloader = parts.loaders.process(dataloader)
+        training = self.lightning_module.trainer.training
+        return parts.even.wrap(dataloader) if parts.even is not None and training else dataloader
 
     # ------------------------------------------------------------------ training
 
@@ -293,6 +302,15 @@ class ShardPlusStrategy(DDPStrategy):
         setting = self._components.fusion.at_batch_start(batch_idx)
         if setting is not None:
             self.rewrap_ddp(setting)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if args and args[0] is NO_BATCH:  # this rank's stream ran out: DDP's step without running the model
+            if metrics := self._components and self._components.metrics:
+                metrics.abstain_this_step()
+            with self.precision_plugin.train_step_context():
+                return forward_without_data(self.model, self.lightning_module)
+        return super().training_step(*args, **kwargs)
 
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:

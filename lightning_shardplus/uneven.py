@@ -1,0 +1,199 @@
+"""Equal steps on every rank over streams of different lengths (``uneven_inputs``).
+
+Iterable training data (an ``IterableDataset`` in a DataLoader, litdata's ``StreamingDataLoader``, Hugging Face
+``datasets`` split with ``split_dataset_by_node``, WebDataset) gives each rank a stream of its own length. Plain
+DDP then hangs, crashes or, worse, pairs one rank's all-reduce with another rank's next step. ``EvenSteps``
+makes every rank take the same steps:
+
+- Each training loader is wrapped in an :class:`AgreedLoader`. Before each micro-batch every rank says whether it
+  still has a batch: one all_reduce (SUM) of one integer, on the host (a gloo group beside an accelerator's
+  backend, so that no device is synchronized). Every rank then knows how many ranks have data.
+- ``"join"`` (default): the epoch ends on every rank when no rank has data left; every sample of every stream is
+  trained on once. A rank that ran out gets :data:`NO_BATCH` and takes part in the remaining steps without data:
+  the strategy runs the DDP forward over :func:`zero_loss` (a zero built from the parameters: the model itself
+  does not run, so no BatchNorm statistics change and no dropout draws are consumed), so DDP issues exactly the
+  collectives of a real step (buffer broadcast, bucket all-reduces through the communication hook) and the rank
+  contributes a zero gradient; DDP writes the synchronized gradient into its ``.grad`` and its optimizer steps
+  like the others', so parameters and optimizer states stay identical. :meth:`EvenSteps.gradient_correction`
+  then turns DDP's mean over all ranks into the mean over the ranks (and micro-batches) that had data.
+- ``"drop"``: the epoch ends on every rank at the first micro-batch where some rank has no data; the batches the
+  other ranks had left are not trained on, and how many samples that was is logged once per epoch.
+
+Unlike torch's ``DistributedDataParallel.join()`` (a context whose exit loops, outside Lightning's loop, shadowing
+the all-reduces of the ranks still training and discarding their result, then broadcasting the parameters at
+the end), a rank that ran out stays in Lightning's loop (validation, checkpoints, logging and schedulers happen
+at the same step on every rank) and its optimizer state stays in step. Unlike Horovod's ``hvd.join()`` the
+gradient is not divided by the full world size.
+
+Map-style loaders are not wrapped: shardplus's samplers make them even already, at no cost.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.utilities.data import extract_batch_size
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch.utils.data import DataLoader, IterableDataset
+
+UnevenInputs = Literal["join", "drop"]
+UNEVEN_INPUTS: tuple[str, ...] = ("join", "drop")
+
+
+class NoBatch:
+    """What a rank whose stream ran out gets in place of a batch (``"join"``): the strategy trains on nothing."""
+
+    def __repr__(self) -> str:
+        return "NO_BATCH"
+
+
+NO_BATCH = NoBatch()
+
+
+def is_stream(loader: Any) -> bool:
+    """Whether ``loader`` reads an iterable-style dataset (its length per rank is not known in advance)."""
+    return isinstance(loader, DataLoader) and isinstance(loader.dataset, IterableDataset)
+
+
+class AgreedLoader:
+    """A training loader whose batches all ranks take together: see the module docstring. Forwards
+    ``state_dict`` / ``load_state_dict`` (litdata's mid-epoch resume) and the loader's attributes."""
+
+    def __init__(self, loader: Iterable, owner: EvenSteps) -> None:
+        self.loader, self._owner = loader, owner
+
+    def __getattr__(self, name: str) -> Any:  # batch_size, dataset, ...: the wrapped loader's
+        if name in ("loader", "_owner"):
+            raise AttributeError(name)
+        return getattr(self.loader, name)
+
+    def __iter__(self) -> Iterator[Any]:
+        return self._owner.agreed_batches(iter(self.loader))
+
+
+class EvenSteps:
+    """The ``uneven_inputs`` component of one fit.
+
+    Args:
+        policy: ``"join"`` or ``"drop"``.
+        world_size: ranks in the default process group.
+        backend: the default process group's backend (the agreement runs on a gloo group beside any other).
+        trainer: the Trainer of the fit (its step counters and loggers).
+
+    Example::
+
+        even = EvenSteps("join", world_size=2)
+        loader = even.wrap(loader)  # in the strategy's process_dataloader, training stage
+    """
+
+    def __init__(self, policy: UnevenInputs, world_size: int, backend: str = "gloo", trainer: Any = None) -> None:
+        self.policy, self.world_size, self.backend, self.trainer = policy, world_size, backend, trainer
+        self.group: Any = None  # of the agreement: made when the first stream is wrapped
+        self.ranks_with_data: list[int] = []  # per micro-batch of the epoch, in yield order
+        self.dropped_samples = 0  # in the last epoch that ended early ("drop"), over all ranks
+        self.streams = 0  # loaders wrapped
+
+    def wrap(self, loader: Any) -> Any:
+        """``loader`` wrapped if it is a stream (and more than one rank runs), else ``loader`` itself."""
+        if self.world_size < 2 or not is_stream(loader):
+            return loader
+        if self.trainer is not None and not self.trainer.lightning_module.automatic_optimization:
+            raise ValueError(
+                f"`uneven_inputs`={self.policy!r} needs automatic optimization for a training stream: "
+                f"{type(self.trainer.lightning_module).__name__} sets `automatic_optimization = False`. Give each "
+                "rank the same number of batches yourself, or use a map-style dataset."
+            )
+        if self.streams == 0 and self.backend != "gloo":  # every rank wraps the same loaders: a collective
+            self.group = dist.new_group(backend="gloo")
+        self.streams += 1
+        if not hasattr(loader, "state_dict"):
+            rank_zero_warn(
+                "shardplus: the training stream's loader has no `state_dict`: a checkpoint saved mid-epoch resumes "
+                "at the start of the epoch (litdata's StreamingDataLoader can resume mid-epoch)."
+            )
+        return AgreedLoader(loader, self)
+
+    def _agree(self, has_batch: bool) -> int:
+        """How many ranks have a batch for this micro-batch (one all_reduce of one integer)."""
+        count = torch.tensor([int(has_batch)], dtype=torch.int32)
+        dist.all_reduce(count, group=self.group)
+        return int(count.item())
+
+    def agreed_batches(self, iterator: Iterator[Any]) -> Iterator[Any]:
+        """The batches of ``iterator``, in steps every rank takes together."""
+        self.ranks_with_data = []
+        exhausted = False
+        while True:
+            batch = None
+            if not exhausted:
+                try:
+                    batch = next(iterator)
+                except StopIteration:
+                    exhausted = True
+            with_data = self._agree(not exhausted)
+            if self.policy == "drop" and with_data < self.world_size:
+                self._report_dropped(0 if exhausted else _samples(batch) + sum(_samples(b) for b in iterator))
+                return
+            if with_data == 0:
+                return
+            self.ranks_with_data.append(with_data)
+            yield NO_BATCH if exhausted else batch
+
+    def _report_dropped(self, local: int) -> None:
+        """``"drop"``: the samples this rank had left, summed over ranks and logged once for the epoch."""
+        count = torch.tensor([local], dtype=torch.int64)
+        dist.all_reduce(count, group=self.group)
+        self.dropped_samples = int(count.item())
+        epoch = None if self.trainer is None else self.trainer.current_epoch
+        rank_zero_info(
+            f"shardplus: uneven_inputs='drop': epoch {epoch} ended when the shortest stream did; "
+            f"{self.dropped_samples} samples of the longer streams were not trained on"
+        )
+        if self.trainer is not None and self.trainer.is_global_zero:
+            for logger in self.trainer.loggers:
+                logger.log_metrics({"uneven/dropped_samples": self.dropped_samples}, step=self.trainer.global_step)
+
+    def gradient_correction(self, micro_batches_done: int, aggregated: int, average: bool) -> float:
+        """The factor that turns the synchronized gradient of the window ending at micro-batch
+        ``micro_batches_done`` of the epoch (``aggregated`` micro-batches, corrected for all ranks having data)
+        into the mean over the ranks and micro-batches that had data (``average``), or, for the sum over
+        micro-batches, the mean over the ranks that had data. 1 while every rank has data."""
+        window = self.ranks_with_data[micro_batches_done - aggregated : micro_batches_done]
+        if len(window) != aggregated or all(count == self.world_size for count in window):
+            return 1.0
+        if average:
+            return self.world_size * aggregated / sum(window)
+        return self.world_size / window[0]  # ranks run out for good: the window's first micro-batch has the most
+
+
+def zero_loss(module: torch.nn.Module) -> torch.Tensor:
+    """A zero that depends on every trainable parameter of ``module`` (its gradient is zero everywhere): the loss
+    of a rank without data, so that DDP's backward communicates as on the other ranks."""
+    parameters = [p for p in module.parameters() if p.requires_grad]
+    if not parameters:
+        return torch.zeros(())
+    return torch.stack([p.sum() for p in parameters]).sum() * 0.0
+
+
+def forward_without_data(ddp: torch.nn.Module, module: torch.nn.Module) -> torch.Tensor:
+    """Run ``ddp``'s forward (the collectives DDP issues before and after it) over :func:`zero_loss` instead of the
+    module's ``forward``, as Lightning's forward redirection does for ``training_step``."""
+    own = module.__dict__.get("forward")
+    module.forward = lambda *args, **kwargs: zero_loss(module)  # type: ignore[method-assign]
+    try:
+        return ddp()
+    finally:
+        if own is None:
+            del module.forward
+        else:
+            module.forward = own  # type: ignore[method-assign]
+
+
+def _samples(batch: Any) -> int:
+    try:
+        return int(extract_batch_size(batch))
+    except Exception:  # a batch Lightning cannot size: count it as one sample
+        return 1

@@ -1,0 +1,242 @@
+"""Uneven inputs: training streams of different lengths per rank take the same steps on every rank, never hang,
+and with "join" train on every sample once, with the gradient of each step the mean over the ranks that had data.
+
+Each rank records what it trained on (fork workers write JSON lines); the reference runs are single-process
+trainings written out in the test itself."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from _models import cpu_trainer
+from torch import nn
+from torch.utils.data import DataLoader, IterableDataset
+
+from lightning_shardplus import ShardPlusStrategy
+from lightning_shardplus.uneven import NO_BATCH, EvenSteps, zero_loss
+
+DIM = 4
+
+
+def sample(i: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    generator = torch.Generator().manual_seed(i)
+    x = torch.randn(DIM, generator=generator)
+    return x, x.sum(dim=0, keepdim=True) * 0.5, i
+
+
+class RankStream(IterableDataset):
+    """Rank r streams samples ``offsets[r] .. offsets[r] + lengths[r] - 1`` (its own length; possibly none)."""
+
+    def __init__(self, lengths: list[int]) -> None:
+        self.lengths = lengths
+
+    def __iter__(self):
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        start = sum(self.lengths[:rank])
+        for i in range(start, start + self.lengths[rank]):
+            yield sample(i)
+
+
+class Regression(pl.LightningModule):
+    """A linear (optionally BatchNorm) regression that records, per rank, the ids it trained on and its losses."""
+
+    def __init__(self, out: Path, batch_norm: bool = False, lr: float = 0.1) -> None:
+        super().__init__()
+        self.out, self.lr = Path(out), lr
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.net = nn.Sequential(nn.BatchNorm1d(DIM), nn.Linear(DIM, 1)) if batch_norm else nn.Linear(DIM, 1)
+
+    def training_step(self, batch, batch_idx):
+        x, y, ids = batch
+        loss = F.mse_loss(self.net(x), y)
+        self.log("loss", loss)
+        self._write("train", ids=ids.tolist(), loss=loss.item(), step=self.global_step, epoch=self.current_epoch)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y, ids = batch
+        self.log("val_loss", F.mse_loss(self.net(x), y), batch_size=len(ids))
+        self._write("val", ids=ids.tolist())
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        logged = self.trainer.callback_metrics.get("loss")
+        self._write("batch_end", step=self.global_step, logged=None if logged is None else float(logged))
+
+    def on_train_end(self):
+        state = {k: v.tolist() for k, v in self.state_dict().items()}
+        self._write("end", state=state, global_step=self.global_step)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+
+    def _write(self, kind, **row):
+        with open(self.out / f"rank{self.global_rank}.jsonl", "a") as f:
+            f.write(json.dumps({"kind": kind, **row}) + "\n")
+
+
+def rows(out: Path, rank: int, kind: str) -> list[dict]:
+    lines = (out / f"rank{rank}.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["kind"] == kind]
+
+
+def fit_streams(
+    tmp_path, lengths, batch_size=4, epochs=1, batch_norm=False, val_lengths=None, trainer_kwargs=None, **kwargs
+):
+    out = tmp_path / "records"
+    model = Regression(out, batch_norm=batch_norm)  # first: the tests seed the initial weights
+    strategy = ShardPlusStrategy(start_method="fork", **kwargs)
+    trainer = cpu_trainer(strategy, len(lengths), max_epochs=epochs, **(trainer_kwargs or {}))
+    val = None if val_lengths is None else DataLoader(RankStream(val_lengths), batch_size=batch_size)
+    trainer.fit(model, DataLoader(RankStream(lengths), batch_size=batch_size), val)
+    return out
+
+
+def batches_of(lengths, rank, batch_size):
+    start = sum(lengths[:rank])
+    ids = list(range(start, start + lengths[rank]))
+    return [ids[i : i + batch_size] for i in range(0, len(ids), batch_size)]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("lengths", [[28, 9], [10, 0], [0, 7], [10, 0, 5], [3, 13, 6]])
+def test_join_trains_every_sample_once_in_as_many_steps_as_the_longest_stream(tmp_path, lengths):
+    out = fit_streams(tmp_path, lengths, epochs=2)
+    world = len(lengths)
+    steps_per_epoch = max(len(batches_of(lengths, r, 4)) for r in range(world))
+    for epoch in range(2):
+        epoch_rows = [row for r in range(world) for row in rows(out, r, "train") if row["epoch"] == epoch]
+        trained = [i for row in epoch_rows for i in row["ids"]]
+        assert sorted(trained) == list(range(sum(lengths)))  # every sample once in every epoch
+    ends = [rows(out, r, "end")[0] for r in range(world)]
+    assert {end["global_step"] for end in ends} == {2 * steps_per_epoch}  # the same steps on every rank
+    assert all(end["state"] == ends[0]["state"] for end in ends)  # the same parameters on every rank
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("lengths", [[28, 9], [10, 0, 5]])
+def test_drop_ends_every_epoch_at_the_shortest_stream(tmp_path, lengths):
+    out = fit_streams(tmp_path, lengths, epochs=2, uneven_inputs="drop")
+    world = len(lengths)
+    steps_per_epoch = min(len(batches_of(lengths, r, 4)) for r in range(world))
+    for r in range(world):
+        trained = [row["ids"] for row in rows(out, r, "train") if row["epoch"] == 0]
+        assert trained == batches_of(lengths, r, 4)[:steps_per_epoch]
+    ends = [rows(out, r, "end")[0] for r in range(world)]
+    assert {end["global_step"] for end in ends} == {2 * steps_per_epoch}
+    assert all(end["state"] == ends[0]["state"] for end in ends)
+
+
+def single_process_reference(step_batches, batch_norm=False, lr=0.1):
+    """SGD with momentum over ``step_batches`` (per step: the ids of every batch that had data in it, one mean loss
+    over their concatenation: equal batch sizes make it the mean of the per-batch means)."""
+    torch.manual_seed(0)
+    model = Regression(Path("/tmp/unused-records"), batch_norm=batch_norm, lr=lr)
+    optimizer = model.configure_optimizers()
+    for batches in step_batches:
+        per_batch = []
+        for ids in batches:
+            x = torch.stack([sample(i)[0] for i in ids])
+            y = torch.stack([sample(i)[1] for i in ids])
+            per_batch.append(F.mse_loss(model.net(x), y))
+        optimizer.zero_grad()
+        torch.stack(per_batch).mean().backward()
+        optimizer.step()
+    return {k: v.tolist() for k, v in model.state_dict().items()}
+
+
+def assert_state_close(state, reference, atol=1e-6):
+    for key, value in reference.items():
+        assert torch.allclose(torch.tensor(state[key]).double(), torch.tensor(value).double(), atol=atol), key
+
+
+@pytest.mark.timeout(120)
+def test_once_a_rank_ran_out_the_steps_are_those_of_one_process_on_the_other_ranks_batches(tmp_path):
+    # rank 1 has one batch, rank 0 three: step 1 averages both ranks' gradients, steps 2-3 are rank 0's alone
+    torch.manual_seed(0)
+    out = fit_streams(tmp_path, [12, 4])
+    reference = single_process_reference([[[0, 1, 2, 3], [12, 13, 14, 15]], [[4, 5, 6, 7]], [[8, 9, 10, 11]]])
+    for rank in range(2):
+        assert_state_close(rows(out, rank, "end")[0]["state"], reference)
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_without_data_runs_no_batch_norm_and_changes_no_statistics(tmp_path):
+    # rank 1's stream is empty: every step is rank 0's alone, BatchNorm statistics included
+    torch.manual_seed(0)
+    out = fit_streams(tmp_path, [12, 0], batch_norm=True, broadcast_buffers=False)
+    reference = single_process_reference([[[0, 1, 2, 3]], [[4, 5, 6, 7]], [[8, 9, 10, 11]]], batch_norm=True)
+    assert_state_close(rows(out, 0, "end")[0]["state"], reference)
+    rank1 = rows(out, 1, "end")[0]["state"]
+    assert rank1["net.0.num_batches_tracked"] == 0 and rank1["net.0.running_mean"] == [0.0] * DIM  # never ran
+    assert rank1["net.1.weight"] == rows(out, 0, "end")[0]["state"]["net.1.weight"]
+
+
+@pytest.mark.timeout(120)
+def test_aggregation_windows_average_over_the_micro_batches_that_had_data(tmp_path):
+    # windows of 2 micro-batches; rank 1 has 3 batches, rank 0 has 6: window 2 has rank 1 in its first half only
+    torch.manual_seed(0)
+    out = fit_streams(tmp_path, [24, 12], aggregation_frequency=2)
+    b0, b1 = batches_of([24, 12], 0, 4), batches_of([24, 12], 1, 4)
+    reference = single_process_reference([[b0[0], b0[1], b1[0], b1[1]], [b0[2], b0[3], b1[2]], [b0[4], b0[5]]])
+    for rank in range(2):
+        end = rows(out, rank, "end")[0]
+        assert end["global_step"] == 3
+        assert_state_close(end["state"], reference)
+
+
+@pytest.mark.timeout(120)
+def test_compressed_gradients_pair_up_through_the_ragged_end(tmp_path):
+    torch.manual_seed(0)
+    out = fit_streams(tmp_path, [20, 4], gradient_compression="fp16")
+    b0 = batches_of([20, 4], 0, 4)
+    reference = single_process_reference([[b0[0], [20, 21, 22, 23]], *[[b] for b in b0[1:]]])
+    for rank in range(2):
+        assert_state_close(rows(out, rank, "end")[0]["state"], reference, atol=1e-3)  # fp16 on the wire
+
+
+@pytest.mark.timeout(120)
+def test_averaged_training_metrics_are_the_mean_over_the_ranks_that_had_data(tmp_path):
+    out = fit_streams(tmp_path, [16, 4], trainer_kwargs={"log_every_n_steps": 1})
+    losses = [{row["step"]: row["loss"] for row in rows(out, r, "train")} for r in range(2)]
+    logged = {row["step"]: row["logged"] for row in rows(out, 0, "batch_end")}
+    assert logged[1] == pytest.approx((losses[0][0] + losses[1][0]) / 2, rel=1e-6)  # both ranks had data
+    for step in (2, 3, 4):  # rank 1 had none: rank 0's own loss, not halved
+        assert logged[step] == pytest.approx(losses[0][step - 1], rel=1e-6)
+
+
+@pytest.mark.timeout(120)
+def test_validation_inside_the_epoch_and_max_steps_keep_every_rank_in_step(tmp_path):
+    out = fit_streams(
+        tmp_path,
+        [40, 8],
+        epochs=3,
+        val_lengths=[6, 13],
+        trainer_kwargs={"val_check_interval": 3, "max_steps": 8, "num_sanity_val_steps": 0},
+    )
+    ends = [rows(out, r, "end")[0] for r in range(2)]
+    assert [end["global_step"] for end in ends] == [8, 8] and ends[0]["state"] == ends[1]["state"]
+
+
+def test_a_bad_policy_is_refused_with_the_valid_ones():
+    with pytest.raises(ValueError, match=r"`uneven_inputs`='wait' is not valid: expected one of 'join', 'drop'"):
+        ShardPlusStrategy(uneven_inputs="wait")
+    assert not dist.is_initialized()
+
+
+def test_map_style_loaders_and_single_processes_are_not_wrapped():
+    even = EvenSteps("join", world_size=2)
+    assert even.wrap(DataLoader(list(range(8)))) is not None and even.streams == 0
+    assert EvenSteps("join", world_size=1).wrap(DataLoader(RankStream([3]))).__class__ is DataLoader
+
+
+def test_the_loss_of_a_rank_without_data_has_a_zero_gradient_for_every_parameter():
+    module = nn.Sequential(nn.Linear(3, 2), nn.BatchNorm1d(2))
+    zero_loss(module).backward()
+    assert all(p.grad is not None and not p.grad.any() for p in module.parameters())
+    assert repr(NO_BATCH) == "NO_BATCH"
