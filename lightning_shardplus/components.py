@@ -76,7 +76,8 @@ class RunComponents:
         metrics = next((cb for cb in trainer.callbacks if isinstance(cb, AverageTrainingMetrics)), None)
         parts = cls(loaders, exact=exact if exact_across_ranks else None, metrics=metrics)
         if trainer.state.fn == TrainerFn.FITTING:
-            parts.even = EvenSteps(config.uneven_inputs, setup.num_replicas, setup.backend, trainer)
+            abstain = metrics.abstain_this_step if metrics is not None else None
+            parts.even = EvenSteps(config.uneven_inputs, setup.num_replicas, setup.backend, trainer, abstain)
             parts.aggregation = GradientAggregation(
                 trainer,
                 config.aggregation_frequency,

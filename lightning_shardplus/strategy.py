@@ -33,7 +33,7 @@ from lightning_shardplus.launch import LaunchAfterCheck, check_launcher_world_si
 from lightning_shardplus.loaders import gather_predictions
 from lightning_shardplus.metrics import share_rank_zero_buffers
 from lightning_shardplus.sharding import PaddingMode
-from lightning_shardplus.uneven import NO_BATCH, UnevenInputs, forward_without_data
+from lightning_shardplus.uneven import NO_BATCH, UnevenInputs
 
 
 class ShardPlusStrategy(DDPStrategy):
@@ -43,18 +43,15 @@ class ShardPlusStrategy(DDPStrategy):
     Args:
         aggregation_frequency: micro-batches per optimizer step; the gradients of all but the last stay local
             (Horovod's ``backward_passes_per_step``). Replaces the Trainer's ``accumulate_grad_batches``.
-        average_aggregated_gradients: True: the optimizer sees the mean gradient over the micro-batches actually
-            aggregated (also in a short last window); False: their sum (still averaged over processes).
+        average_aggregated_gradients: the mean of the aggregated gradients (True) or their sum (False).
         gradient_compression: the DDP communication hook on every device type: ``"none"``, ``"fp16"``, ``"bf16"``
             or ``"powersgd"`` (a ``PowerSGDState`` as ``ddp_comm_state`` configures it). Not with ``ddp_comm_hook``.
-        shard_padding: how short training shards are filled: ``"first"`` (the dataset's first element, as Clara
-            Train) or ``"wrap"`` (the epoch order's first indices, as torch's ``DistributedSampler``).
+        shard_padding: short training shards are filled with the dataset's first element (``"first"``, as Clara)
+            or the epoch order's first indices (``"wrap"``, as torch's ``DistributedSampler``).
         shuffle_seed: seed of the training epoch permutation; None: the ``seed_everything`` seed, else 0.
-        exact_evaluation: validation, test and predict loaders get unpadded shards: every sample is evaluated
-            exactly once and logged epoch metrics equal a single-process run.
+        exact_evaluation: evaluation loaders get unpadded shards and epoch metrics equal a single-process run.
         verify_sharding: debug aid: after each training epoch, check that the shards were disjoint and complete.
-        tensor_fusion_threshold_mb: DDP's gradient bucket size (``bucket_cap_mb``); None: DDP's default (25 MB,
-            the first bucket 1 MB, as ``strategy="ddp"``). Kept as given, also when tuning.
+        tensor_fusion_threshold_mb: DDP's bucket size (``bucket_cap_mb``); None: DDP's default, as ``"ddp"``.
         auto_tune_tensor_fusion: choose the bucket size by measuring the first optimizer steps (cached per setup).
         autotune_log: CSV file with one row per measured sample (written by rank 0).
         autotune_candidates_mb: bucket sizes raced (None: 1, 4, 16, 25, 64 MB).
@@ -63,8 +60,8 @@ class ShardPlusStrategy(DDPStrategy):
         autotune_warmup_steps: optimizer steps not timed after each re-wrap.
         autotune_cache: JSON cache of tuned results: True (``~/.cache/lightning_shardplus/fusion.json``), a path,
             or False.
-        average_training_metrics: values logged with ``on_step=True`` in training are averaged over all ranks
-            (batch-weighted) in one fused collective per optimizer step; False: Lightning's behaviour.
+        average_training_metrics: training values logged with ``on_step=True`` are averaged over all ranks in one
+            fused collective per optimizer step; False: Lightning's behaviour.
         uneven_inputs: training streams (iterable datasets) of different lengths per rank: ``"join"`` (every sample
             once; ranks that ran out take part without data) or ``"drop"`` (every rank stops at the shortest).
         find_unused_parameters, static_graph, gradient_as_bucket_view, broadcast_buffers: passed to
@@ -166,14 +163,12 @@ class ShardPlusStrategy(DDPStrategy):
     @property
     def fusion_result(self) -> FusionResult | None:
         """What tensor-fusion tuning decided in this fit (rank 0 holds the timings); None without tuning."""
-        fusion = self._components and self._components.fusion
-        return fusion.result if fusion else None
+        return fusion.result if (fusion := self._components and self._components.fusion) else None
 
     @property
     def fusion_tuning(self) -> bool:
         """Whether tensor-fusion autotuning is still measuring (DDP may be re-wrapped at the next step)."""
-        fusion = self._components and self._components.fusion
-        return bool(fusion and fusion.tuning)
+        return bool((fusion := self._components and self._components.fusion) and fusion.tuning)
 
     @property
     @override
@@ -189,8 +184,7 @@ class ShardPlusStrategy(DDPStrategy):
     @override
     def _configure_launcher(self) -> None:
         super()._configure_launcher()
-        # Check what the user handed to fit/validate/test/predict in the launching process, before any worker
-        # or process group starts (the launcher keeps its type: Lightning checks it with isinstance).
+        # checks in the launching process, before any worker starts (the launcher keeps its type for Lightning)
         self._launcher.launch = LaunchAfterCheck(self.preflight, self._launcher.launch)
 
     def preflight(self, *call_args: Any, trainer: pl.Trainer | None = None) -> None:
@@ -250,8 +244,7 @@ class ShardPlusStrategy(DDPStrategy):
             if parts.aggregation is not None:
                 parts.aggregation.warn_if_mid_window()
             for key, component in parts.stateful().items():
-                state = component.state_dict()
-                if state is not None:
+                if (state := component.state_dict()) is not None:
                     checkpoint[key] = state
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
@@ -264,8 +257,7 @@ class ShardPlusStrategy(DDPStrategy):
 
     def compression_state_dict(self) -> dict[str, Any] | None:
         """This rank's gradient-compression state (PowerSGD's); None for stateless compression or outside fit."""
-        hook = self._components and self._components.hook
-        return hook.local_state_dict() if hook else None
+        return hook.local_state_dict() if (hook := self._components and self._components.hook) else None
 
     # ------------------------------------------------------------------ data
 
@@ -274,11 +266,11 @@ class ShardPlusStrategy(DDPStrategy):
         """Put shardplus samplers into the loaders Lightning prepared (``loaders.ShardedLoaders``); training streams
         go in steps every rank takes together (``uneven.EvenSteps``)."""
         dataloader = super().process_dataloader(dataloader)
-        if (parts := self._components) is None:
-            return dataloader
-        dataloader = parts.loaders.process(dataloader)
-        training = self.lightning_module.trainer.training
-        return parts.even.wrap(dataloader) if parts.even is not None and training else dataloader
+        if (parts := self._components) is not None:
+            dataloader = parts.loaders.process(dataloader)
+            if parts.even is not None and self.lightning_module.trainer.training:
+                dataloader = parts.even.wrap(dataloader)
+        return dataloader
 
     # ------------------------------------------------------------------ training
 
@@ -295,8 +287,7 @@ class ShardPlusStrategy(DDPStrategy):
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
         if batch_idx == 0:
-            # Lightning reads the training loaders' lengths once per fit; after a mid-epoch resume on another
-            # world size or batch size, the resumed epoch and the next have different lengths.
+            # Lightning reads the loaders' lengths once per fit: a resharded resumed epoch has another length
             _lightning.refresh_training_batch_count(self.lightning_module.trainer)
         assert self._components is not None and self._components.fusion is not None
         setting = self._components.fusion.at_batch_start(batch_idx)
@@ -306,17 +297,14 @@ class ShardPlusStrategy(DDPStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if args and args[0] is NO_BATCH:  # this rank's stream ran out: DDP's step without running the model
-            if metrics := self._components and self._components.metrics:
-                metrics.abstain_this_step()
             with self.precision_plugin.train_step_context():
-                return forward_without_data(self.model, self.lightning_module)
+                return self._components.even.train_without_data(self.model, self.lightning_module)  # type: ignore
         return super().training_step(*args, **kwargs)
 
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
-        parts = self._components
-        if parts is not None and parts.aggregation is not None:
-            closure = parts.aggregation.wrap_closure(optimizer, closure)
+        if aggregation := self._components and self._components.aggregation:
+            closure = aggregation.wrap_closure(optimizer, closure)
         return super().optimizer_step(optimizer, closure, model, **kwargs)
 
     @override
@@ -335,10 +323,8 @@ class ShardPlusStrategy(DDPStrategy):
     @override
     def configure_ddp(self) -> None:
         """Wrap in DDP; with ``auto_tune_tensor_fusion``, with the tuned setting or the first one to measure."""
-        parts = self._components
-        if parts is not None and parts.fusion is not None and self.config.auto_tune_tensor_fusion:
-            backend = self._backend()
-            setting = parts.fusion.initial_setting(self.lightning_module, self.world_size, self.root_device, backend)
+        if (fusion := self._components and self._components.fusion) and self.config.auto_tune_tensor_fusion:
+            setting = fusion.initial_setting(self.lightning_module, self.world_size, self.root_device, self._backend())
             _lightning.set_ddp_kwargs(self, setting.ddp_kwargs())
         super().configure_ddp()
 
@@ -365,15 +351,14 @@ class ShardPlusStrategy(DDPStrategy):
     @override
     def on_validation_start(self) -> None:
         super().on_validation_start()
-        if self._components is not None and self._components.fusion is not None:
-            self._components.fusion.interrupt()  # the training step in progress is not timed
+        if fusion := self._components and self._components.fusion:
+            fusion.interrupt()  # the training step in progress is not timed
         if self._exact_across_ranks and isinstance(self.model, DistributedDataParallel):
             share_rank_zero_buffers(self.lightning_module, _lightning.ddp_kwargs(self))
 
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
-        exact = None if self._components is None else self._components.exact
-        if exact is not None and exact.deferring:
+        if (exact := self._components and self._components.exact) and exact.deferring:
             # Exact evaluation: no per-batch collective (ranks hold different numbers of batches); the logged
             # values are reduced once at the epoch end by `metrics.ExactEvaluation`.
             return tensor

@@ -30,7 +30,7 @@ Map-style loaders are not wrapped: shardplus's samplers make them even already, 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Literal
 
 import torch
@@ -82,6 +82,8 @@ class EvenSteps:
         world_size: ranks in the default process group.
         backend: the default process group's backend (the agreement runs on a gloo group beside any other).
         trainer: the Trainer of the fit (its step counters and loggers).
+        on_step_without_data: called at each micro-batch this rank has no data for (averaged training metrics
+            then leave this rank out).
 
     Example::
 
@@ -89,8 +91,16 @@ class EvenSteps:
         loader = even.wrap(loader)  # in the strategy's process_dataloader, training stage
     """
 
-    def __init__(self, policy: UnevenInputs, world_size: int, backend: str = "gloo", trainer: Any = None) -> None:
+    def __init__(
+        self,
+        policy: UnevenInputs,
+        world_size: int,
+        backend: str = "gloo",
+        trainer: Any = None,
+        on_step_without_data: Callable[[], None] | None = None,
+    ) -> None:
         self.policy, self.world_size, self.backend, self.trainer = policy, world_size, backend, trainer
+        self.on_step_without_data = on_step_without_data
         self.group: Any = None  # of the agreement: made when the first stream is wrapped
         self.ranks_with_data: list[int] = []  # per micro-batch of the epoch, in yield order
         self.dropped_samples = 0  # in the last epoch that ended early ("drop"), over all ranks
@@ -155,6 +165,12 @@ class EvenSteps:
         if self.trainer is not None and self.trainer.is_global_zero:
             for logger in self.trainer.loggers:
                 logger.log_metrics({"uneven/dropped_samples": self.dropped_samples}, step=self.trainer.global_step)
+
+    def train_without_data(self, ddp: torch.nn.Module, module: torch.nn.Module) -> torch.Tensor:
+        """The training step of a rank whose stream ran out (``"join"``): see :func:`forward_without_data`."""
+        if self.on_step_without_data is not None:
+            self.on_step_without_data()
+        return forward_without_data(ddp, module)
 
     def gradient_correction(self, micro_batches_done: int, aggregated: int, average: bool) -> float:
         """The factor that turns the synchronized gradient of the window ending at micro-batch
