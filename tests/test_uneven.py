@@ -240,3 +240,100 @@ def test_the_loss_of_a_rank_without_data_has_a_zero_gradient_for_every_parameter
     zero_loss(module).backward()
     assert all(p.grad is not None and not p.grad.any() for p in module.parameters())
     assert repr(NO_BATCH) == "NO_BATCH"
+
+
+# ------------------------------------------------------------------------------------------ streaming libraries
+
+
+def write_litdata(directory: Path, count: int) -> Path:
+    """A litdata optimized dataset of ``sample(0..count-1)``, written in this process."""
+    from litdata.streaming.writer import BinaryWriter
+
+    directory.mkdir(parents=True, exist_ok=True)
+    writer = BinaryWriter(str(directory), chunk_bytes="64KB")
+    for i in range(count):
+        x, y, _ = sample(i)
+        writer[i] = {"x": x, "y": y, "id": i}
+    writer.done()
+    writer.merge()
+    return directory
+
+
+def hf_stream(count: int):
+    """A Hugging Face streaming dataset of ``sample(0..count-1)``, split over the ranks by ``split_dataset_by_node``."""
+    from datasets import IterableDataset as HFIterableDataset
+    from datasets.distributed import split_dataset_by_node
+
+    def generate():
+        for i in range(count):
+            x, y, _ = sample(i)
+            yield {"x": x.tolist(), "y": y.tolist(), "id": i}
+
+    stream = HFIterableDataset.from_generator(generate)
+    return split_dataset_by_node(stream, rank=dist.get_rank(), world_size=dist.get_world_size()).with_format("torch")
+
+
+class StreamRegression(Regression):
+    """:class:`Regression` whose loaders are built on each rank (as a datamodule's would: litdata and ``datasets``
+    read the distributed setup when the dataset is made), from dict batches."""
+
+    def __init__(self, out: Path, source: str, data: Path | None, count: int, batch_size: int) -> None:
+        super().__init__(out, lr=0.01)
+        self.source, self.data, self.count, self.batch_size = source, data, count, batch_size
+
+    def _loader(self):
+        if self.source == "litdata":
+            from litdata import StreamingDataLoader, StreamingDataset
+
+            # drop_last=False lets litdata's tail through (it drops it by default when distributed)
+            stream = StreamingDataset(str(self.data), shuffle=False, drop_last=False)
+            return StreamingDataLoader(stream, batch_size=self.batch_size)
+        return DataLoader(hf_stream(self.count), batch_size=self.batch_size)
+
+    def train_dataloader(self):
+        return self._loader()
+
+    def val_dataloader(self):
+        return self._loader()
+
+    def training_step(self, batch, batch_idx):
+        return super().training_step((batch["x"], batch["y"], batch["id"]), batch_idx)
+
+    def validation_step(self, batch, batch_idx):
+        return super().validation_step((batch["x"], batch["y"], batch["id"]), batch_idx)
+
+    def on_validation_epoch_end(self):
+        if not self.trainer.sanity_checking:
+            self._write("val_end", val_loss=float(self.trainer.callback_metrics["val_loss"]))
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(("source", "world", "count", "batch_size"), [
+    ("litdata", 2, 103, 1),
+    ("litdata", 3, 103, 1),
+    ("datasets", 2, 105, 4),
+    ("datasets", 3, 106, 4),
+])
+def test_streaming_libraries_train_and_evaluate_every_sample_once(tmp_path, source, world, count, batch_size):
+    pytest.importorskip(source)
+    data = write_litdata(tmp_path / "data", count) if source == "litdata" else None
+    out = tmp_path / "records"
+    model = StreamRegression(out, source, data, count, batch_size)
+    trainer = cpu_trainer(ShardPlusStrategy(start_method="fork"), world, max_epochs=1, num_sanity_val_steps=0)
+    trainer.fit(model)
+    per_rank = [[i for row in rows(out, r, "train") for i in row["ids"]] for r in range(world)]
+    assert sorted(i for ids in per_rank for i in ids) == list(range(count))  # every sample once
+    assert len({len(ids) for ids in per_rank}) > 1  # the streams really were uneven
+    longest = max(len(batches_of([len(ids)], 0, batch_size)) for ids in per_rank)
+    ends = [rows(out, r, "end")[0] for r in range(world)]
+    assert {end["global_step"] for end in ends} == {longest}
+    assert all(end["state"] == ends[0]["state"] for end in ends)
+    evaluated = sorted(i for r in range(world) for row in rows(out, r, "val") for i in row["ids"])
+    assert evaluated == list(range(count))
+    # the epoch metric equals one process's over every sample, with the final weights
+    state = ends[0]["state"]
+    weight, bias = torch.tensor(state["net.weight"]).double(), torch.tensor(state["net.bias"]).double()
+    x = torch.stack([sample(i)[0] for i in range(count)]).double()
+    y = torch.stack([sample(i)[1] for i in range(count)]).double()
+    expected = ((x @ weight.T + bias - y) ** 2).mean(dim=1)  # per-sample MSE; batches weigh by their size
+    assert rows(out, 0, "val_end")[0]["val_loss"] == pytest.approx(float(expected.mean()), rel=1e-6, abs=1e-6)
