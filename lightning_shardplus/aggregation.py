@@ -111,7 +111,7 @@ class GradientAggregation:
     """Aggregation windows for one fit: Lightning's accumulation loop runs them (``trainer.accumulate_grad_batches``
     is set to ``frequency`` until :meth:`close` puts the user's value back), and :meth:`wrap_closure` corrects each
     window's gradient (the mean over the micro-batches actually aggregated, or their sum). ``ranks_correction``
-    (micro-batches done in the epoch, aggregated, average) -> factor corrects it further where some ranks had no
+    (micro-batches aggregated, average) -> factor corrects it further where some ranks had no
     data (``uneven.EvenSteps.gradient_correction``).
 
     Example::
@@ -125,7 +125,7 @@ class GradientAggregation:
         trainer: Any,
         frequency: int,
         average: bool,
-        ranks_correction: Callable[[int, int, bool], float] | None = None,
+        ranks_correction: Callable[[int, bool], float] | None = None,
     ) -> None:
         self.trainer, self.average, self.ranks_correction = trainer, average, ranks_correction
         self._user_accumulate = trainer.accumulate_grad_batches
@@ -170,7 +170,7 @@ class GradientAggregation:
             aggregated = window_length(done, frequency)
             factor = gradient_correction(frequency, aggregated, self.average)
             if ranks_correction is not None:
-                factor *= ranks_correction(done, aggregated, self.average)
+                factor *= ranks_correction(aggregated, self.average)
             parameters = (p for group in optimizer.param_groups for p in group["params"])
             scale_gradients(parameters, factor)
             return result

@@ -290,6 +290,8 @@ class ShardPlusStrategy(DDPStrategy):
             # Lightning reads the loaders' lengths once per fit: a resharded resumed epoch has another length
             _lightning.refresh_training_batch_count(self.lightning_module.trainer)
         assert self._components is not None and self._components.fusion is not None
+        if self._components.even is not None:
+            self._components.even.batch_taken()
         setting = self._components.fusion.at_batch_start(batch_idx)
         if setting is not None:
             self.rewrap_ddp(setting)

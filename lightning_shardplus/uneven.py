@@ -33,6 +33,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Literal
 
+import itertools
+from collections import deque
+
 import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.data import extract_batch_size
@@ -59,19 +62,85 @@ def is_stream(loader: Any) -> bool:
 
 
 class AgreedLoader:
-    """A training loader whose batches all ranks take together: see the module docstring. Forwards
-    ``state_dict`` / ``load_state_dict`` (litdata's mid-epoch resume) and the loader's attributes."""
+    """A training loader whose batches all ranks take together: see the module docstring. Forwards the loader's
+    attributes (``batch_size``, ``dataset``, ...)."""
 
     def __init__(self, loader: Iterable, owner: EvenSteps) -> None:
         self.loader, self._owner = loader, owner
 
-    def __getattr__(self, name: str) -> Any:  # batch_size, dataset, ...: the wrapped loader's
-        if name in ("loader", "_owner"):
-            raise AttributeError(name)
+    def __getattr__(self, name: str) -> Any:
+        if name in ("loader", "_owner") or name in ("state_dict", "load_state_dict"):
+            raise AttributeError(name)  # a loader that cannot resume stays one (Lightning checks these names)
         return getattr(self.loader, name)
 
     def __iter__(self) -> Iterator[Any]:
         return self._owner.agreed_batches(iter(self.loader))
+
+
+class ResumableAgreedLoader(AgreedLoader):
+    """An :class:`AgreedLoader` over a loader with ``state_dict`` (litdata's ``StreamingDataLoader``): a checkpoint
+    holds every rank's loader state, not only rank 0's, since each rank is at its own place in its own stream.
+
+    Lightning saves the training loader's ``state_dict()`` under ``"combined_loader"`` in the checkpoint that rank 0
+    writes; every rank builds that checkpoint together, so the states are gathered there (one small
+    ``all_gather_object``) and each rank loads its own on resume."""
+
+    def __init__(self, loader: Iterable, owner: EvenSteps) -> None:
+        super().__init__(loader, owner)
+        self._positions: deque[tuple[int, Any]] = deque(maxlen=8)  # (batches fetched, loader state before the next)
+        self._ran_out_at: int | None = None  # batches fetched when the stream ran out, in this pass
+        self._resume_exhausted = False  # the checkpoint was saved after this rank's stream had run out
+
+    def __iter__(self) -> Iterator[Any]:
+        return self._owner.agreed_batches(self._recorded(iter(self.loader)))
+
+    def _recorded(self, iterator: Iterator[Any]) -> Iterator[Any]:
+        """``iterator``, noting the loader's state before each fetch: Lightning fetches a batch ahead of the one it
+        trains, so the state to save is the one from before the first batch not yet trained."""
+        self._positions.clear()
+        self._ran_out_at, skip, self._resume_exhausted = None, self._resume_exhausted, False
+        if skip:  # the rest of this pass was empty when the checkpoint was saved
+            self._ran_out_at = 0
+            return
+        for fetched in itertools.count():
+            self._positions.append((fetched, self.loader.state_dict()))
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                self._ran_out_at = fetched
+                return
+            yield batch
+
+    def _own_state(self) -> dict[str, Any]:
+        """This rank's loader state after the batches the loop has taken, and whether its stream had run out."""
+        taken = self._owner.batches_taken
+        if self._ran_out_at is not None and self._ran_out_at <= taken:
+            return {"state": self.loader.state_dict(), "ran_out": True}
+        state = next((state for fetched, state in self._positions if fetched == taken), None)
+        return {"state": self.loader.state_dict() if state is None else state, "ran_out": False}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Every rank's loader state after the batches trained so far, in rank order."""
+        states: list[Any] = [None] * self._owner.world_size
+        dist.all_gather_object(states, self._own_state(), group=self._owner.group)
+        return {PER_RANK_KEY: states}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load this rank's state; a checkpoint of another world size restarts the streams with one warning."""
+        states = state.get(PER_RANK_KEY) if isinstance(state, dict) else None
+        if not isinstance(states, list) or len(states) != self._owner.world_size:
+            saved = f"{len(states)} ranks" if isinstance(states, list) else "one loader state"
+            rank_zero_warn(
+                f"shardplus: the checkpoint holds the training streams' positions of {saved}, this run has "
+                f"{self._owner.world_size}: the streams start again from the beginning of their epoch."
+            )
+            return
+        own = states[dist.get_rank()]
+        self.loader.load_state_dict(own["state"])
+        self._resume_exhausted = own["ran_out"]
+
+
+PER_RANK_KEY = "shardplus_per_rank"
 
 
 class EvenSteps:
@@ -102,9 +171,10 @@ class EvenSteps:
         self.policy, self.world_size, self.backend, self.trainer = policy, world_size, backend, trainer
         self.on_step_without_data = on_step_without_data
         self.group: Any = None  # of the agreement: made when the first stream is wrapped
-        self.ranks_with_data: list[int] = []  # per micro-batch of the epoch, in yield order
+        self.ranks_with_data: list[int] = []  # per micro-batch of this pass over the stream, in yield order
         self.dropped_samples = 0  # in the last epoch that ended early ("drop"), over all ranks
         self.streams = 0  # loaders wrapped
+        self.batches_taken = 0  # by the training loop in the current pass over the stream (see ``batch_taken``)
 
     def wrap(self, loader: Any) -> Any:
         """``loader`` wrapped if it is a stream (and more than one rank runs), else ``loader`` itself."""
@@ -119,12 +189,17 @@ class EvenSteps:
         if self.streams == 0 and self.backend != "gloo":  # every rank wraps the same loaders: a collective
             self.group = dist.new_group(backend="gloo")
         self.streams += 1
-        if not hasattr(loader, "state_dict"):
-            rank_zero_warn(
-                "shardplus: the training stream's loader has no `state_dict`: a checkpoint saved mid-epoch resumes "
-                "at the start of the epoch (litdata's StreamingDataLoader can resume mid-epoch)."
-            )
+        if hasattr(loader, "state_dict") and hasattr(loader, "load_state_dict"):
+            return ResumableAgreedLoader(loader, self)
+        rank_zero_warn(
+            "shardplus: the training stream's loader has no `state_dict`: a checkpoint saved mid-epoch resumes "
+            "at the start of the epoch (litdata's StreamingDataLoader can resume mid-epoch)."
+        )
         return AgreedLoader(loader, self)
+
+    def batch_taken(self) -> None:
+        """The training loop took the next batch (called at every training batch start)."""
+        self.batches_taken += 1
 
     def _agree(self, has_batch: bool) -> int:
         """How many ranks have a batch for this micro-batch (one all_reduce of one integer)."""
@@ -134,7 +209,7 @@ class EvenSteps:
 
     def agreed_batches(self, iterator: Iterator[Any]) -> Iterator[Any]:
         """The batches of ``iterator``, in steps every rank takes together."""
-        self.ranks_with_data = []
+        self.ranks_with_data, self.batches_taken = [], 0
         exhausted = False
         while True:
             batch = None
@@ -172,12 +247,12 @@ class EvenSteps:
             self.on_step_without_data()
         return forward_without_data(ddp, module)
 
-    def gradient_correction(self, micro_batches_done: int, aggregated: int, average: bool) -> float:
-        """The factor that turns the synchronized gradient of the window ending at micro-batch
-        ``micro_batches_done`` of the epoch (``aggregated`` micro-batches, corrected for all ranks having data)
-        into the mean over the ranks and micro-batches that had data (``average``), or, for the sum over
-        micro-batches, the mean over the ranks that had data. 1 while every rank has data."""
-        window = self.ranks_with_data[micro_batches_done - aggregated : micro_batches_done]
+    def gradient_correction(self, aggregated: int, average: bool) -> float:
+        """The factor that turns the synchronized gradient of the window that ends with the batch just taken
+        (``aggregated`` micro-batches, corrected for all ranks having data) into the mean over the ranks and
+        micro-batches that had data (``average``), or, for the sum over micro-batches, the mean over the ranks that
+        had data. 1 while every rank has data. Counted in this pass over the stream (a resumed pass starts anew)."""
+        window = self.ranks_with_data[self.batches_taken - aggregated : self.batches_taken]
         if len(window) != aggregated or all(count == self.world_size for count in window):
             return 1.0
         if average:

@@ -277,9 +277,9 @@ class StreamRegression(Regression):
     """:class:`Regression` whose loaders are built on each rank (as a datamodule's would: litdata and ``datasets``
     read the distributed setup when the dataset is made), from dict batches."""
 
-    def __init__(self, out: Path, source: str, data: Path | None, count: int, batch_size: int) -> None:
+    def __init__(self, out: Path, source: str, data: Path | None, count: int, batch_size: int, workers=0) -> None:
         super().__init__(out, lr=0.01)
-        self.source, self.data, self.count, self.batch_size = source, data, count, batch_size
+        self.source, self.data, self.count, self.batch_size, self.workers = source, data, count, batch_size, workers
 
     def _loader(self):
         if self.source == "litdata":
@@ -287,8 +287,8 @@ class StreamRegression(Regression):
 
             # drop_last=False lets litdata's tail through (it drops it by default when distributed)
             stream = StreamingDataset(str(self.data), shuffle=False, drop_last=False)
-            return StreamingDataLoader(stream, batch_size=self.batch_size)
-        return DataLoader(hf_stream(self.count), batch_size=self.batch_size)
+            return StreamingDataLoader(stream, batch_size=self.batch_size, num_workers=self.workers)
+        return DataLoader(hf_stream(self.count), batch_size=self.batch_size, num_workers=self.workers)
 
     def train_dataloader(self):
         return self._loader()
@@ -308,17 +308,19 @@ class StreamRegression(Regression):
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize(("source", "world", "count", "batch_size"), [
-    ("litdata", 2, 103, 1),
-    ("litdata", 3, 103, 1),
-    ("datasets", 2, 105, 4),
-    ("datasets", 3, 106, 4),
+@pytest.mark.parametrize(("source", "world", "count", "batch_size", "workers"), [
+    ("litdata", 2, 103, 1, 0),
+    ("litdata", 3, 103, 1, 0),
+    ("litdata", 2, 103, 3, 2),
+    ("datasets", 2, 105, 4, 0),
+    ("datasets", 3, 106, 4, 0),
+    ("datasets", 2, 105, 4, 2),
 ])
-def test_streaming_libraries_train_and_evaluate_every_sample_once(tmp_path, source, world, count, batch_size):
+def test_streaming_libraries_train_and_evaluate_every_sample_once(tmp_path, source, world, count, batch_size, workers):
     pytest.importorskip(source)
     data = write_litdata(tmp_path / "data", count) if source == "litdata" else None
     out = tmp_path / "records"
-    model = StreamRegression(out, source, data, count, batch_size)
+    model = StreamRegression(out, source, data, count, batch_size, workers)
     trainer = cpu_trainer(ShardPlusStrategy(start_method="fork"), world, max_epochs=1, num_sanity_val_steps=0)
     trainer.fit(model)
     per_rank = [[i for row in rows(out, r, "train") for i in row["ids"]] for r in range(world)]
@@ -337,3 +339,43 @@ def test_streaming_libraries_train_and_evaluate_every_sample_once(tmp_path, sour
     y = torch.stack([sample(i)[1] for i in range(count)]).double()
     expected = ((x @ weight.T + bias - y) ** 2).mean(dim=1)  # per-sample MSE; batches weigh by their size
     assert rows(out, 0, "val_end")[0]["val_loss"] == pytest.approx(float(expected.mean()), rel=1e-6, abs=1e-6)
+
+
+class SaveAtStep(pl.Callback):
+    """Saves a checkpoint (every rank takes part, rank 0 writes) once ``step`` optimizer steps are done."""
+
+    def __init__(self, step: int, path: Path) -> None:
+        self.step, self.path = step, path
+
+    def on_train_batch_end(self, trainer, *args):
+        if trainer.global_step == self.step:
+            trainer.save_checkpoint(self.path)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("saved_at", [20, 51])  # 51: the shorter stream has just run out
+def test_a_litdata_stream_resumes_mid_epoch_with_the_samples_that_were_next_on_every_rank(tmp_path, saved_at):
+    pytest.importorskip("litdata")
+    data, count, world = write_litdata(tmp_path / "data", 103), 103, 2
+    checkpoint = tmp_path / "mid.ckpt"
+
+    def fit(out: Path, **fit_kwargs) -> None:
+        torch.manual_seed(0)
+        model = StreamRegression(out, "litdata", data, count, batch_size=1)
+        trainer = cpu_trainer(
+            ShardPlusStrategy(start_method="fork"), world, max_epochs=1, num_sanity_val_steps=0,
+            limit_val_batches=0, callbacks=[SaveAtStep(saved_at, checkpoint)],
+        )
+        trainer.fit(model, **fit_kwargs)
+
+    fit(tmp_path / "whole")
+    fit(tmp_path / "resumed", ckpt_path=checkpoint)
+    for rank in range(world):
+        whole = [row["ids"] for row in rows(tmp_path / "whole", rank, "train") if row["step"] >= saved_at]
+        resumed = [row["ids"] for row in rows(tmp_path / "resumed", rank, "train")]
+        assert resumed == whole  # the samples that were next, on each rank, and nothing more
+    lengths = [len(rows(tmp_path / "whole", rank, "train")) for rank in range(world)]
+    assert min(lengths) < max(lengths)  # the streams were uneven (litdata gives the tail to some ranks)
+    ends = [rows(tmp_path / d, 0, "end")[0] for d in ("whole", "resumed")]
+    assert ends[1]["global_step"] == ends[0]["global_step"]
+    assert_state_close(ends[1]["state"], ends[0]["state"])
