@@ -30,11 +30,10 @@ Map-style loaders are not wrapped: shardplus's samplers make them even already, 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
-from typing import Any, Literal
-
 import itertools
 from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist

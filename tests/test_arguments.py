@@ -63,7 +63,8 @@ def test_numpy_numbers_are_numbers():
     strategy = ShardPlusStrategy(tensor_fusion_threshold_mb=np.float32(4), timeout=np.int64(60))
     assert strategy._ddp_kwargs["bucket_cap_mb"] == 4.0 and type(strategy._ddp_kwargs["bucket_cap_mb"]) is float
     assert strategy._timeout.total_seconds() == 60
-    assert ShardPlusStrategy(autotune_candidates_mb=np.array([1.0, 4.0])).config.autotune_settings.candidates_mb == (1.0, 4.0)
+    tuned = ShardPlusStrategy(autotune_candidates_mb=np.array([1.0, 4.0]))
+    assert tuned.config.autotune_settings.candidates_mb == (1.0, 4.0)
 
 
 def test_a_timeout_in_seconds_becomes_a_timedelta():
