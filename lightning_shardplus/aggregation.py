@@ -194,15 +194,16 @@ class GradientAggregation:
 
 
 def dataloaders(loaders: Any) -> Iterator[DataLoader]:
-    """The DataLoaders inside what ``trainer.train_dataloader`` returns (a loader, or a list/dict of them)."""
-    if isinstance(loaders, DataLoader):
-        yield loaders
-    elif isinstance(loaders, dict):
+    """The loaders inside what ``trainer.train_dataloader`` returns (a loader, or a list/dict of them): DataLoaders
+    and what wraps one and forwards its attributes (``uneven.AgreedLoader``)."""
+    if isinstance(loaders, dict):
         for value in loaders.values():
             yield from dataloaders(value)
     elif isinstance(loaders, (list, tuple)):
         for value in loaders:
             yield from dataloaders(value)
+    elif isinstance(loaders, DataLoader) or isinstance(getattr(loaders, "loader", None), DataLoader):
+        yield loaders
 
 
 def micro_batches_per_step(trainer: Any) -> int:

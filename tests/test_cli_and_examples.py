@@ -1,6 +1,7 @@
 """The README's entry points run as a user runs them: the `shardplus` command with the shipped configs, and
 the example script with `strategy="shardplus"` (Lightning's popen launcher, which re-runs the command)."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -22,8 +23,10 @@ def shardplus(*args, cwd):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("config", ["digits.yaml", "synthetic.yaml", "large_batch.yaml"])
+@pytest.mark.parametrize("config", ["digits.yaml", "synthetic.yaml", "large_batch.yaml", "stream.yaml"])
 def test_shipped_configs_fit_on_two_processes(tmp_path, config):
+    if config == "stream.yaml":
+        pytest.importorskip("litdata")
     shardplus(
         "fit",
         "--config",
@@ -93,3 +96,18 @@ def test_digits_config_reaches_90_percent_validation_accuracy(tmp_path):
         float(r.split(",")[header.index("val_acc")]) for r in rows[1:] if r.split(",")[header.index("val_acc")]
     ]
     assert accuracies[-1] >= 0.90
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("policy", "steps"), [("join", 31)])  # "drop": tests/test_uneven.py
+def test_stream_example_takes_the_same_steps_on_every_rank(tmp_path, policy, steps):
+    pytest.importorskip("litdata")
+    script = str(ROOT / "examples" / "train_stream.py")
+    result = run([sys.executable, script, "--max-epochs=1", f"--uneven-inputs={policy}"], cwd=tmp_path)
+    # the ranks print concurrently: their lines may run together
+    reports = re.findall(r"rank (\d): (\d+) batches of its own in the last epoch; (\d+) steps in all", result.stdout)
+    assert sorted(rank for rank, _, _ in reports) == ["0", "1", "2"], result.stdout
+    assert {int(taken) for _, _, taken in reports} == {steps}
+    own = sorted(int(count) for _, count, _ in reports)
+    assert own == ([30, 30, 31] if policy == "join" else [30, 30, 30])  # litdata's uneven streams
+    assert "final metrics" in result.stdout

@@ -6,6 +6,7 @@ trainings written out in the test itself."""
 
 from __future__ import annotations
 
+import csv
 import json
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from _models import cpu_trainer
+from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset
 
@@ -121,9 +123,14 @@ def test_join_trains_every_sample_once_in_as_many_steps_as_the_longest_stream(tm
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("lengths", [[28, 9], [10, 0, 5]])
 def test_drop_ends_every_epoch_at_the_shortest_stream(tmp_path, lengths):
-    out = fit_streams(tmp_path, lengths, epochs=2, uneven_inputs="drop")
+    logger = CSVLogger(tmp_path, name="logs", version=0)
+    out = fit_streams(tmp_path, lengths, epochs=2, uneven_inputs="drop", trainer_kwargs={"logger": logger})
     world = len(lengths)
     steps_per_epoch = min(len(batches_of(lengths, r, 4)) for r in range(world))
+    kept = sum(len(ids) for r in range(world) for ids in batches_of(lengths, r, 4)[:steps_per_epoch])
+    with open(tmp_path / "logs" / "version_0" / "metrics.csv") as f:
+        dropped = [float(row["uneven/dropped_samples"]) for row in csv.DictReader(f) if row["uneven/dropped_samples"]]
+    assert dropped == [sum(lengths) - kept] * 2  # logged once per epoch: the samples not trained on
     for r in range(world):
         trained = [row["ids"] for row in rows(out, r, "train") if row["epoch"] == 0]
         assert trained == batches_of(lengths, r, 4)[:steps_per_epoch]
