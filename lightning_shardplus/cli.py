@@ -4,21 +4,43 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 import lightning_shardplus  # noqa: F401  (registers the strategy names)
+
+STRATEGY_DEFAULT = "shardplus"
 
 
 class ShardPlusCLI(LightningCLI):
     """``LightningCLI`` in subclass mode (any LightningModule / DataModule by ``class_path``) whose trainer
-    defaults to the ``shardplus`` strategy."""
+    defaults to the ``shardplus`` strategy, and whose ``fit`` ends with a summary of the final metrics."""
 
     def __init__(self, *args: Any, trainer_defaults: dict[str, Any] | None = None, **kwargs: Any) -> None:
-        defaults = {"strategy": "shardplus"}
+        defaults = {"strategy": STRATEGY_DEFAULT}
         defaults.update(trainer_defaults or {})
         kwargs.setdefault("subclass_mode_model", True)
         kwargs.setdefault("subclass_mode_data", True)
         super().__init__(*args, trainer_defaults=defaults, **kwargs)
+
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        """``--help`` states one default for ``trainer.strategy``: Lightning's docstring names ``"auto"``."""
+        for action in parser._actions:  # argparse keeps no public list of actions
+            if action.dest == "trainer.strategy" and action.help:
+                action.help = action.help.replace('Default: ``"auto"``.', "").strip()
+
+    def after_fit(self) -> None:
+        """Print the final metrics (rank 0): with the progress bar off nothing else says how the fit ended."""
+        if self.trainer.is_global_zero:
+            print(summary_table(self.trainer.callback_metrics, self.trainer.global_step, self.trainer.current_epoch))
+
+
+def summary_table(metrics: dict[str, Any], global_step: int, epochs: int) -> str:
+    """A short table of the final metrics of a fit, one per line, sorted by name."""
+    rows = [(name, f"{float(value):.4f}") for name, value in sorted(metrics.items())]
+    width = max([len(name) for name, _ in rows] + [len("metric")])
+    lines = [f"fit ended after {epochs} epochs, {global_step} optimizer steps", f"{'metric':<{width}}  value"]
+    lines += [f"{name:<{width}}  {value}" for name, value in rows]
+    return "\n".join(lines)
 
 
 def main(args: list[str] | None = None) -> None:

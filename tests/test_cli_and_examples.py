@@ -61,6 +61,9 @@ def test_strategy_defaults_to_shardplus_and_strategy_options_parse(tmp_path):
         cwd=tmp_path,
     )
     assert yaml.safe_load(printed.stdout)["trainer"]["strategy"] == "shardplus"
+    helped = shardplus("fit", "--help", cwd=tmp_path).stdout
+    strategy_help = helped[helped.index("--trainer.strategy STRATEGY\n") :].split("--trainer.devices")[0]
+    assert "default: shardplus" in strategy_help and "auto" not in strategy_help  # one truthful default
     result = subprocess.run(
         [
             sys.executable,
@@ -89,7 +92,11 @@ def test_example_script_trains_with_the_strategy_string_or_instance(tmp_path, fl
 
 @pytest.mark.timeout(300)
 def test_digits_config_reaches_90_percent_validation_accuracy(tmp_path):
-    shardplus("fit", "--config", str(ROOT / "configs" / "digits.yaml"), cwd=tmp_path)
+    result = shardplus("fit", "--config", str(ROOT / "configs" / "digits.yaml"), cwd=tmp_path)
+    # a person reads how the fit ended: the final metrics, on rank 0 only
+    assert result.stdout.count("fit ended after 15 epochs") == 1
+    printed = dict(line.split() for line in result.stdout.splitlines() if line.startswith(("val_acc ", "val_loss ")))
+    assert float(printed["val_acc"]) >= 0.90
     rows = (tmp_path / "lightning_logs/digits/version_0/metrics.csv").read_text().splitlines()
     header = rows[0].split(",")
     accuracies = [
