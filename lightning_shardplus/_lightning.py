@@ -399,9 +399,24 @@ TRAIN_DATALOADER_NEXT = "[_TrainingEpochLoop].train_dataloader_next"
 def rewrap_ddp(strategy: Any, ddp_kwargs: dict[str, Any]) -> None:
     """Wrap the LightningModule in a new ``DistributedDataParallel`` built with ``ddp_kwargs`` merged into the
     strategy's (``None`` values remove a key): the way ``DDPStrategy.configure_ddp`` wraps it, through the
-    private ``_setup_model`` and ``_ddp_kwargs``. A collective: every rank must call it at the same step."""
+    private ``_setup_model`` and ``_ddp_kwargs``. A collective: every rank must call it at the same step.
+
+    The new wrapper does not broadcast the module's state from rank 0 (``init_sync=False``): the parameters are
+    identical on every rank at a step boundary already, and a model-sized broadcast per re-wrap grows with the
+    model; buffers stay as a run without the re-wrap would have them."""
     set_ddp_kwargs(strategy, ddp_kwargs)
-    strategy.model = strategy._setup_model(strategy.lightning_module)
+    user_value = strategy._ddp_kwargs.get("init_sync", _ABSENT)
+    strategy._ddp_kwargs["init_sync"] = False
+    try:
+        strategy.model = strategy._setup_model(strategy.lightning_module)
+    finally:
+        if user_value is _ABSENT:
+            del strategy._ddp_kwargs["init_sync"]
+        else:
+            strategy._ddp_kwargs["init_sync"] = user_value
+
+
+_ABSENT = object()
 
 
 def ddp_kwargs(strategy: Any) -> dict[str, Any]:

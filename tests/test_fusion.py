@@ -744,3 +744,25 @@ def test_the_recorded_benchmark_runs_replay_to_the_same_choices(run):
                 step += 1
         assert tuner.samples_taken == len(recorded)  # decided on these samples, no more
         assert tuner.result.setting.label == row["tuned"].split(" = ")[0]
+
+
+class MarkRank(Callback):
+    """Gives the module a frozen parameter holding the rank after DDP wrapped it; records it when training ends."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def on_train_start(self, trainer, pl_module):
+        pl_module.rank_mark = torch.nn.Parameter(torch.tensor([float(trainer.global_rank)]), requires_grad=False)
+
+    def on_train_end(self, trainer, pl_module):
+        (self.out / f"mark{trainer.global_rank}").write_text(str(float(pl_module.rank_mark)))
+
+
+@pytest.mark.timeout(120)
+def test_re_wraps_while_tuning_broadcast_nothing_from_rank_zero(tmp_path):
+    # the parameters are identical at every step boundary: a re-wrap need not broadcast the model again; a
+    # frozen parameter that differs per rank shows whether anything was broadcast
+    runs, _ = tuned_fit(tmp_path, "marked", callbacks=[MarkRank(tmp_path)], autotune_cache=False, **TUNING)
+    assert wrappers(runs[0]) > 2  # re-wrapped while tuning
+    assert [float((tmp_path / f"mark{r}").read_text()) for r in range(2)] == [0.0, 1.0]
