@@ -289,11 +289,11 @@ class ShardPlusStrategy(DDPStrategy):
         if batch_idx == 0:
             # Lightning reads the loaders' lengths once per fit: a resharded resumed epoch has another length
             _lightning.refresh_training_batch_count(self.lightning_module.trainer)
-        assert self._components is not None and self._components.fusion is not None
-        if self._components.even is not None:
-            self._components.even.batch_taken()
-        setting = self._components.fusion.at_batch_start(batch_idx)
-        if setting is not None:
+        parts = self._components
+        assert parts is not None and parts.fusion is not None
+        if parts.even is not None:
+            parts.even.batch_taken()
+        if (setting := parts.fusion.at_batch_start(batch_idx)) is not None:
             self.rewrap_ddp(setting)
 
     @override
