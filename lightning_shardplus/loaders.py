@@ -169,8 +169,11 @@ def loader_batch_size(loader: DataLoader) -> int | None:
 
 
 def gather_predictions(predictions: list[Any], num_replicas: int) -> None:
-    """Replace this rank's list of prediction batches by every rank's, in dataset order: exact shards are
-    contiguous blocks in rank order, so concatenating the ranks' lists gives every sample once, in order."""
-    gathered: list[Any] = [None] * num_replicas
-    torch.distributed.all_gather_object(gathered, predictions)
-    predictions[:] = [batch for rank_batches in gathered for batch in rank_batches]
+    """On rank 0, replace the list of prediction batches by every rank's, in dataset order (exact shards are
+    contiguous blocks in rank order, so concatenating the ranks' lists gives every sample once, in order); the
+    other ranks keep their own, so that no rank but rank 0 holds more than its shard."""
+    rank = torch.distributed.get_rank()
+    gathered: list[Any] | None = [None] * num_replicas if rank == 0 else None
+    torch.distributed.gather_object(predictions, gathered, dst=0)
+    if gathered is not None:
+        predictions[:] = [batch for rank_batches in gathered for batch in rank_batches]

@@ -388,8 +388,8 @@ class ShardPlusStrategy(DDPStrategy):
 
     @override
     def on_predict_end(self) -> None:
-        """Where Lightning returns predictions, return every rank's: the exact shards are contiguous blocks in
-        rank order, so concatenating the ranks' batch lists gives every sample once, in dataset order."""
+        """Where Lightning returns predictions, rank 0 returns every rank's, in dataset order; the others their
+        own (``loaders.gather_predictions``)."""
         super().on_predict_end()
         loop = self.lightning_module.trainer.predict_loop
         if not (self._exact_across_ranks and loop.return_predictions):
