@@ -6,7 +6,7 @@ Each run is a fresh ``Trainer.fit`` on CPU processes (fork launcher) over the sa
 many optimizer steps. Alternating the configurations spreads the machine's drift over all of them.
 
 Beside samples/s, shardplus rows report what the gradient communication hook sent on rank 0 per optimizer step
-during the timed steps (median), *counted* by :class:`~lightning_shardplus.compression.CommunicationCounter`
+during the timed steps (median), *counted* by :class:`~lightning_shardplus.instrumentation.CommunicationCounter`
 (not estimated): bytes handed to collectives, all-reduce rounds (gradient synchronizations) and collectives.
 Counting needs a hook, so the ``none`` row (``gradient_compression="none"``) runs torch's Python
 ``allreduce_hook``, the equivalent of DDP's built-in all-reduce that the ``ddp`` row uses (not counted). The
@@ -65,9 +65,9 @@ from torch.utils.data import DistributedSampler
 
 from lightning_shardplus.aggregation import effective_batch_size
 from lightning_shardplus.callbacks import STEP_PHASES, ScalingReport
-from lightning_shardplus.compression import CommunicationCounter
 from lightning_shardplus.datamodule import SyntheticDataModule
 from lightning_shardplus.demo import ClassifierModule
+from lightning_shardplus.instrumentation import CommunicationCounter
 from lightning_shardplus.sharding import PaddedShardSampler
 from lightning_shardplus.strategy import ShardPlusStrategy
 
