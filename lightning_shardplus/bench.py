@@ -14,8 +14,9 @@ Counting needs a hook, so the ``none`` row (``gradient_compression="none"``) run
 ones to compare with ``ddp``, run without the counting hook.
 
 Every row also reports the step time and the Python-level ``torch.distributed`` all_reduce and barrier calls
-per optimizer step, counted in every worker (the metrics rows: 16 scalars logged per step with no sync,
-Lightning's ``sync_dist=True``, and shardplus averaging). ``--configs`` picks rows; the first is the baseline.
+per optimizer step, counted in every worker by :class:`~lightning_shardplus.instrumentation.CollectiveCalls` ("-"
+where torch cannot count them; the metrics rows: 16 scalars logged per step with no sync, Lightning's
+``sync_dist=True``, and shardplus averaging). ``--configs`` picks rows; the first is the baseline.
 
 Rows other than ``ddp``, ``shardplus``, ``shardplus-plain`` and the metrics rows run a
 :class:`~lightning_shardplus.callbacks.ScalingReport`: where each micro-batch's time goes (data, between steps,
@@ -36,7 +37,6 @@ indices per second per rank while iterating, and peak resident memory above the 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import inspect
 import itertools
@@ -48,7 +48,7 @@ import re
 import statistics
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -67,7 +67,7 @@ from lightning_shardplus.aggregation import effective_batch_size
 from lightning_shardplus.callbacks import STEP_PHASES, ScalingReport
 from lightning_shardplus.datamodule import SyntheticDataModule
 from lightning_shardplus.demo import ClassifierModule
-from lightning_shardplus.instrumentation import CommunicationCounter
+from lightning_shardplus.instrumentation import CollectiveCalls, CommunicationCounter
 from lightning_shardplus.sharding import PaddedShardSampler
 from lightning_shardplus.strategy import ShardPlusStrategy
 
@@ -151,29 +151,7 @@ class ManyMetricsClassifier(ClassifierModule):
         return loss
 
 
-_COLLECTIVES = ("all_reduce", "barrier")
-_counts = dict.fromkeys(_COLLECTIVES, 0)
-
-
-@contextlib.contextmanager
-def _counting_collectives() -> Iterator[None]:
-    """Count ``torch.distributed.all_reduce``/``barrier`` calls in this process and the workers it forks."""
-    originals = {name: getattr(dist, name) for name in _COLLECTIVES}
-
-    def counting(name: str) -> Callable[..., Any]:
-        def call(*args: Any, **kwargs: Any) -> Any:
-            _counts[name] += 1
-            return originals[name](*args, **kwargs)
-
-        return call
-
-    try:
-        for name in _COLLECTIVES:
-            setattr(dist, name, counting(name))
-        yield
-    finally:
-        for name, original in originals.items():
-            setattr(dist, name, original)
+_COLLECTIVES = ("all_reduce", "barrier")  # the kinds of collectives counted per optimizer step
 
 
 class _Threads(Callback):
@@ -188,19 +166,32 @@ class _Threads(Callback):
 
 class _Throughput(Callback):
     """Times the optimizer steps after ``warmup`` on rank 0 and writes samples/s, seconds per step and the
-    collectives per step (counted from the first timed step to the end of the last one) to ``out``."""
+    ``torch.distributed`` all_reduce and barrier calls per step (counted from the first timed step to the end of the
+    last one; None where torch cannot count them) to ``out``."""
 
     def __init__(self, warmup: int, out: Path) -> None:
         self.warmup, self.out, self.start = warmup, out, 0.0
-        self.counts_at_start = self.counts_at_end = dict(_counts)
+        self.collectives = CollectiveCalls()
+        self.counted = False
+        self.counts_at_start: dict[str, int] = {}
+        self.counts_at_end: dict[str, int] = {}
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self.counted = self.collectives.start()
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self.collectives.stop()
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self.collectives.stop()
 
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
         if trainer.global_step == self.warmup and not self.start:
             self.start = time.perf_counter()
-            self.counts_at_start = dict(_counts)
+            self.counts_at_start = self.collectives.snapshot()
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        self.counts_at_end = dict(_counts)
+        self.counts_at_end = self.collectives.snapshot()
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.is_global_zero:
@@ -209,12 +200,18 @@ class _Throughput(Callback):
             samples = steps * effective_batch_size(trainer)
             result = {"samples_per_s": samples / seconds, "s_per_step": seconds / steps, "steps": steps}
             for name in _COLLECTIVES:
-                result[f"{name}_per_step"] = (self.counts_at_end[name] - self.counts_at_start[name]) / steps
+                issued = self.counts_at_end.get(name, 0) - self.counts_at_start.get(name, 0)
+                result[f"{name}_per_step"] = issued / steps if self.counted else None
             self.out.write_text(json.dumps(result))
 
 
 def _median_per_step(steps: list[dict[str, int]], key: str) -> float | None:
     return statistics.median(step[key] for step in steps) if steps else None
+
+
+def _median_per_run(values: list[float | None]) -> float | None:
+    """The median over runs of a count; None when a run could not count it."""
+    return None if None in values else statistics.median(values)
 
 
 def _bench_trainer(
@@ -278,8 +275,7 @@ def run_once(config: BenchConfig, args: argparse.Namespace) -> dict[str, Any]:
                 *([_Threads(args.threads)] if args.threads else []),
             ],
         )
-        with _counting_collectives():
-            trainer.fit(model, datamodule)
+        trainer.fit(model, datamodule)
         result: dict[str, Any] = json.loads(out.read_text())
         steps = json.loads((Path(tmp) / "counts" / "rank0.json").read_text())["steps"] if counter else []
         timed = steps[warmup_steps:]
@@ -310,7 +306,7 @@ def run(configs: list[BenchConfig], args: argparse.Namespace) -> dict[str, Any]:
             "max_samples_per_s": max(values),
             "median_ms_per_step": 1000 * statistics.median(r["s_per_step"] for r in runs),
             "ratio_to_baseline": statistics.median(values) / baseline,
-            **{f"{c}_per_step": statistics.median(r[f"{c}_per_step"] for r in runs) for c in _COLLECTIVES},
+            **{f"{c}_per_step": _median_per_run([r[f"{c}_per_step"] for r in runs]) for c in _COLLECTIVES},
             "runs": values,
             # the same in every run of a config (the counts do not depend on timing); the first run's
             **{key: runs[0][key] for key in ("bytes_per_step", "rounds_per_step", "collectives_per_step")},
@@ -430,7 +426,7 @@ def format_table(report: dict[str, Any]) -> str:
             f"{row['max_samples_per_s']:.0f} | {row['median_ms_per_step']:.1f} | {row['ratio_to_baseline']:.3f} | "
             f"{_count(row['bytes_per_step'], 'bytes')} | "
             f"{_count(row['rounds_per_step'])} | {_count(row['collectives_per_step'])} | "
-            f"{row['all_reduce_per_step']:g} | {row['barrier_per_step']:g} |"
+            f"{_count(row['all_reduce_per_step'])} | {_count(row['barrier_per_step'])} |"
         )
     return "\n".join(lines)
 

@@ -13,11 +13,20 @@ issue every collective through it, the ones in their ``Future.then`` continuatio
 what is counted is exactly what the hook sent. A hook whose state is neither a process group (or None) nor a
 ``PowerSGDState`` runs with its own state: its calls are counted, its collectives are not.
 
+:class:`CollectiveCalls` counts the collectives issued on a process group through ``torch.distributed``'s Python
+functions (``all_reduce``, ``barrier``, ...: what Lightning's ``sync_dist``, this package's metric averaging and
+Python communication hooks call), by kind, from any thread. It registers a pre-collective hook on the group
+(``ProcessGroup.register_pre_hook``, in torch 2.14) between :meth:`CollectiveCalls.start` and
+:meth:`CollectiveCalls.stop`. torch runs that hook in the thread that issues the collective, under the Python
+function that issued it: a collective counts when that function is one of ``torch.distributed``'s, which leaves
+out what DDP's C++ reducer issues itself (its built-in gradient all-reduce). Where torch has no such hooks it
+counts nothing and says so. The benchmark's all_reduce and barrier calls per step use it.
+
 Why not the alternatives: replacing ``torch.distributed.all_reduce`` and its siblings for the whole process (what
-this package did before) changes torch for everything else in the process and misses collectives issued from C++;
-a registry that this package's own collective call sites report to would not see the collectives torch's hooks
-issue; torch's profiler sees every collective, but records every other operation too, which would distort the
-timings taken beside the counts.
+this package did before) changes torch for everything else in the process while it counts; a registry that this
+package's own collective call sites report to would see neither the collectives torch's hooks issue nor Lightning's
+``sync_dist`` reductions, which are what the benchmark counts; torch's profiler sees every collective, but records
+every other operation too, which would distort the timings taken beside the counts.
 """
 
 from __future__ import annotations
@@ -25,9 +34,11 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import sys
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import lightning.pytorch as pl
@@ -224,3 +235,81 @@ class CommunicationCounter(CommunicationHookWrapper):
             **{f"{key}_per_step": median for key, median in medians.items()},
             "rounds_on_non_stepping_micro_batches": sum(r["rounds"] for r in self.records if not r["stepped"]),
         }
+
+
+# torch's names of the operations its pre-collective hooks report, as torch.distributed's functions call them
+_KINDS = {
+    "ALLREDUCE": "all_reduce",
+    "ALLGATHER": "all_gather",
+    "REDUCE_SCATTER": "reduce_scatter",
+    "ALLTOALL": "all_to_all",
+}
+_PYTHON_API = "torch.distributed.distributed_c10d"  # the module of torch.distributed's collective functions
+_CALLER_DEPTH = 4  # frames searched for it under the hook: the function, or it behind an ObservedProcessGroup
+
+
+class CollectiveCalls:
+    """How many collectives of each kind (``"all_reduce"``, ``"barrier"``, ``"broadcast"``, ...) were issued on a
+    process group through ``torch.distributed``'s Python functions between :meth:`start` and :meth:`stop`, by any
+    caller and from any thread; not the ones DDP's C++ reducer issues itself (see the module's documentation).
+
+    Counted by a pre-collective hook on the group (``ProcessGroup.register_pre_hook``, torch 2.14); without one,
+    :meth:`start` returns False and nothing is counted. torch expects these hooks to be registered while no
+    collective is running: start and stop between steps (a callback's ``setup`` and ``teardown``).
+    """
+
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {}
+        self._group: dist.ProcessGroup | None = None
+        self._lock: threading.Lock | None = None
+
+    @staticmethod
+    def available() -> bool:
+        """Whether this torch has pre-collective hooks on its process groups."""
+        return hasattr(dist.ProcessGroup, "register_pre_hook")
+
+    def start(self, group: dist.ProcessGroup | None = None) -> bool:
+        """Count on ``group`` (None: the default group) from now on; False where torch cannot."""
+        if self._group is not None:
+            return True
+        if not (self.available() and dist.is_available() and dist.is_initialized()):
+            return False
+        self._lock = threading.Lock()
+        self._group = group if group is not None else dist.group.WORLD
+        self._group.register_pre_hook(id(self), self._count)
+        return True
+
+    def stop(self) -> None:
+        """Stop counting (the counts are kept)."""
+        if self._group is not None:
+            self._group.unregister_pre_hook(id(self))
+            self._group = None
+
+    def snapshot(self) -> dict[str, int]:
+        """The counts so far, by kind."""
+        if self._lock is None:
+            return dict(self.counts)
+        with self._lock:
+            return dict(self.counts)
+
+    def _count(self, args: Any) -> None:
+        """torch's pre-collective hook: count the collective if torch.distributed's Python API issued it."""
+        if not _issued_through_python_api(sys._getframe().f_back):  # None on a thread without Python frames
+            return
+        name = args.name.name
+        kind = _KINDS.get(name, name.lower())
+        assert self._lock is not None
+        with self._lock:
+            self.counts[kind] = self.counts.get(kind, 0) + 1
+
+
+def _issued_through_python_api(frame: FrameType | None) -> bool:
+    """Whether one of the frames under a pre-collective hook is a ``torch.distributed`` collective function (under
+    DDP's reducer the frames are autograd's, or none on a device thread)."""
+    for _ in range(_CALLER_DEPTH):
+        if frame is None:
+            return False
+        if frame.f_globals.get("__name__") == _PYTHON_API:
+            return True
+        frame = frame.f_back
+    return False

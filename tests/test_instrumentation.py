@@ -1,4 +1,4 @@
-"""Instrumentation: what the observed process group sees, and that counting replaces
+"""Instrumentation: what the observed process group and the collective calls see, and that counting replaces
 nothing in ``torch.distributed`` (the counts themselves are checked in test_compression, test_aggregation, ...)."""
 
 import json
@@ -11,7 +11,7 @@ from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader
 
 from lightning_shardplus import ShardPlusStrategy
-from lightning_shardplus.instrumentation import CommunicationCounter, ObservedProcessGroup
+from lightning_shardplus.instrumentation import CollectiveCalls, CommunicationCounter, ObservedProcessGroup
 
 COLLECTIVES = ("all_reduce", "all_gather", "broadcast", "barrier", "all_gather_into_tensor", "reduce_scatter_tensor")
 ORIGINALS = {name: getattr(dist, name) for name in COLLECTIVES}
@@ -37,6 +37,29 @@ def test_an_observed_group_reports_the_payload_and_forwards_the_collective(one_p
     assert torch.equal(tensor, torch.arange(3.0)) and torch.equal(gathered[0], torch.ones(2, dtype=torch.float16))
     assert [[t.dtype for t in tensors] for tensors in seen] == [[torch.float32], [torch.float16]]
     assert observed.size() == 1 and observed.rank() == 0
+
+
+@pytest.mark.skipif(not CollectiveCalls.available(), reason="torch has no pre-collective hooks (torch < 2.14)")
+def test_collective_calls_count_torch_distributed_calls_until_stopped(one_process_group):
+    counts = CollectiveCalls()
+    assert counts.start()
+    for _ in range(2):
+        dist.all_reduce(torch.ones(1))
+    dist.barrier()
+    dist.broadcast(torch.ones(1), src=0)
+    observed = ObservedProcessGroup(one_process_group, lambda tensors: None)
+    dist.all_reduce(torch.ones(1), group=observed)  # a hook's all-reduce, through the counter's view
+    ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(3, 2))
+    ddp(torch.ones(1, 3)).sum().backward()  # DDP's built-in all-reduce: issued by its C++ reducer, not counted
+    counts.stop()
+    dist.all_reduce(torch.ones(1))
+    assert counts.snapshot() == {"all_reduce": 3, "barrier": 1, "broadcast": 1}
+
+
+def test_collective_calls_without_a_process_group_count_nothing():
+    counts = CollectiveCalls()
+    assert not counts.start() and counts.snapshot() == {}
+    counts.stop()
 
 
 class RecordCollectives(Callback):
