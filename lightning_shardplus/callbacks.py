@@ -26,7 +26,7 @@ from lightning_shardplus import aggregation
 from lightning_shardplus._lightning import TRAIN_DATALOADER_NEXT
 from lightning_shardplus._validation import check_bool, check_choice, check_int
 from lightning_shardplus.aggregation import effective_batch_size, micro_batch_size
-from lightning_shardplus.compression import CommunicationHookWrapper
+from lightning_shardplus.instrumentation import CommunicationHookWrapper
 from lightning_shardplus.sharding import PaddedShardSampler, check_epoch_shards
 from lightning_shardplus.step_clock import HostClock, StepClock, step_clock
 

@@ -18,9 +18,10 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning_shardplus import compression, fusion, sharding
 from lightning_shardplus.aggregation import GradientAggregation
 from lightning_shardplus.callbacks import VerifySharding
-from lightning_shardplus.compression import CommunicationHook, CommunicationHookWrapper
+from lightning_shardplus.compression import CommunicationHook
 from lightning_shardplus.config import ShardPlusConfig
 from lightning_shardplus.datamodule import ShardPlusDataModule
+from lightning_shardplus.instrumentation import CommunicationHookWrapper
 from lightning_shardplus.loaders import ShardedLoaders
 from lightning_shardplus.metrics import AverageTrainingMetrics, ExactEvaluation
 from lightning_shardplus.uneven import EvenSteps

@@ -467,7 +467,7 @@ def combined_epoch_state(
 
 
 def _all_reduce(tensor: Tensor, async_op: bool = False) -> Any:
-    return dist.all_reduce(tensor, async_op=async_op)  # looked up at call time, so tests and the bench count it
+    return dist.all_reduce(tensor, async_op=async_op)  # looked up at call time: tests/test_metrics.py counts it
 
 
 def _all_gather_object(obj: Any) -> list[Any]:

@@ -18,7 +18,8 @@ from torch.utils.data import DataLoader
 
 import lightning_shardplus  # noqa: F401
 from lightning_shardplus import ShardPlusStrategy
-from lightning_shardplus.compression import CHECKPOINT_KEY, CommunicationCounter
+from lightning_shardplus.compression import CHECKPOINT_KEY
+from lightning_shardplus.instrumentation import CommunicationCounter
 
 DIM, HIDDEN, CLASSES = 16, 32, 8
 PARAMETERS = DIM * HIDDEN + HIDDEN + HIDDEN * CLASSES + CLASSES

@@ -1,0 +1,253 @@
+"""One ``fit`` per row (:func:`run_once`) and the alternating repeats of the matrix (:func:`run`), with the callbacks
+that time the steps and count their collectives, and what the benchmark ran on (:func:`machine`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import re
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.strategies import Strategy
+
+from lightning_shardplus.aggregation import effective_batch_size
+from lightning_shardplus.bench.report_cost import measure_report_cost
+from lightning_shardplus.bench.workloads import BenchConfig, bench_model
+from lightning_shardplus.callbacks import STEP_PHASES, ScalingReport
+from lightning_shardplus.datamodule import SyntheticDataModule
+from lightning_shardplus.instrumentation import CollectiveCalls, CommunicationCounter
+from lightning_shardplus.strategy import ShardPlusStrategy
+
+_COLLECTIVES = ("all_reduce", "barrier")  # the kinds of collectives counted per optimizer step
+
+
+class _Threads(Callback):
+    """Sets torch's intra-op threads in every worker (``--threads``)."""
+
+    def __init__(self, threads: int) -> None:
+        self.threads = threads
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        torch.set_num_threads(self.threads)
+
+
+def thread_callbacks(args: argparse.Namespace) -> list[Callback]:
+    """The callback that sets ``--threads`` in every worker, if it was given."""
+    return [_Threads(args.threads)] if args.threads else []
+
+
+class _Throughput(Callback):
+    """Times the optimizer steps after ``warmup`` on rank 0 and writes samples/s, seconds per step and the
+    ``torch.distributed`` all_reduce and barrier calls per step (counted from the first timed step to the end of the
+    last one; None where torch cannot count them) to ``out``."""
+
+    def __init__(self, warmup: int, out: Path) -> None:
+        self.warmup, self.out, self.start = warmup, out, 0.0
+        self.collectives = CollectiveCalls()
+        self.counted = False
+        self.counts_at_start: dict[str, int] = {}
+        self.counts_at_end: dict[str, int] = {}
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self.counted = self.collectives.start()
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self.collectives.stop()
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self.collectives.stop()
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.global_step == self.warmup and not self.start:
+            self.start = time.perf_counter()
+            self.counts_at_start = self.collectives.snapshot()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        self.counts_at_end = self.collectives.snapshot()
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.is_global_zero:
+            seconds = time.perf_counter() - self.start
+            steps = trainer.global_step - self.warmup
+            samples = steps * effective_batch_size(trainer)
+            result = {"samples_per_s": samples / seconds, "s_per_step": seconds / steps, "steps": steps}
+            for name in _COLLECTIVES:
+                issued = self.counts_at_end.get(name, 0) - self.counts_at_start.get(name, 0)
+                result[f"{name}_per_step"] = issued / steps if self.counted else None
+            self.out.write_text(json.dumps(result))
+
+
+def _median_per_step(steps: list[dict[str, int]], key: str) -> float | None:
+    """The median over optimizer steps of a count; None without counted steps."""
+    return statistics.median(step[key] for step in steps) if steps else None
+
+
+def _median_per_run(values: list[float | None]) -> float | None:
+    """The median over runs of a count; None when a run could not count it."""
+    return None if None in values else statistics.median(values)
+
+
+def bench_trainer(
+    accelerator: str, devices: int, strategy: Strategy, max_steps: int, callbacks: list[Callback]
+) -> pl.Trainer:
+    """A Trainer that trains ``max_steps`` and nothing else: no logger, checkpoints, progress bar or validation."""
+    return pl.Trainer(
+        accelerator=accelerator,
+        devices=devices,
+        strategy=strategy,
+        max_steps=max_steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        callbacks=callbacks,
+    )
+
+
+def run_once(config: BenchConfig, args: argparse.Namespace) -> dict[str, Any]:
+    """One ``fit`` of the workload under ``config``; returns rank 0's samples/s and, for shardplus rows, the
+    counted communication per timed optimizer step."""
+    with tempfile.TemporaryDirectory() as tmp:
+        directory = Path(tmp)
+        pl.seed_everything(0, verbose=False)
+        strategy = config.make_strategy()
+        frequency = getattr(strategy, "aggregation_frequency", 1)
+        warmup_steps = math.ceil(args.warmup / frequency)
+        timed_steps = max(1, args.steps // frequency)
+        datamodule = SyntheticDataModule(
+            global_batch_size=args.global_batch_size,
+            num_samples=args.global_batch_size * frequency * (timed_steps + warmup_steps),
+            val_samples=0,
+            input_shape=(args.input_dim,),
+        )
+        model = bench_model(config, args)
+        counted = _counts_gradients(config, strategy)
+        scaling = directory / "scaling.json"
+        report = (
+            ScalingReport(skip_first_steps=warmup_steps * frequency, output_file=scaling, verbose=False)
+            if config.scaling_report
+            else None
+        )
+        callbacks = [
+            _Throughput(warmup_steps, directory / "result.json"),
+            *([CommunicationCounter(directory / "counts")] if counted else []),
+            *([report] if report else []),
+            *thread_callbacks(args),
+        ]
+        trainer = bench_trainer(args.accelerator, args.devices, strategy, timed_steps + warmup_steps, callbacks)
+        trainer.fit(model, datamodule)
+        return _run_result(directory, counted, warmup_steps, report is not None)
+
+
+def _counts_gradients(config: BenchConfig, strategy: Strategy) -> bool:
+    """Whether the row counts its gradient communication: counting registers a Python all-reduce hook, so not on
+    the rows compared with ddp, nor on the metric rows (compared with each other)."""
+    many_metrics = config.logged_scalars != 1 or config.sync_dist
+    return isinstance(strategy, ShardPlusStrategy) and config.count_gradients and not many_metrics
+
+
+def _run_result(directory: Path, counted: bool, warmup_steps: int, scaled: bool) -> dict[str, Any]:
+    """What rank 0 wrote in ``directory``: samples/s and collectives per step, the gradient communication per timed
+    optimizer step (None where not counted) and the ScalingReport (None without one)."""
+    result: dict[str, Any] = json.loads((directory / "result.json").read_text())
+    steps = json.loads((directory / "counts" / "rank0.json").read_text())["steps"] if counted else []
+    timed = steps[warmup_steps:]
+    for key in ("bytes", "rounds", "collectives"):
+        result[f"{key}_per_step"] = _median_per_step(timed, key)
+    result["scaling"] = json.loads((directory / "scaling.json").read_text()) if scaled else None
+    return result
+
+
+def run(configs: list[BenchConfig], args: argparse.Namespace) -> dict[str, Any]:
+    """Run every config ``args.repeats`` times, alternating; return per-config samples/s, ratios to the first
+    config (ddp) and counted communication per optimizer step."""
+    results = _alternating_runs(configs, args)
+    baseline = statistics.median(r["samples_per_s"] for r in results[configs[0].name])
+    rows = {name: _row(runs, baseline) for name, runs in results.items()}
+    report = {"settings": report_settings(args), "machine": machine(args), "baseline": configs[0].name, "results": rows}
+    if "shardplus-report" in rows:
+        report["scaling_report_cost_us_per_micro_batch"] = measure_report_cost()
+    return report
+
+
+def _alternating_runs(configs: list[BenchConfig], args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
+    """Each config's untimed preparation run, if any, then ``args.repeats`` runs of every config, in alternating
+    order (the machine's drift is spread over all of them); the runs per config name."""
+    results: dict[str, list[dict[str, Any]]] = {c.name: [] for c in configs}
+    for config in configs:
+        if config.prepare_steps:
+            run_once(config, argparse.Namespace(**{**vars(args), "steps": config.prepare_steps}))
+    for repeat in range(args.repeats):
+        order = configs if repeat % 2 == 0 else list(reversed(configs))
+        for config in order:
+            results[config.name].append(run_once(config, args))
+    return results
+
+
+def _row(runs: list[dict[str, Any]], baseline: float) -> dict[str, Any]:
+    """One config's row of the report: samples/s over its runs, its ratio to ``baseline``, its counts."""
+    values = [r["samples_per_s"] for r in runs]
+    return {
+        "median_samples_per_s": statistics.median(values),
+        "min_samples_per_s": min(values),
+        "max_samples_per_s": max(values),
+        "median_ms_per_step": 1000 * statistics.median(r["s_per_step"] for r in runs),
+        "ratio_to_baseline": statistics.median(values) / baseline,
+        **{f"{c}_per_step": _median_per_run([r[f"{c}_per_step"] for r in runs]) for c in _COLLECTIVES},
+        "runs": values,
+        # the same in every run of a config (the counts do not depend on timing); the first run's
+        **{key: runs[0][key] for key in ("bytes_per_step", "rounds_per_step", "collectives_per_step")},
+        "breakdown_ms_per_micro_batch": _median_breakdown([r["scaling"] for r in runs]),
+    }
+
+
+def report_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The command's arguments as a report records them (paths as strings)."""
+    return {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()}
+
+
+def _median_breakdown(reports: list[dict[str, Any] | None]) -> dict[str, float] | None:
+    """Per phase, the median over runs of the ScalingReport's milliseconds per micro-batch; None without one."""
+    counted = [r for r in reports if r is not None and r.get("micro_batches")]
+    if not counted:
+        return None
+    return {phase: statistics.median(r["ms_per_micro_batch"][phase] for r in counted) for phase in STEP_PHASES}
+
+
+def _cpu_model() -> str:
+    """The CPU's model name, as /proc/cpuinfo or the platform module tells it."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    match = re.search(r"^model name\s*:\s*(.+)$", text, re.MULTILINE)
+    return match.group(1).strip() if match else platform.machine()
+
+
+def machine(args: argparse.Namespace) -> dict[str, Any]:
+    """What the benchmark ran on: CPU, cores, accelerator and processes, library versions."""
+    description: dict[str, Any] = {
+        "cpu": _cpu_model(),
+        "cpu_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "accelerator": args.accelerator,
+        "devices": args.devices,
+        "threads_per_process": args.threads,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "lightning": pl.__version__,
+        "os": f"{platform.system()} {platform.release()}",
+    }
+    if args.accelerator == "gpu":
+        description["gpu"] = torch.cuda.get_device_name(0)  # in this process only after the runs: fork-safe
+    return description
