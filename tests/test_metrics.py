@@ -22,6 +22,7 @@ from torchmetrics import MeanMetric
 
 import lightning_shardplus  # noqa: F401
 from lightning_shardplus import ShardPlusStrategy
+from lightning_shardplus.instrumentation import CollectiveCalls
 from lightning_shardplus.metrics import (
     FusedMetricReducer,
     MetricMismatchError,
@@ -619,6 +620,11 @@ def test_metric_objects_rank_zero_only_and_late_values_are_left_to_lightning(tmp
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.skipif(
+    not CollectiveCalls.available(),
+    reason="the benchmark counts through ProcessGroup pre-collective hooks (torch >= 2.14); the counts above are "
+    "proven by the count_collectives fixture on every torch",
+)
 def test_bench_counts_the_collectives_of_the_metric_rows():
     from lightning_shardplus import bench
 
