@@ -118,7 +118,7 @@ class DigitsDataModule(ShardPlusDataModule):
 
 
 class DigitsStreamDataModule(pl.LightningDataModule):
-    """The digits as a litdata stream (``pip install 'lightning-shardplus[streaming]'``): written once with
+    """The digits as a litdata stream (``pip install 'lightning-shardplus[streaming,examples]'``): written once with
     ``litdata.optimize`` in :meth:`prepare_data`, then read by every rank with ``StreamingDataset``.
 
     litdata splits a stream over the ranks and, when distributed, drops the tail that does not divide evenly

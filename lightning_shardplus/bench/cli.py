@@ -71,7 +71,7 @@ def _add_matrix_arguments(parser: argparse.ArgumentParser) -> None:
         "--quick", action="store_true", help="the whole matrix in short runs: about a minute on 2 CPU cores"
     )
     parser.add_argument("--plots", type=Path, default=None, help="write the two PNG plots to this directory")
-    parser.add_argument("--markdown", action="store_true", help="also print the README's performance section")
+    parser.add_argument("--markdown", action="store_true", help="also print the section of docs/performance.md")
     parser.add_argument(
         "--from-json", type=Path, default=None,
         help="render a report written by --json (tables, --markdown, --plots) instead of running",

@@ -92,7 +92,7 @@ def format_overhead(report: dict[str, Any]) -> str | None:
 
 
 def format_markdown(report: dict[str, Any]) -> str:
-    """The README's performance section: the machine, the command's settings, the two tables, the overhead."""
+    """The section of docs/performance.md: the machine, the command's settings, the two tables, the overhead."""
     settings, description = report["settings"], report.get("machine", {})
     gpu = f", {description['gpu']}" if description.get("gpu") else ""
     flags = " --quick" if settings.get("quick") else ""
