@@ -50,7 +50,8 @@ START_METHODS = ("popen", "spawn", "fork", "forkserver")
 @dataclass(frozen=True)
 class ShardPlusConfig:
     """The shardplus arguments of :class:`~lightning_shardplus.ShardPlusStrategy` (documented there, and one line
-    each in the README's table). ``autotune_*candidates_mb`` of None take :mod:`~lightning_shardplus.fusion`'s defaults."""
+    each in the README's table). ``autotune_*candidates_mb`` of None take :mod:`~lightning_shardplus.fusion`'s
+    defaults."""
 
     aggregation_frequency: int = 1
     average_aggregated_gradients: bool = True
