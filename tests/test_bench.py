@@ -149,3 +149,17 @@ def test_fusion_bench_tunes_then_measures_every_setting_interleaved(tmp_path, ca
         bench.parse_args(["--fusion", "--fusion-shapes=small:8:16"])
     with pytest.raises(SystemExit):
         bench.parse_args(["--fusion", "--fusion-rounds=0"])
+
+
+@pytest.mark.timeout(120)
+def test_the_streaming_row_runs_beside_its_map_style_twin_on_a_stream_of_the_same_samples():
+    (stream_row,) = [config for config in bench.default_configs() if config.name == "shardplus-stream"]
+    assert stream_row.stream and not stream_row.count_gradients and not stream_row.scaling_report
+    assert [int(x) for x in bench.RankStream(list(range(10)))] == list(range(10))  # one process: all of it, in order
+    args = bench.parse_args(
+        ["--repeats=1", "--steps=4", "--warmup=2", "--global-batch-size=8", "--input-dim=4", "--hidden-dim=8"]
+        + ["--layers=1", "--configs=shardplus,shardplus-stream"]
+    )
+    rows = bench.run(bench.select_configs(args.configs), args)["results"]
+    assert list(rows) == ["shardplus", "shardplus-stream"]
+    assert rows["shardplus-stream"]["median_samples_per_s"] > 0  # ran its timed steps to the end

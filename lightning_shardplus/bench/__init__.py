@@ -54,6 +54,7 @@ from lightning_shardplus.bench.tables import (
 from lightning_shardplus.bench.workloads import (
     BenchConfig,
     ManyMetricsClassifier,
+    RankStream,  # noqa: F401  (the streaming row's data, for tests)
     default_configs,
     select_configs,
     strategy_accepts,

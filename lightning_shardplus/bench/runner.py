@@ -22,7 +22,7 @@ from lightning.pytorch.strategies import Strategy
 
 from lightning_shardplus.aggregation import effective_batch_size
 from lightning_shardplus.bench.report_cost import measure_report_cost
-from lightning_shardplus.bench.workloads import BenchConfig, bench_model
+from lightning_shardplus.bench.workloads import BenchConfig, RankStream, bench_model
 from lightning_shardplus.callbacks import STEP_PHASES, ScalingReport
 from lightning_shardplus.datamodule import SyntheticDataModule
 from lightning_shardplus.instrumentation import CollectiveCalls, CommunicationCounter
@@ -146,7 +146,12 @@ def run_once(config: BenchConfig, args: argparse.Namespace) -> dict[str, Any]:
             *thread_callbacks(args),
         ]
         trainer = bench_trainer(args.accelerator, args.devices, strategy, timed_steps + warmup_steps, callbacks)
-        trainer.fit(model, datamodule)
+        if config.stream:  # the same samples, as one stream per rank
+            stream = RankStream(datamodule.build_train_dataset())
+            batch = args.global_batch_size // args.devices
+            trainer.fit(model, torch.utils.data.DataLoader(stream, batch_size=batch))
+        else:
+            trainer.fit(model, datamodule)
         return _run_result(directory, counted, warmup_steps, report is not None)
 
 

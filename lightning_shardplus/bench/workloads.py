@@ -32,6 +32,7 @@ class BenchConfig:
     count_gradients: bool = True  # counting runs a Python all-reduce hook: off for the rows compared with ddp
     scaling_report: bool = True  # a ScalingReport callback: off for the rows compared with ddp
     prepare_steps: int = 0  # an untimed run of this many steps before the timed ones (the autotune row tunes in it)
+    stream: bool = False  # the training data as an iterable stream per rank (uneven_inputs agrees every step)
 
 
 def strategy_accepts(**kwargs: object) -> bool:
@@ -62,6 +63,9 @@ def default_configs() -> list[BenchConfig]:
         BenchConfig(
             "shardplus-plain", shardplus(average_training_metrics=False), count_gradients=False, scaling_report=False
         ),
+        # the defaults over a stream of the same data (equal lengths): its cost against "shardplus" is the
+        # uneven-inputs agreement, one all-reduce of one integer per micro-batch
+        BenchConfig("shardplus-stream", shardplus(), count_gradients=False, scaling_report=False, stream=True),
         # the defaults with the ScalingReport: its overhead is this row against "shardplus"
         BenchConfig("shardplus-report", shardplus(), count_gradients=False),
         # gradient communication, counted: "none" is the uncompressed reference of the bytes
@@ -113,3 +117,16 @@ def bench_model(config: BenchConfig, args: argparse.Namespace) -> LightningModul
     if config.logged_scalars == 1 and not config.sync_dist:
         return ClassifierModule(**shape)
     return ManyMetricsClassifier(config.logged_scalars, config.sync_dist, **shape)
+
+
+class RankStream(torch.utils.data.IterableDataset):
+    """This rank's contiguous share of ``dataset``, streamed: an iterable of the length a sampler would give."""
+
+    def __init__(self, dataset: Any) -> None:
+        self.dataset = dataset
+
+    def __iter__(self) -> Any:
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        share = len(self.dataset) // world
+        return (self.dataset[i] for i in range(rank * share, (rank + 1) * share))
