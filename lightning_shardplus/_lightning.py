@@ -53,6 +53,15 @@ def injected_over_dataset_order(sampler: DistributedSampler) -> bool:
     return False
 
 
+def unrepeated_sampler(injected: UnrepeatedDistributedSamplerWrapper, num_replicas: int, rank: int) -> Sampler:
+    """Lightning's prediction sampler over the user's sampler that ``injected`` wraps, sharded over
+    ``num_replicas`` ranks (as ``_get_distributed_sampler`` builds it). Private: ``_DatasetSamplerWrapper._sampler``."""
+    user_sampler = injected.dataset._sampler
+    return UnrepeatedDistributedSamplerWrapper(
+        user_sampler, num_replicas=num_replicas, rank=rank, shuffle=injected.shuffle, seed=injected.seed
+    )
+
+
 def micro_batches_done_in_epoch(trainer: Any) -> int:
     """Training micro-batches started so far in the current epoch, the running one included.
 

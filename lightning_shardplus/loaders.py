@@ -73,6 +73,14 @@ class ShardedLoaders:
             self._restore_warnings()
             self._restore_warnings = None
 
+    def injection_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """The arguments of the sampler Lightning injects (``distributed_sampler_kwargs``). For prediction with
+        exact shards, one replica: Lightning's prediction sampler asserts that every rank gets a sample, which
+        fails with fewer samples than processes, and :meth:`process` shards the loader over the ranks anyway."""
+        if self.exact_evaluation and self.num_replicas > 1 and self.trainer.state.stage == RunningStage.PREDICTING:
+            return {**kwargs, "num_replicas": 1, "rank": 0}
+        return kwargs
+
     def process(self, dataloader: Any) -> Any:
         """``dataloader`` with a shardplus sampler where Lightning injected its ``DistributedSampler``."""
         if not isinstance(dataloader, DataLoader):
@@ -86,13 +94,17 @@ class ShardedLoaders:
                     "them."
                 )
             return dataloader
+        stage = self.trainer.state.stage
         if not _lightning.injected_over_dataset_order(sampler):
+            if stage == RunningStage.PREDICTING and sampler.num_replicas != self.num_replicas:
+                # injected over one replica (`injection_kwargs`): Lightning's sharding of the user's sampler
+                sampler = _lightning.unrepeated_sampler(sampler, self.num_replicas, self.rank)
+                dataloader = _lightning.replace_sampler(dataloader, sampler, stage)
             rank_zero_warn(
                 "shardplus: a DataLoader has a custom sampler; Lightning's DistributedSamplerWrapper shards "
                 "it, and padded equal shards and exact evaluation do not apply to it."
             )
             return dataloader
-        stage = self.trainer.state.stage
         if stage == RunningStage.TRAINING:
             return _lightning.replace_sampler(dataloader, self._training_sampler(dataloader, sampler), stage)
         if stage in EVALUATION_STAGES and self.exact_evaluation:

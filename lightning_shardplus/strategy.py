@@ -173,7 +173,8 @@ class ShardPlusStrategy(DDPStrategy):
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {**super().distributed_sampler_kwargs, "seed": _lightning.InjectedSeed(self.config.epoch_seed)}
+        kwargs = {**super().distributed_sampler_kwargs, "seed": _lightning.InjectedSeed(self.config.epoch_seed)}
+        return self._components.loaders.injection_kwargs(kwargs) if self._components is not None else kwargs
 
     @property
     def _exact_across_ranks(self) -> bool:

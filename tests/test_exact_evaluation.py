@@ -1,6 +1,7 @@
 """Evaluation across ranks gives the single-process values, evaluates every sample once, and never hangs."""
 
 import json
+import os
 import subprocess
 import sys
 from collections import Counter
@@ -16,6 +17,8 @@ from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
 from lightning_shardplus import ShardPlusStrategy
+
+ROOT = Path(__file__).parents[1]
 
 
 class EvalModule(RecordingModule):
@@ -125,8 +128,10 @@ import lightning_shardplus
 from _models import IndexedDataset, RecordingModule
 
 if __name__ == "__main__":
-    trainer = pl.Trainer(accelerator="cpu", devices=3, strategy="shardplus", logger=False, enable_progress_bar=False)
-    predictions = trainer.predict(RecordingModule({out!r}), DataLoader(IndexedDataset(100), batch_size=7))
+    trainer = pl.Trainer(
+        accelerator="cpu", devices={devices}, strategy="shardplus", logger=False, enable_progress_bar=False
+    )
+    predictions = trainer.predict(RecordingModule({out!r}), DataLoader(IndexedDataset({n}), batch_size={batch}))
     flat = [int(i) for batch in predictions for i in batch]
     with open({out!r} + f"/returned{{trainer.global_rank}}.json", "w") as f:
         json.dump(flat, f)
@@ -134,12 +139,41 @@ if __name__ == "__main__":
 
 
 @pytest.mark.timeout(240)
-def test_predict_returns_every_sample_once_in_dataset_order(tmp_path):
+@pytest.mark.parametrize(
+    ("devices", "n", "batch", "per_rank"),
+    [(3, 100, 7, [33, 33, 34]), (2, 1, 1, [1]), (3, 2, 1, [1, 1])],
+    ids=["100-on-3", "1-on-2", "2-on-3"],
+)
+def test_predict_returns_every_sample_once_in_dataset_order(tmp_path, devices, n, batch, per_rank):
+    # fewer samples than processes: Lightning's own predict sampler asserts that every rank has one, before
+    # shardplus puts its exact shards in (issue 18)
     script = tmp_path / "predict.py"
-    script.write_text(PREDICT_SCRIPT.format(tests=str(Path(__file__).parent), out=str(tmp_path)))
-    result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=200)
+    tests = str(Path(__file__).parent)
+    script.write_text(PREDICT_SCRIPT.format(tests=tests, out=str(tmp_path), devices=devices, n=n, batch=batch))
+    # this checkout first, not an installed copy of the package (the script runs in tmp_path)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    result = subprocess.run(
+        [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=200
+    )
     assert result.returncode == 0, result.stderr[-4000:]
-    for rank in range(3):  # Lightning returns predictions on every rank under the popen launcher
-        assert json.loads((tmp_path / f"returned{rank}.json").read_text()) == list(range(100))
-    per_rank = Counter(r["rank"] for r in read_records(tmp_path) for _ in r["indices"])
-    assert sorted(per_rank.values()) == [33, 33, 34]
+    for rank in range(devices):  # Lightning returns predictions on every rank under the popen launcher
+        assert json.loads((tmp_path / f"returned{rank}.json").read_text()) == list(range(n))
+    per_rank_seen = Counter(r["rank"] for r in read_records(tmp_path) for _ in r["indices"])
+    assert sorted(per_rank_seen.values()) == per_rank
+
+
+@pytest.mark.timeout(120)
+def test_predict_with_a_custom_sampler_keeps_lightnings_sharding_of_it(tmp_path):
+    class Reversed(torch.utils.data.Sampler):
+        def __iter__(self):
+            return iter(range(5, -1, -1))
+
+        def __len__(self):
+            return 6
+
+    trainer = cpu_trainer(ShardPlusStrategy(start_method="fork"), 2)
+    loader = DataLoader(IndexedDataset(6), batch_size=2, sampler=Reversed())
+    trainer.predict(RecordingModule(tmp_path), loader, return_predictions=False)
+    rows = read_records(tmp_path)
+    per_rank = {rank: [i for r in rows if r["rank"] == rank for i in r["indices"]] for rank in range(2)}
+    assert per_rank == {0: [5, 3, 1], 1: [4, 2, 0]}  # Lightning's unrepeated sharding of the sampler's order

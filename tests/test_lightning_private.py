@@ -27,6 +27,19 @@ def test_lightning_passes_the_strategy_seed_to_the_sampler_it_injects():
     assert _lightning.injected_over_dataset_order(predict)  # reads `_DatasetSamplerWrapper._sampler`
 
 
+def test_a_prediction_sampler_injected_over_one_replica_is_resharded_as_lightning_shards_it():
+    # for prediction with exact shards the strategy has Lightning inject over one replica (its prediction sampler
+    # asserts that every rank has a sample); a user's sampler is then sharded as Lightning would have
+    loader = DataLoader(range(6), batch_size=2, sampler=list(range(5, -1, -1)))
+    kwargs = ShardPlusStrategy().distributed_sampler_kwargs | {"num_replicas": 1, "rank": 0}
+    predicting = RunningStage.PREDICTING
+    injected = _get_distributed_sampler(loader, shuffle=False, overfit_batches=0, mode=predicting, **kwargs)
+    assert not _lightning.injected_over_dataset_order(injected)
+    resharded = _lightning.unrepeated_sampler(injected, 2, 1)
+    assert isinstance(resharded, UnrepeatedDistributedSamplerWrapper) and _lightning.is_injected(resharded)
+    assert list(resharded) == [4, 2, 0]
+
+
 def test_prediction_loader_swap_reaches_the_wrapped_batch_sampler():
     loader = DataLoader(range(10), batch_size=3)
     wrapped = _lightning.replace_sampler(loader, SequentialSampler(range(10)), RunningStage.PREDICTING)
