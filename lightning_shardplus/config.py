@@ -29,7 +29,6 @@ from lightning_shardplus._validation import (
     check_bool,
     check_choice,
     check_int,
-    check_positive_number,
     check_process_group_backend,
     process_group_timeout,
 )
@@ -79,7 +78,7 @@ class ShardPlusConfig:
         for name in ("average_aggregated_gradients", "exact_evaluation", "verify_sharding"):
             check_bool(name, getattr(self, name))
         if self.tensor_fusion_threshold_mb is not None:
-            check_positive_number("tensor_fusion_threshold_mb", self.tensor_fusion_threshold_mb)
+            fusion.check_bucket_size("tensor_fusion_threshold_mb", self.tensor_fusion_threshold_mb)
             object.__setattr__(self, "tensor_fusion_threshold_mb", float(self.tensor_fusion_threshold_mb))
         check_bool("auto_tune_tensor_fusion", self.auto_tune_tensor_fusion)
         if self.autotune_log is not None and not isinstance(self.autotune_log, (str, os.PathLike)):

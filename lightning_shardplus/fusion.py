@@ -65,6 +65,9 @@ from torch.nn.parallel import DistributedDataParallel
 from lightning_shardplus._validation import check_int
 
 _MB = 1024 * 1024  # DDP's megabyte
+# DDP hands its C++ reducer the bucket size in bytes, int(bucket_cap_mb * 1024 * 1024), as a 64-bit integer: sizes
+# of 2**43 MB and more fail there (a TypeError when DDP is built, inside the worker processes). Exclusive bound.
+MAX_BUCKET_CAP_MB = float(2**63 // _MB)
 # torch's DDP bucket size when none is given
 DEFAULT_BUCKET_CAP_MB = 25.0
 # and its first bucket then (the gradients ready first); torch.distributed private, guarded by
@@ -190,6 +193,27 @@ class AutotuneSettings:
         }
 
 
+def is_bucket_size(value: Any) -> bool:
+    """Whether ``value`` is a bucket size in MB that DDP takes: a number > 0 and < :data:`MAX_BUCKET_CAP_MB`."""
+    return (
+        isinstance(value, numbers.Real)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and 0 < value < MAX_BUCKET_CAP_MB
+    )
+
+
+BUCKET_SIZE_RANGE = (
+    f"a finite number > 0 and < {MAX_BUCKET_CAP_MB:.0f} MB (2**43: DDP's bucket size in bytes is a 64-bit integer)"
+)
+
+
+def check_bucket_size(name: str, value: Any) -> None:
+    """Refuse a bucket size in MB that DDP cannot take (:func:`is_bucket_size`)."""
+    if not is_bucket_size(value):
+        raise ValueError(f"`{name}`={value!r} is not valid: expected {BUCKET_SIZE_RANGE}.")
+
+
 def _sizes(name: str, values: Any, minimum_count: int) -> tuple[float, ...]:
     items = None
     if not isinstance(values, (str, bytes)):
@@ -197,14 +221,10 @@ def _sizes(name: str, values: Any, minimum_count: int) -> tuple[float, ...]:
             items = list(values)
         except TypeError:  # not a collection
             items = None
-    valid = (
-        items is not None
-        and len(items) >= minimum_count
-        and all(isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v) and v > 0 for v in items)
-    )
+    valid = items is not None and len(items) >= minimum_count and all(is_bucket_size(v) for v in items)
     if not valid:
         expected = f"at least {minimum_count} bucket size(s) in MB" if minimum_count else "bucket sizes in MB (or none)"
-        raise ValueError(f"`{name}`={values!r} is not valid: expected a list of {expected}, each a number > 0.")
+        raise ValueError(f"`{name}`={values!r} is not valid: expected a list of {expected}, each {BUCKET_SIZE_RANGE}.")
     return tuple(sorted({float(v) for v in items}))
 
 

@@ -51,7 +51,7 @@ class ShardPlusStrategy(DDPStrategy):
         shuffle_seed: seed of the training epoch permutation; None: the ``seed_everything`` seed, else 0.
         exact_evaluation: evaluation loaders get unpadded shards and epoch metrics equal a single-process run.
         verify_sharding: debug aid: after each training epoch, check that the shards were disjoint and complete.
-        tensor_fusion_threshold_mb: DDP's bucket size (``bucket_cap_mb``); None: DDP's default, as ``"ddp"``.
+        tensor_fusion_threshold_mb: DDP's bucket size (``bucket_cap_mb``, < 2**43 MB); None: DDP's default.
         auto_tune_tensor_fusion: choose the bucket size by measuring the first optimizer steps (cached per setup).
         autotune_log: CSV file with one row per measured sample (written by rank 0).
         autotune_candidates_mb: bucket sizes raced (None: 1, 4, 16, 25, 64 MB).

@@ -25,6 +25,9 @@ from lightning_shardplus.datamodule import per_device_batch_size
         ({"average_training_metrics": 0}, TypeError, r"`average_training_metrics`=0"),
         ({"tensor_fusion_threshold_mb": 0}, ValueError, r"`tensor_fusion_threshold_mb`=0.*> 0"),
         ({"tensor_fusion_threshold_mb": -5.0}, ValueError, r"`tensor_fusion_threshold_mb`=-5.0"),
+        # DDP hands its C++ reducer int(mb * 2**20) bytes as a 64-bit integer: 2**43 MB and more fail inside DDP
+        ({"tensor_fusion_threshold_mb": 1e30}, ValueError, r"`tensor_fusion_threshold_mb`=1e\+30.*< 8796093022208 MB"),
+        ({"tensor_fusion_threshold_mb": 2.0**43}, ValueError, r"`tensor_fusion_threshold_mb`=8796093022208.0 is not"),
         ({"start_method": "thread"}, ValueError, r"`start_method`='thread'.*'popen'"),
         ({"bucket_cap_mb": 10}, TypeError, r"`bucket_cap_mb`=10.*tensor_fusion_threshold_mb"),
         ({"shard_paddin": "first"}, TypeError, r"unknown option\(s\) `shard_paddin`='first'.*valid"),
@@ -63,7 +66,8 @@ def test_numpy_numbers_are_numbers():
     strategy = ShardPlusStrategy(tensor_fusion_threshold_mb=np.float32(4), timeout=np.int64(60))
     assert strategy._ddp_kwargs["bucket_cap_mb"] == 4.0 and type(strategy._ddp_kwargs["bucket_cap_mb"]) is float
     assert strategy._timeout.total_seconds() == 60
-    assert ShardPlusStrategy(autotune_candidates_mb=np.array([1.0, 4.0])).config.autotune_settings.candidates_mb == (1.0, 4.0)
+    candidates = ShardPlusStrategy(autotune_candidates_mb=np.array([1.0, 4.0])).config.autotune_settings.candidates_mb
+    assert candidates == (1.0, 4.0)
 
 
 def test_a_timeout_in_seconds_becomes_a_timedelta():

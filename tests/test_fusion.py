@@ -344,6 +344,8 @@ def test_a_cached_or_checkpointed_ddp_default_gives_ddp_no_bucket_size(tmp_path)
         ({"autotune_candidates_mb": [4, -1]}, ValueError, r"`autotune_candidates_mb`=\[4, -1\].*> 0"),
         ({"autotune_candidates_mb": "25"}, ValueError, r"`autotune_candidates_mb`='25'"),
         ({"autotune_first_bucket_candidates_mb": [0]}, ValueError, r"`autotune_first_bucket_candidates_mb`=\[0\]"),
+        ({"autotune_candidates_mb": [1, 1e30]}, ValueError, r"`autotune_candidates_mb`=\[1, 1e\+30\].*< 8796093022208"),
+        ({"autotune_first_bucket_candidates_mb": [2.0**43]}, ValueError, r"`autotune_first_bucket_candidates_mb`="),
         ({"autotune_steps_per_sample": 0}, ValueError, r"`autotune_steps_per_sample`=0.*>= 1"),
         ({"autotune_warmup_steps": 0}, ValueError, r"`autotune_warmup_steps`=0.*>= 1"),
         ({"autotune_cache": 3}, TypeError, r"`autotune_cache`=3.*True, False or a file path"),
@@ -383,6 +385,27 @@ def test_bad_autotune_arguments_raise_before_any_process_group(kwargs, error, me
     with pytest.raises(error, match=message):
         ShardPlusStrategy(**kwargs)
     assert not dist.is_initialized()
+
+
+def test_the_largest_bucket_size_accepted_is_the_largest_ddp_takes(tmp_path):
+    from torch.nn.parallel import DistributedDataParallel
+
+    largest = math.nextafter(fusion.MAX_BUCKET_CAP_MB, 0)
+    assert ShardPlusStrategy(tensor_fusion_threshold_mb=largest).config.tensor_fusion_threshold_mb == largest
+    assert ShardPlusStrategy(autotune_candidates_mb=[largest]).config.autotune_settings.candidates_mb == (largest,)
+    with pytest.raises(ValueError, match=r"`tensor_fusion_threshold_mb`=8796093022208.0"):
+        ShardPlusStrategy(tensor_fusion_threshold_mb=fusion.MAX_BUCKET_CAP_MB)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        model = torch.nn.Linear(4, 4)
+        for kwargs in ({"bucket_cap_mb": largest}, {"bucket_cap_mb": largest, "bucket_cap_mb_list": [1.0, largest]}):
+            ddp = DistributedDataParallel(model, **kwargs)
+            for _ in range(2):  # DDP rebuilds its buckets at the second step
+                ddp(torch.ones(2, 4)).sum().backward()
+        with pytest.raises(TypeError):  # DDP's reducer takes the size in bytes as a 64-bit integer
+            DistributedDataParallel(model, bucket_cap_mb=fusion.MAX_BUCKET_CAP_MB)
+    finally:
+        dist.destroy_process_group()
 
 
 def test_the_default_buckets_are_ddps_own_unless_a_size_is_given(tmp_path):
