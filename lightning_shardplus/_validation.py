@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 from collections.abc import Iterable
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
@@ -68,3 +70,34 @@ def check_process_group_backend(backend: Any) -> None:
             f"`process_group_backend`={backend!r} is not valid: expected None (Lightning chooses), one of "
             f"{', '.join(repr(k) for k in known)}, or per device like 'cpu:gloo,cuda:nccl'."
         )
+
+
+
+def check_writable_file(
+    name: str, value: Any, path: Path | None = None, *, replaced: bool = False, expected: str = "a writable file path"
+) -> Path:
+    """``value`` as the path of a file this process can create or overwrite; returns it, ``~`` expanded. Missing
+    directories are allowed (they are created when the file is written) where they can be created. ``path``: the
+    file ``value`` stands for, when it is not a path itself (``autotune_cache=True``). ``replaced``: the file is
+    written to a temporary file beside it, then renamed over it (its directory must be writable too)."""
+    given = f"`{name}`={value!r}"
+    if path is None:
+        text = os.fspath(value) if isinstance(value, (str, os.PathLike)) else ""
+        if not text:
+            raise ValueError(f"{given} is not valid: expected {expected}.")
+        path, names_a_directory = Path(text), isinstance(text, str) and text.endswith(("/", os.sep))
+    else:
+        given, names_a_directory = f"{given} ({path})", False
+    path = path.expanduser()
+    if names_a_directory or path.is_dir():
+        raise ValueError(f"{given} is a directory: expected {expected} (of a file in it, for example).")
+    directory = path.parent
+    while not directory.exists() and directory != directory.parent:
+        directory = directory.parent
+    if not directory.is_dir():
+        raise ValueError(f"{given} cannot be written: `{directory}` is a file, not a directory: expected {expected}.")
+    if path.exists() and not os.access(path, os.W_OK):
+        raise ValueError(f"{given} cannot be written: no permission to write this file: expected {expected}.")
+    if (replaced or not path.exists()) and not os.access(directory, os.W_OK | os.X_OK):
+        raise ValueError(f"{given} cannot be written: no permission to write in `{directory}`: expected {expected}.")
+    return path

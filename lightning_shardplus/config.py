@@ -30,6 +30,7 @@ from lightning_shardplus._validation import (
     check_choice,
     check_int,
     check_process_group_backend,
+    check_writable_file,
     process_group_timeout,
 )
 from lightning_shardplus.compression import GRADIENT_COMPRESSIONS, GradientCompression
@@ -83,10 +84,14 @@ class ShardPlusConfig:
         check_bool("auto_tune_tensor_fusion", self.auto_tune_tensor_fusion)
         if self.autotune_log is not None and not isinstance(self.autotune_log, (str, os.PathLike)):
             raise TypeError(f"`autotune_log`={self.autotune_log!r} is not valid: expected a file path or None.")
+        if self.autotune_log is not None:
+            check_writable_file("autotune_log", self.autotune_log, expected="a writable file path or None")
         if not isinstance(self.autotune_cache, (bool, str, os.PathLike)):
             raise TypeError(
                 f"`autotune_cache`={self.autotune_cache!r} is not valid: expected True, False or a file path."
             )
+        if self.autotune_cache is not False and (self.autotune_cache is not True or self.auto_tune_tensor_fusion):
+            fusion.check_cache_file("autotune_cache", self.autotune_cache)  # the default only where it is used
         _ = self.autotune_settings  # checked even when tuning is off: a YAML typo fails early
         check_bool("average_training_metrics", self.average_training_metrics)
         check_choice("uneven_inputs", self.uneven_inputs, UNEVEN_INPUTS)

@@ -62,7 +62,7 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_shardplus._validation import check_int
+from lightning_shardplus._validation import check_int, check_writable_file
 
 _MB = 1024 * 1024  # DDP's megabyte
 # DDP hands its C++ reducer the bucket size in bytes, int(bucket_cap_mb * 1024 * 1024), as a 64-bit integer: sizes
@@ -428,6 +428,13 @@ def cache_key(
     return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()[:32]
 
 
+def check_cache_file(name: str, cache: str | os.PathLike | bool) -> Path:
+    """Refuse an ``autotune_cache`` that cannot be written (True: :data:`DEFAULT_CACHE_PATH`); returns its path."""
+    path = DEFAULT_CACHE_PATH if cache is True else None
+    expected = "a writable file path, or False (no cache)"
+    return check_writable_file(name, cache, path, replaced=True, expected=expected)
+
+
 def load_cached(path: Path, key: str) -> dict[str, Any] | None:
     """The cached entry of ``key``, or None (no file, no entry, or an unreadable file)."""
     try:
@@ -459,8 +466,11 @@ def store_cached(path: Path, key: str, entry: dict[str, Any]) -> None:
         entries = {}
     entries[key] = entry
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    temporary.write_text(json.dumps(entries, indent=1, sort_keys=True))
-    os.replace(temporary, path)
+    try:
+        temporary.write_text(json.dumps(entries, indent=1, sort_keys=True))
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
 
 
 # ---------------------------------------------------------------------------------------------------- autotuner
@@ -712,9 +722,7 @@ class FusionAutotuner:
             self._sample = _Sample(self.initial_setting, global_step, warmup)
             self._started_at = self.clock()
             if self.log_path is not None and self.collectives.is_decider:
-                self.log_path.parent.mkdir(parents=True, exist_ok=True)
-                with open(self.log_path, "w", newline="") as f:
-                    csv.writer(f).writerow(CSV_COLUMNS)
+                self._write_log_row(CSV_COLUMNS, "w")
 
     def interrupt(self) -> None:
         """Something other than training steps runs now (validation): the step in progress is not timed."""
@@ -794,7 +802,13 @@ class FusionAutotuner:
         )
         self._race = self._first_stage = None
         if complete and self.collectives.is_decider and self.cache_path is not None and self.cache_key is not None:
-            store_cached(self.cache_path, self.cache_key, self.result.cache_entry())
+            try:
+                store_cached(self.cache_path, self.cache_key, self.result.cache_entry())
+            except OSError as error:  # checked at construction; a file system can change or fill up since
+                rank_zero_warn(
+                    f"shardplus: could not write the autotune cache {self.cache_path} ({error}): the tuned setting "
+                    "is used in this run but not cached."
+                )
 
     def _log_row(self, sample: _Sample, score: float) -> None:
         if self.log_path is None:
@@ -812,8 +826,17 @@ class FusionAutotuner:
             f"{1000 * score:.3f}",
             f"{bytes_per_s:.0f}",
         ]
-        with open(self.log_path, "a", newline="") as f:
-            csv.writer(f).writerow(row)
+        self._write_log_row(row, "a")
+
+    def _write_log_row(self, row: Sequence[Any], mode: str) -> None:
+        assert self.log_path is not None
+        try:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.log_path, mode, newline="") as f:
+                csv.writer(f).writerow(row)
+        except OSError as error:  # checked at construction; a file system can change or fill up since
+            rank_zero_warn(f"shardplus: could not write the autotune log {self.log_path} ({error}): logging stops.")
+            self.log_path = None
 
 
 def measured_against(

@@ -7,6 +7,8 @@ import csv
 import functools
 import json
 import math
+import os
+import re
 from pathlib import Path
 
 import pytest
@@ -385,6 +387,63 @@ def test_bad_autotune_arguments_raise_before_any_process_group(kwargs, error, me
     with pytest.raises(error, match=message):
         ShardPlusStrategy(**kwargs)
     assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize("argument", ["autotune_cache", "autotune_log"])
+@pytest.mark.parametrize("where", ["a-directory", "a-directory-name", "under-a-file"])
+def test_an_autotune_file_that_cannot_be_written_is_refused_at_construction(tmp_path, argument, where):
+    (tmp_path / "notes.txt").write_text("not a directory")
+    path = {
+        "a-directory": str(tmp_path),
+        "a-directory-name": str(tmp_path / "new") + os.sep,
+        "under-a-file": str(tmp_path / "notes.txt" / "fusion.json"),
+    }[where]
+    with pytest.raises(ValueError, match=rf"`{argument}`={re.escape(repr(path))} .*file"):
+        ShardPlusStrategy(auto_tune_tensor_fusion=True, **{argument: path})
+    assert not dist.is_initialized()
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes anywhere")
+@pytest.mark.parametrize("argument", ["autotune_cache", "autotune_log"])
+def test_an_autotune_file_in_a_read_only_directory_is_refused_at_construction(tmp_path, argument):
+    (tmp_path / "ro").mkdir(mode=0o500)
+    path = str(tmp_path / "ro" / "sub" / "fusion.json")
+    with pytest.raises(ValueError, match=rf"`{argument}`={re.escape(repr(path))} .*write"):
+        ShardPlusStrategy(auto_tune_tensor_fusion=True, **{argument: path})
+
+
+def test_the_default_cache_is_checked_only_when_tuning(tmp_path, monkeypatch):
+    monkeypatch.setattr(fusion, "DEFAULT_CACHE_PATH", tmp_path)  # a directory
+    ShardPlusStrategy()  # not tuning: the default cache is not used
+    with pytest.raises(ValueError, match=r"`autotune_cache`=True \(" + re.escape(str(tmp_path)) + r"\) .*False"):
+        ShardPlusStrategy(auto_tune_tensor_fusion=True)
+
+
+def test_missing_directories_of_the_autotune_files_are_created(tmp_path):
+    cache, log = tmp_path / "a" / "cache.json", tmp_path / "b" / "c" / "log.csv"
+    ShardPlusStrategy(auto_tune_tensor_fusion=True, autotune_cache=str(cache), autotune_log=str(log))
+    times = {BucketSetting(1.0): 0.5, DDP_DEFAULT: 0.7}
+    clock = FakeClock(times)
+    settings = AutotuneSettings(candidates_mb=(1,), steps_per_sample=2)
+    tuner = FusionAutotuner(settings, None, log, cache, "k", clock=clock)
+    drive(tuner, clock)
+    assert json.loads(cache.read_text())["k"]["bucket_cap_mb"] == 1.0 and log.read_text().startswith("sample,")
+
+
+def test_autotune_files_that_cannot_be_written_while_tuning_are_a_warning_not_a_crash(tmp_path):
+    cache, log = tmp_path / "cache.json", tmp_path / "log.csv"
+    cache.mkdir()  # became directories after the strategy checked them
+    log.mkdir()
+    clock = FakeClock({BucketSetting(1.0): 0.5, DDP_DEFAULT: 0.7})
+    settings = AutotuneSettings(candidates_mb=(1,), steps_per_sample=2)
+    tuner = FusionAutotuner(settings, None, log, cache, "k", clock=clock)
+    with pytest.warns(UserWarning) as warned:
+        drive(tuner, clock)
+    messages = [str(w.message) for w in warned]
+    assert any(re.search(r"could not write the autotune log .*log.csv.*logging stops", m) for m in messages)
+    assert any(re.search(r"could not write the autotune cache .*cache.json", m) for m in messages)
+    assert tuner.result.complete and tuner.result.setting == BucketSetting(1.0)
+    assert sorted(tmp_path.iterdir()) == sorted([cache, log])  # no temporary file left behind
 
 
 def test_the_largest_bucket_size_accepted_is_the_largest_ddp_takes(tmp_path):
