@@ -428,20 +428,70 @@ def cache_key(
     return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()[:32]
 
 
+class NotACacheError(ValueError):
+    """A file that is not an autotune cache: it is neither read nor overwritten."""
+
+
+def read_cache(path: Path) -> dict[str, Any]:
+    """The entries of the autotune cache at ``path``: {} where there is no file or an empty one. Raises
+    :class:`NotACacheError` for a file that is not a cache (not JSON, or not an object whose values are entries
+    with a ``bucket_cap_mb``): such a file is someone else's, and is not overwritten."""
+    try:
+        text = Path(path).read_text()
+    except FileNotFoundError:
+        return {}
+    except UnicodeDecodeError:
+        raise NotACacheError("not text") from None
+    if not text.strip():
+        return {}
+    try:
+        entries = json.loads(text)
+    except ValueError:
+        raise NotACacheError("not JSON") from None
+    if not isinstance(entries, dict) or not all(
+        isinstance(entry, dict) and "bucket_cap_mb" in entry for entry in entries.values()
+    ):
+        raise NotACacheError("JSON, but not an object of tuned settings each with a `bucket_cap_mb`")
+    return entries
+
+
 def check_cache_file(name: str, cache: str | os.PathLike | bool) -> Path:
-    """Refuse an ``autotune_cache`` that cannot be written (True: :data:`DEFAULT_CACHE_PATH`); returns its path."""
+    """Refuse an ``autotune_cache`` that cannot be written, or an existing file that is not a cache (it would be
+    overwritten); True stands for :data:`DEFAULT_CACHE_PATH`. Returns the path."""
     path = DEFAULT_CACHE_PATH if cache is True else None
     expected = "a writable file path, or False (no cache)"
-    return check_writable_file(name, cache, path, replaced=True, expected=expected)
+    path = check_writable_file(name, cache, path, replaced=True, expected=expected)
+    given = f"`{name}`={cache!r}" + (f" ({path})" if cache is True else "")
+    try:
+        read_cache(path)
+    except NotACacheError as reason:
+        raise ValueError(
+            f"{given} is not an autotune cache ({reason}), and it is not overwritten: expected the path of a new "
+            "file, of an empty one or of a cache lightning_shardplus wrote, or False (no cache)."
+        ) from None
+    except OSError as error:
+        raise ValueError(f"{given} cannot be read ({error}): expected {expected}.") from None
+    return path
 
 
 def load_cached(path: Path, key: str) -> dict[str, Any] | None:
-    """The cached entry of ``key``, or None (no file, no entry, or an unreadable file)."""
+    """The cached entry of ``key`` as stored (see :func:`cached_setting`), or None (no file, no entry, or a file
+    that cannot be read or is not a cache)."""
     try:
-        entry = json.loads(Path(path).expanduser().read_text()).get(key)
-    except (OSError, ValueError, AttributeError):
+        return read_cache(Path(path).expanduser()).get(key)
+    except (OSError, NotACacheError):
         return None
-    return entry if isinstance(entry, dict) and "bucket_cap_mb" in entry else None
+
+
+def cached_setting(entry: dict[str, Any]) -> BucketSetting:
+    """The setting of a cache or checkpoint entry; ValueError, saying what is wrong, when it is not one DDP takes
+    (the file may have been edited by hand)."""
+    cap, first = entry.get("bucket_cap_mb"), entry.get("first_bucket_mb")
+    for name, value in (("bucket_cap_mb", cap), ("first_bucket_mb", first)):
+        if (value is not None or name == "bucket_cap_mb") and not is_bucket_size(value):
+            optional = " or null" if name == "first_bucket_mb" else ""
+            raise ValueError(f"`{name}`: {value!r}, expected {BUCKET_SIZE_RANGE}{optional}")
+    return BucketSetting(float(cap), None if first is None else float(first))
 
 
 CHECKPOINT_KEY = "shardplus_tensor_fusion"
@@ -456,14 +506,11 @@ def checkpoint_entry(result: FusionResult | None, key: str | None) -> dict[str, 
 
 
 def store_cached(path: Path, key: str, entry: dict[str, Any]) -> None:
-    """Add ``entry`` under ``key`` to the JSON cache file (written whole to a temporary file, then renamed)."""
+    """Add ``entry`` under ``key`` to the JSON cache file (written whole to a temporary file, then renamed).
+    Raises :class:`NotACacheError` (and leaves the file alone) when the file is not a cache."""
     path = Path(path).expanduser()
+    entries = read_cache(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        entries = json.loads(path.read_text())
-        entries = entries if isinstance(entries, dict) else {}
-    except (OSError, ValueError):
-        entries = {}
     entries[key] = entry
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
@@ -632,14 +679,24 @@ class FusionAutotuner:
         is then over), else the first candidate. Rank 0 looks and broadcasts what it found."""
         found = [0.0, 0.0, -1.0]  # (0: nothing, 1: cache, 2: checkpoint), bucket size, first bucket or -1
         if self.collectives.is_decider and self.cache_key is not None:
-            entry, where = None, 0.0
+            candidates = []
             if (self.checkpointed or {}).get("cache_key") == self.cache_key:
-                entry, where = self.checkpointed, 2.0
-            elif self.cache_path is not None:
-                entry, where = load_cached(self.cache_path, self.cache_key), 1.0
-            if entry is not None:
-                first = entry.get("first_bucket_mb")
-                found = [where, float(entry["bucket_cap_mb"]), -1.0 if first is None else float(first)]
+                candidates.append((self.checkpointed, 2.0, "the checkpoint resumed"))
+            if self.cache_path is not None:
+                candidates.append((load_cached(self.cache_path, self.cache_key), 1.0, f"the cache {self.cache_path}"))
+            for entry, where, source in candidates:
+                if entry is None:
+                    continue
+                try:
+                    setting = cached_setting(entry)
+                except ValueError as reason:  # a hand-edited file; checked here, on rank 0, before the broadcast
+                    rank_zero_warn(
+                        f"shardplus: the tuned bucket setting in {source} for this setup is not valid ({reason}): it "
+                        "is ignored and the bucket size is searched again."
+                    )
+                    continue
+                found = [where, setting.bucket_cap_mb, _encode_first(setting)]
+                break
         where, cap, first = self.collectives.broadcast(found)
         if where:
             setting = BucketSetting(cap, None if first < 0 else first)
@@ -804,6 +861,11 @@ class FusionAutotuner:
         if complete and self.collectives.is_decider and self.cache_path is not None and self.cache_key is not None:
             try:
                 store_cached(self.cache_path, self.cache_key, self.result.cache_entry())
+            except NotACacheError as reason:  # checked at construction; someone wrote another file there since
+                rank_zero_warn(
+                    f"shardplus: {self.cache_path} is not an autotune cache ({reason}), and it is not overwritten: "
+                    "the tuned setting is used in this run but not cached."
+                )
             except OSError as error:  # checked at construction; a file system can change or fill up since
                 rank_zero_warn(
                     f"shardplus: could not write the autotune cache {self.cache_path} ({error}): the tuned setting "

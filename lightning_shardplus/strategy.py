@@ -59,7 +59,8 @@ class ShardPlusStrategy(DDPStrategy):
         autotune_steps_per_sample: timed optimizer steps per sample.
         autotune_warmup_steps: optimizer steps not timed after each re-wrap.
         autotune_cache: JSON cache of tuned results: True (``~/.cache/lightning_shardplus/fusion.json``), a path,
-            or False.
+            or False. An existing file that is not such a cache is refused, never overwritten; an entry that is not
+            valid (edited by hand) is ignored with a warning and the bucket size searched again.
         average_training_metrics: training values logged with ``on_step=True`` are averaged over all ranks in one
             fused collective per optimizer step; False: Lightning's behaviour.
         uneven_inputs: training streams (iterable datasets) of different lengths per rank: ``"join"`` (every sample

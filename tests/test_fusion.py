@@ -9,6 +9,7 @@ import json
 import math
 import os
 import re
+import warnings
 from pathlib import Path
 
 import pytest
@@ -444,6 +445,78 @@ def test_autotune_files_that_cannot_be_written_while_tuning_are_a_warning_not_a_
     assert any(re.search(r"could not write the autotune cache .*cache.json", m) for m in messages)
     assert tuner.result.complete and tuner.result.setting == BucketSetting(1.0)
     assert sorted(tmp_path.iterdir()) == sorted([cache, log])  # no temporary file left behind
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [
+        {"bucket_cap_mb": "abc"},
+        {"bucket_cap_mb": None},
+        {"bucket_cap_mb": float("nan")},
+        {"bucket_cap_mb": -5},
+        {"bucket_cap_mb": 1e30},
+        {"bucket_cap_mb": True},
+        {"bucket_cap_mb": 4.0, "first_bucket_mb": "1"},
+        {"bucket_cap_mb": 4.0, "first_bucket_mb": 0},
+    ],
+    ids=["text", "null", "nan", "negative", "too-large", "bool", "first-text", "first-zero"],
+)
+@pytest.mark.parametrize("source", ["cache", "checkpoint"])
+def test_a_cached_setting_that_does_not_validate_is_ignored_with_one_warning_and_searched_again(
+    tmp_path, entry, source
+):
+    cache = tmp_path / "cache.json"
+    checkpointed = {"cache_key": "key", **entry} if source == "checkpoint" else None
+    cached = {"other": {"bucket_cap_mb": 8.0}} | ({"key": entry} if source == "cache" else {})
+    cache.write_text(json.dumps(cached))  # NaN written as JSON's NaN
+    clock = FakeClock({BucketSetting(1.0): 0.5, DDP_DEFAULT: 0.7})
+    settings = AutotuneSettings(candidates_mb=(1,), steps_per_sample=2)
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        tuner = FusionAutotuner(settings, None, None, cache, "key", clock=clock, checkpointed=checkpointed)
+    messages = [str(w.message) for w in warned if "not valid" in str(w.message)]
+    assert len(messages) == 1 and "searched again" in messages[0], messages
+    assert ("checkpoint" in messages[0]) == (source == "checkpoint")
+    assert tuner.tuning and tuner.initial_setting == BucketSetting(1.0)
+    drive(tuner, clock)
+    entries = json.loads(cache.read_text())
+    assert entries["key"]["bucket_cap_mb"] == 1.0 and entries["other"] == {"bucket_cap_mb": 8.0}
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        "name: my settings\n",
+        '["a", "list"]',
+        '{"name": "my config"}',
+        '{"key": {"bucket_cap_mb": 4}, "x": 1}',
+        "\x00\xff",
+    ],
+    ids=["yaml", "json-list", "json-object", "json-mixed", "binary"],
+)
+def test_an_existing_file_that_is_not_an_autotune_cache_is_refused_and_never_overwritten(tmp_path, content):
+    path = tmp_path / "settings.json"
+    path.write_bytes(content.encode("latin-1"))
+    message = rf"`autotune_cache`={re.escape(repr(str(path)))} is not an autotune cache .*not overwritten"
+    with pytest.raises(ValueError, match=message):
+        ShardPlusStrategy(autotune_cache=str(path))
+    # a file that becomes something else after the check is not overwritten either
+    clock = FakeClock({BucketSetting(1.0): 0.5, DDP_DEFAULT: 0.7})
+    settings = AutotuneSettings(candidates_mb=(1,), steps_per_sample=2)
+    tuner = FusionAutotuner(settings, None, None, path, "k", clock=clock)
+    with pytest.warns(UserWarning, match=r"is not an autotune cache .*not overwritten"):
+        drive(tuner, clock)
+    assert path.read_bytes() == content.encode("latin-1") and tuner.result.complete
+
+
+def test_an_empty_file_or_a_cache_is_taken_as_the_autotune_cache(tmp_path):
+    empty, cache = tmp_path / "empty.json", tmp_path / "cache.json"
+    empty.touch()
+    fusion.store_cached(cache, "key", {"bucket_cap_mb": 4.0, "first_bucket_mb": None})
+    for path in (empty, cache):
+        ShardPlusStrategy(auto_tune_tensor_fusion=True, autotune_cache=str(path))
+    fusion.store_cached(empty, "key", {"bucket_cap_mb": 4.0, "first_bucket_mb": None})
+    assert json.loads(empty.read_text()) == json.loads(cache.read_text())
 
 
 def test_the_largest_bucket_size_accepted_is_the_largest_ddp_takes(tmp_path):
