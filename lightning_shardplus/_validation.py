@@ -25,11 +25,13 @@ def check_bool(name: str, value: Any) -> None:
         raise TypeError(f"`{name}`={value!r} is not valid: expected True or False.")
 
 
-def check_int(name: str, value: Any, minimum: int | None = None) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
+def check_int(name: str, value: Any, minimum: int | None = None) -> int:
+    """``value`` as an ``int``: any integer (numpy's too, as for numbers elsewhere), not a bool."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"`{name}`={value!r} is not valid: expected an integer{_bound(minimum)}.")
     if minimum is not None and value < minimum:
         raise ValueError(f"`{name}`={value!r} is not valid: expected an integer{_bound(minimum)}.")
+    return int(value)
 
 
 def check_positive_number(name: str, value: Any) -> None:

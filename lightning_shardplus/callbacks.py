@@ -154,14 +154,14 @@ class ScaleLearningRate(Callback):
     ) -> None:
         check_choice("rule", rule, SCALING_RULES)
         if reference_batch_size is not None:
-            check_int("reference_batch_size", reference_batch_size, minimum=1)
+            reference_batch_size = check_int("reference_batch_size", reference_batch_size, minimum=1)
         if warmup_steps is not None and warmup_epochs is not None:
             raise ValueError(
                 f"`warmup_steps`={warmup_steps!r} and `warmup_epochs`={warmup_epochs!r} were both given: "
                 "give at most one of them."
             )
         if warmup_steps is not None:
-            check_int("warmup_steps", warmup_steps, minimum=0)
+            warmup_steps = check_int("warmup_steps", warmup_steps, minimum=0)
         if warmup_epochs is not None:
             _check_warmup_epochs(warmup_epochs)
         check_bool("log_lr", log_lr)
@@ -438,7 +438,7 @@ class ScalingReport(CommunicationHookWrapper):
                 f"`single_device_samples_per_second`={single_device_samples_per_second!r} is not valid: "
                 "expected a number > 0."
             )
-        check_int("skip_first_steps", skip_first_steps, minimum=0)
+        skip_first_steps = check_int("skip_first_steps", skip_first_steps, minimum=0)
         if not 0 < threshold < 1:
             raise ValueError(f"`threshold`={threshold!r} is not valid: expected a number in (0, 1).")
         self.single_device_samples_per_second = single_device_samples_per_second

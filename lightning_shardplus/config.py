@@ -71,11 +71,12 @@ class ShardPlusConfig:
     uneven_inputs: UnevenInputs = "join"
 
     def __post_init__(self) -> None:
-        check_int("aggregation_frequency", self.aggregation_frequency, minimum=1)
+        frequency = check_int("aggregation_frequency", self.aggregation_frequency, minimum=1)
+        object.__setattr__(self, "aggregation_frequency", frequency)  # numpy's integers as int
         check_choice("gradient_compression", self.gradient_compression, GRADIENT_COMPRESSIONS)
         check_choice("shard_padding", self.shard_padding, PADDING_MODES)
         if self.shuffle_seed is not None:
-            check_int("shuffle_seed", self.shuffle_seed, minimum=0)
+            object.__setattr__(self, "shuffle_seed", check_int("shuffle_seed", self.shuffle_seed, minimum=0))
         for name in ("average_aggregated_gradients", "exact_evaluation", "verify_sharding"):
             check_bool(name, getattr(self, name))
         if self.tensor_fusion_threshold_mb is not None:

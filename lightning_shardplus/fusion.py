@@ -143,10 +143,10 @@ class AutotuneSettings:
         object.__setattr__(self, "candidates_mb", _sizes("autotune_candidates_mb", self.candidates_mb, 1))
         first = _sizes("autotune_first_bucket_candidates_mb", self.first_bucket_candidates_mb, 0)
         object.__setattr__(self, "first_bucket_candidates_mb", first)
-        check_int("autotune_steps_per_sample", self.steps_per_sample, minimum=1)
-        check_int("autotune_warmup_steps", self.warmup_steps, minimum=1)
-        check_int("min_rounds", self.min_rounds, minimum=1)
-        check_int("max_rounds", self.max_rounds, minimum=self.min_rounds)
+        object.__setattr__(self, "steps_per_sample", check_int("autotune_steps_per_sample", self.steps_per_sample, 1))
+        object.__setattr__(self, "warmup_steps", check_int("autotune_warmup_steps", self.warmup_steps, minimum=1))
+        object.__setattr__(self, "min_rounds", check_int("min_rounds", self.min_rounds, minimum=1))
+        object.__setattr__(self, "max_rounds", check_int("max_rounds", self.max_rounds, minimum=self.min_rounds))
 
     @property
     def first_stage(self) -> list[BucketSetting]:

@@ -11,6 +11,7 @@ one process.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Iterator, Sequence, Sized
 from typing import Literal
 
@@ -50,7 +51,7 @@ def _chunks(start: int, count: int, step: int) -> Iterator[torch.Tensor]:
 
 
 def _dataset_length(dataset_or_length: Sized | int) -> int:
-    if isinstance(dataset_or_length, int) and not isinstance(dataset_or_length, bool):
+    if isinstance(dataset_or_length, numbers.Integral) and not isinstance(dataset_or_length, bool):
         length = dataset_or_length
     elif isinstance(dataset_or_length, Sized):
         length = len(dataset_or_length)
@@ -58,7 +59,7 @@ def _dataset_length(dataset_or_length: Sized | int) -> int:
         raise TypeError(
             f"`dataset_or_length`={dataset_or_length!r} is not valid: expected a sized dataset or an int >= 0."
         )
-    check_int("dataset_or_length", length, minimum=0)
+    length = check_int("dataset_or_length", length, minimum=0)
     if length > MAX_LENGTH:
         raise ValueError(f"`dataset_or_length`={length} is not valid: expected at most 2**63 - 1.")
     return length
@@ -70,12 +71,12 @@ class _ShardSampler(Sampler[int]):
     def __init__(
         self, dataset_or_length: Sized | int, num_replicas: int, rank: int, *, shuffle: bool, seed: int
     ) -> None:
-        check_int("num_replicas", num_replicas, minimum=1)
-        check_int("rank", rank, minimum=0)
+        num_replicas = check_int("num_replicas", num_replicas, minimum=1)
+        rank = check_int("rank", rank, minimum=0)
         if rank >= num_replicas:
             raise ValueError(f"`rank`={rank} is not valid: expected 0 <= rank < num_replicas={num_replicas}.")
         check_bool("shuffle", shuffle)
-        check_int("seed", seed, minimum=0)
+        seed = check_int("seed", seed, minimum=0)
         self.dataset_length = _dataset_length(dataset_or_length)
         self.num_replicas = num_replicas
         self.rank = rank

@@ -70,6 +70,34 @@ def test_numpy_numbers_are_numbers():
     assert candidates == (1.0, 4.0)
 
 
+def test_numpy_integers_are_integers():
+    import numpy as np
+
+    from lightning_shardplus import PaddedShardSampler
+    from lightning_shardplus.callbacks import ScaleLearningRate
+
+    strategy = ShardPlusStrategy(
+        aggregation_frequency=np.int64(2),
+        shuffle_seed=np.int32(3),
+        autotune_steps_per_sample=np.uint8(4),
+        autotune_warmup_steps=np.int16(2),
+    )
+    config = strategy.config
+    assert (config.aggregation_frequency, config.shuffle_seed) == (2, 3)
+    assert type(config.aggregation_frequency) is int and type(config.shuffle_seed) is int  # Lightning checks `int`
+    settings = config.autotune_settings
+    assert (settings.steps_per_sample, settings.warmup_steps) == (4, 2) and type(settings.steps_per_sample) is int
+    sampler = PaddedShardSampler(np.int64(10), np.int64(2), np.int64(1), seed=np.int64(5))
+    assert len(sampler) == 5 and type(sampler.num_replicas) is int and type(sampler.seed) is int
+    datamodule = ShardPlusDataModule(np.int64(8), num_workers=np.int64(0))
+    assert type(datamodule.global_batch_size) is int
+    assert ScaleLearningRate(reference_batch_size=np.int64(32), warmup_steps=np.int64(10)).warmup_steps == 10
+    with pytest.raises(TypeError, match=r"`aggregation_frequency`=True is not valid: expected an integer >= 1"):
+        ShardPlusStrategy(aggregation_frequency=True)
+    with pytest.raises(TypeError, match=r"`aggregation_frequency`=np.float64\(2.0\) is not valid"):
+        ShardPlusStrategy(aggregation_frequency=np.float64(2.0))
+
+
 def test_a_timeout_in_seconds_becomes_a_timedelta():
     from datetime import timedelta
 
