@@ -128,7 +128,8 @@ def _tensor_fusion(
         "gradient_compression": config.gradient_compression,
         "ddp_comm_hook": getattr(setup.ddp_comm_hook, "__qualname__", None),
         "micro_batches_per_step": micro_batches_per_step,
-        **{k: ddp_kwargs.get(k) for k in ("find_unused_parameters", "static_graph", "gradient_as_bucket_view")},
+        # (DDP's default, False, where left out: the key is the same whether the flag was passed or not)
+        **{k: ddp_kwargs.get(k, False) for k in ("find_unused_parameters", "static_graph", "gradient_as_bucket_view")},
     }
     return fusion.TensorFusion(
         trainer,

@@ -45,6 +45,12 @@ DDP_KWARGS = frozenset(inspect.signature(DistributedDataParallel.__init__).param
     "bucket_cap_mb",  # set through `tensor_fusion_threshold_mb`
 }
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
+# DistributedDataParallel's defaults: what it gets when an argument is left out.
+DDP_DEFAULTS = {
+    name: parameter.default
+    for name, parameter in inspect.signature(DistributedDataParallel.__init__).parameters.items()
+    if parameter.default is not inspect.Parameter.empty
+}
 
 
 @dataclass(frozen=True)
@@ -125,6 +131,11 @@ class ShardPlusConfig:
         if self.shuffle_seed is not None:
             return self.shuffle_seed
         return int(os.environ.get("PL_GLOBAL_SEED", 0))
+
+
+def at_ddp_defaults(settings: dict[str, Any]) -> list[str]:
+    """The names of ``settings`` (DistributedDataParallel arguments) whose value is DDP's default."""
+    return [name for name, value in settings.items() if name in DDP_DEFAULTS and value is DDP_DEFAULTS[name]]
 
 
 def check_ddp_arguments(

@@ -26,7 +26,7 @@ from lightning_shardplus import _lightning
 from lightning_shardplus.aggregation import check_aggregation, effective_batch_size
 from lightning_shardplus.components import CHECKPOINT_KEYS, DistributedSetup, RunComponents
 from lightning_shardplus.compression import GradientCompression
-from lightning_shardplus.config import ShardPlusConfig, check_ddp_arguments
+from lightning_shardplus.config import ShardPlusConfig, at_ddp_defaults, check_ddp_arguments
 from lightning_shardplus.datamodule import ShardPlusDataModule, per_device_batch_size
 from lightning_shardplus.fusion import BucketSetting, FusionResult
 from lightning_shardplus.launch import LaunchAfterCheck, check_launcher_world_size
@@ -129,6 +129,9 @@ class ShardPlusStrategy(DDPStrategy):
             # then: LightningCLI (jsonargparse) would otherwise offer DDP's `bucket_cap_mb` among `**ddp_kwargs`.
             bucket_cap_mb=config.tensor_fusion_threshold_mb, **flags, **ddp_kwargs,
         )  # fmt: skip
+        # DDP gets its own defaults by leaving them out (as with strategy="ddp"), not by passing them again
+        given = {"bucket_cap_mb": config.tensor_fusion_threshold_mb, **flags}
+        _lightning.set_ddp_kwargs(self, dict.fromkeys(at_ddp_defaults(given)))  # None: left out
         self.config = config
         self._components: RunComponents | None = None  # this Trainer run's, from `setup` to `teardown`
         self._checkpointed: dict[str, Any] = {}  # component states of a checkpoint loaded before `setup`
@@ -139,7 +142,9 @@ class ShardPlusStrategy(DDPStrategy):
         methods = {"shardplus": "popen", "shardplus_spawn": "spawn", "shardplus_fork": "fork"}
         for name, method in {**methods, "shardplus_notebook": "fork"}.items():
             description = f"ShardPlus data-parallel strategy with `start_method` '{method}'"
-            strategy_registry.register(name, cls, description=description, start_method=method, override=True)
+            # only what differs from the defaults ("popen" is the default start method)
+            init_params = {} if method == "popen" else {"start_method": method}
+            strategy_registry.register(name, cls, description=description, override=True, **init_params)
 
     # ------------------------------------------------------------------ what the run sees
 

@@ -105,6 +105,27 @@ def test_a_timeout_in_seconds_becomes_a_timedelta():
     assert ShardPlusStrategy(timeout=timedelta(minutes=2))._timeout == timedelta(minutes=2)
 
 
+def test_registered_strategies_pass_only_settings_that_differ_from_the_defaults():
+    import inspect
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    def defaults(function):
+        parameters = inspect.signature(function).parameters.values()
+        return {p.name: p.default for p in parameters if p.default is not inspect.Parameter.empty}
+
+    strategy_defaults, ddp_defaults = defaults(ShardPlusStrategy.__init__), defaults(DistributedDataParallel.__init__)
+    for name in ("shardplus", "shardplus_spawn", "shardplus_fork", "shardplus_notebook"):
+        init_params = StrategyRegistry[name]["init_params"]
+        assert all(value != strategy_defaults[key] for key, value in init_params.items()), (name, init_params)
+        ddp_kwargs = StrategyRegistry.get(name)._ddp_kwargs
+        # DDP gets its own defaults by leaving them out, as with strategy="ddp"
+        assert ddp_kwargs == StrategyRegistry.get("ddp")._ddp_kwargs == {}, (name, ddp_kwargs)
+    given = ShardPlusStrategy(static_graph=True, find_unused_parameters=False, tensor_fusion_threshold_mb=4)._ddp_kwargs
+    assert given == {"static_graph": True, "bucket_cap_mb": 4.0}
+    assert all(ddp_defaults[key] != value for key, value in given.items())
+
+
 def test_strategy_names_are_registered_with_their_start_methods():
     for name, start_method in [
         ("shardplus", "popen"),

@@ -545,7 +545,7 @@ def test_the_default_buckets_are_ddps_own_unless_a_size_is_given(tmp_path):
     from torch.nn.parallel import DistributedDataParallel
 
     default = ShardPlusStrategy()
-    assert default._ddp_kwargs["bucket_cap_mb"] is None and default.config.bucket_setting == DDP_DEFAULT
+    assert "bucket_cap_mb" not in default._ddp_kwargs and default.config.bucket_setting == DDP_DEFAULT
     assert DDP_DEFAULT.bucket_cap_mb == 25.0
     assert DDPStrategy()._ddp_kwargs.get("bucket_cap_mb") is None
     strategy = ShardPlusStrategy(auto_tune_tensor_fusion=True, tensor_fusion_threshold_mb=8)
