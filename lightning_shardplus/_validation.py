@@ -63,17 +63,40 @@ def process_group_timeout(timeout: Any) -> timedelta | None:
 
 
 def check_process_group_backend(backend: Any) -> None:
-    """A process-group backend torch knows (its own and registered third-party ones), or per-device ones as
-    ``"cpu:gloo,cuda:nccl"``."""
-    known = [name for name in dist.Backend.backend_list if name not in ("undefined", "fake")]
-    parts = backend.split(",") if isinstance(backend, str) else [None]
-    if not all(part is not None and part.split(":")[-1].lower() in known and part == part.strip() for part in parts):
-        raise ValueError(
-            f"`process_group_backend`={backend!r} is not valid: expected None (Lightning chooses), one of "
-            f"{', '.join(repr(k) for k in known)}, or per device like 'cpu:gloo,cuda:nccl'."
+    """At construction: None or a non-empty string, as ``DDPStrategy`` takes it. The name is checked against torch's
+    backends when the processes start (:func:`check_process_group_backend_known`): a third-party backend (ccl,
+    hccl) registers itself with torch when its package is imported, which may come after the strategy is built."""
+    if backend is None:
+        return
+    if not isinstance(backend, str) or not backend.strip():
+        error = TypeError if not isinstance(backend, str) else ValueError
+        raise error(
+            f"`process_group_backend`={backend!r} is not valid: expected None (Lightning chooses) or a backend "
+            "name: 'gloo', 'nccl', a third-party one such as 'ccl', or per device like 'cpu:gloo,cuda:nccl'."
         )
 
 
+def check_process_group_backend_known(backend: str) -> None:
+    """``backend`` names process-group backends torch knows now (its own and registered third-party ones), each
+    available in this build, or per-device ones as ``"cpu:gloo,cuda:nccl"``; checked before the processes start."""
+    known = [name for name in dist.Backend.backend_list if name not in ("undefined", "fake")]
+    for part in backend.split(","):
+        name = part.split(":")[-1].lower()
+        available = getattr(dist, f"is_{name}_available", None)
+        if part != part.strip() or not name:
+            problem = f"{part!r} has spaces around it or names no backend"
+        elif name not in known:
+            problem = f"{name!r} is not a process-group backend torch knows"
+        elif available is not None and not available():
+            problem = f"this torch build has no {name!r} (torch.distributed.is_{name}_available() is False)"
+        else:
+            continue
+        raise ValueError(
+            f"`process_group_backend`={backend!r} is not valid: {problem}: expected one of "
+            f"{', '.join(repr(k) for k in known)}, a third-party backend registered with torch "
+            "(torch.distributed.Backend.register_backend; importing its package registers it, as "
+            "oneccl_bindings_for_pytorch does for 'ccl'), or per device like 'cpu:gloo,cuda:nccl'."
+        )
 
 def check_writable_file(
     name: str, value: Any, path: Path | None = None, *, replaced: bool = False, expected: str = "a writable file path"

@@ -150,8 +150,7 @@ def check_ddp_arguments(
     """Check the ``DDPStrategy`` arguments and how they combine with ``config``; returns the timeout as a
     timedelta (a number is seconds, as a YAML config gives it)."""
     check_choice("start_method", start_method, START_METHODS)
-    if process_group_backend is not None:
-        check_process_group_backend(process_group_backend)
+    check_process_group_backend(process_group_backend)  # its name when the processes start (`preflight`)
     for name in ("find_unused_parameters", "static_graph", "gradient_as_bucket_view", "broadcast_buffers"):
         if name in ddp_kwargs and not (name == "broadcast_buffers" and ddp_kwargs[name] is None):
             check_bool(name, ddp_kwargs[name])

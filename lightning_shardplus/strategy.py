@@ -23,6 +23,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_shardplus import _lightning
+from lightning_shardplus._validation import check_process_group_backend_known
 from lightning_shardplus.aggregation import check_aggregation, effective_batch_size
 from lightning_shardplus.components import CHECKPOINT_KEYS, DistributedSetup, RunComponents
 from lightning_shardplus.compression import GradientCompression
@@ -198,6 +199,8 @@ class ShardPlusStrategy(DDPStrategy):
         """Refuse, before any process starts, the arguments of a Trainer call that cannot work at this world
         size or with this strategy's options."""
         check_launcher_world_size(self.cluster_environment, self.num_processes, self.num_nodes)
+        if self._process_group_backend is not None:
+            check_process_group_backend_known(self._process_group_backend)
         for arg in call_args:
             if isinstance(arg, ShardPlusDataModule):
                 per_device_batch_size(arg.global_batch_size, self.num_replicas)

@@ -7,6 +7,7 @@ import pytest
 import torch.distributed as dist
 from _models import IndexedDataset, RecordingModule, cpu_trainer
 from lightning.pytorch.strategies import StrategyRegistry
+from torch.utils.data import DataLoader
 
 import lightning_shardplus  # noqa: F401
 from lightning_shardplus import ShardPlusDataModule, ShardPlusStrategy, SyntheticDataModule
@@ -36,9 +37,8 @@ from lightning_shardplus.datamodule import per_device_batch_size
         ({"timeout": "5"}, TypeError, r"`timeout`='5'.*timedelta > 0, a number of seconds"),
         ({"timeout": -1}, ValueError, r"`timeout`=-1"),
         ({"timeout": 1e300}, ValueError, r"`timeout`=1e\+300"),
-        ({"process_group_backend": "mpi2"}, ValueError, r"`process_group_backend`='mpi2'.*'gloo'.*'cpu:gloo"),
-        ({"process_group_backend": "cpu:gloo,cuda:nccl2"}, ValueError, r"`process_group_backend`='cpu:gloo,cuda"),
-        ({"process_group_backend": "cpu:gloo, cuda:nccl"}, ValueError, r"`process_group_backend`='cpu:gloo, cuda"),
+        ({"process_group_backend": ""}, ValueError, r"`process_group_backend`='' is not valid: expected None.*name"),
+        ({"process_group_backend": 3}, TypeError, r"`process_group_backend`=3 is not valid: expected None"),
         ({"find_unused_parameters": "no"}, TypeError, r"`find_unused_parameters`='no'.*True or False"),
         ({"static_graph": 1}, TypeError, r"`static_graph`=1"),
         ({"broadcast_buffers": "yes"}, TypeError, r"`broadcast_buffers`='yes'"),
@@ -58,6 +58,41 @@ def test_strategy_passes_ddp_arguments_through():
     assert "broadcast_buffers" not in strategy._ddp_kwargs
     assert ShardPlusStrategy(broadcast_buffers=False)._ddp_kwargs["broadcast_buffers"] is False
     assert ShardPlusStrategy(process_group_backend="cpu:gloo,cuda:nccl")._process_group_backend == "cpu:gloo,cuda:nccl"
+
+
+def test_a_third_party_process_group_backend_is_taken_at_construction_as_ddp_takes_it():
+    # ccl (Intel oneCCL) and hccl (Ascend) register themselves with torch when their package is imported: that
+    # may happen after the strategy is built, so the name is checked when the processes start
+    for backend in ("ccl", "hccl", "cpu:gloo,xpu:ccl"):
+        assert ShardPlusStrategy(process_group_backend=backend)._process_group_backend == backend
+
+
+@pytest.mark.parametrize(
+    ("backend", "message"),
+    [
+        ("mpi2", r"`process_group_backend`='mpi2' is not valid: 'mpi2' is not a process-group backend torch knows.*"
+         r"'gloo'.*register_backend.*'cpu:gloo,cuda:nccl'"),
+        ("cpu:gloo,cuda:nccl2", r"`process_group_backend`='cpu:gloo,cuda:nccl2' is not valid: 'nccl2' is not"),
+        ("cpu:gloo, cuda:nccl", r"`process_group_backend`='cpu:gloo, cuda:nccl' is not valid: ' cuda:nccl' has"),
+    ],
+)
+def test_an_unknown_process_group_backend_fails_when_the_processes_start_before_any_process_group(
+    tmp_path, backend, message
+):
+    trainer = cpu_trainer(ShardPlusStrategy(start_method="fork", process_group_backend=backend), 2, max_epochs=1)
+    with pytest.raises(ValueError, match=message):
+        trainer.fit(RecordingModule(tmp_path), DataLoader(IndexedDataset(8), batch_size=2))
+    assert not dist.is_initialized()
+
+
+def test_a_registered_third_party_backend_passes_the_launch_check():
+    from lightning_shardplus._validation import check_process_group_backend_known
+
+    name = "shardplus_test_backend"
+    if name not in dist.Backend.backend_list:
+        dist.Backend.register_backend(name, lambda *args: None, devices=["cpu"])
+    check_process_group_backend_known(name)
+    check_process_group_backend_known(f"cpu:{name.upper()},cuda:nccl")  # torch takes names in any case
 
 
 def test_numpy_numbers_are_numbers():
