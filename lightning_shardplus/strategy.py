@@ -15,6 +15,7 @@ import torch.distributed
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import _StrategyRegistry
+from lightning.pytorch.accelerators import MPSAccelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -188,6 +189,24 @@ class ShardPlusStrategy(DDPStrategy):
         return self.config.exact_evaluation and self.num_replicas > 1
 
     # ------------------------------------------------------------------ before the run
+
+    @property
+    @override
+    def accelerator(self) -> pl.accelerators.Accelerator | None:
+        return self._accelerator
+
+    @accelerator.setter
+    def accelerator(self, accelerator: pl.accelerators.Accelerator) -> None:
+        # The Trainer sets the accelerator it resolved here, as it is built. It refuses the DDP family on MPS by a
+        # strategy name containing "ddp" (or an instance): "shardplus" is refused here, in its words.
+        if isinstance(accelerator, MPSAccelerator):
+            method = self._start_method
+            name = self.strategy_name if method == "popen" else f"{self.strategy_name}_{method}"
+            raise ValueError(
+                f"You set `strategy={name}` but strategies from the DDP family are not supported on the MPS "
+                "accelerator. Either explicitly set `accelerator='cpu'` or change the strategy."
+            )
+        self._accelerator = accelerator
 
     @override
     def _configure_launcher(self) -> None:

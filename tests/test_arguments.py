@@ -95,6 +95,26 @@ def test_a_registered_third_party_backend_passes_the_launch_check():
     check_process_group_backend_known(f"cpu:{name.upper()},cuda:nccl")  # torch takes names in any case
 
 
+@pytest.mark.parametrize("accelerator", ["mps", "auto", "instance"])
+def test_the_mps_accelerator_is_refused_as_lightning_refuses_the_ddp_family(monkeypatch, accelerator):
+    # Lightning recognizes its DDP family by a name containing "ddp": "shardplus" has to refuse MPS itself
+    import lightning.pytorch as pl
+    from lightning.fabric.accelerators.mps import MPSAccelerator as FabricMPSAccelerator
+    from lightning.pytorch.accelerators import MPSAccelerator
+
+    monkeypatch.setattr(FabricMPSAccelerator, "is_available", staticmethod(lambda: True))  # as on Apple silicon
+    monkeypatch.setattr(MPSAccelerator, "is_available", staticmethod(lambda: True))
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    flag = MPSAccelerator() if accelerator == "instance" else accelerator
+    wording = r"but strategies from the DDP family are not supported on the MPS accelerator\. Either explicitly set "
+    with pytest.raises(ValueError, match=r"You set `strategy=ddp_spawn` " + wording):  # Lightning's own
+        pl.Trainer(accelerator=flag, strategy="ddp_spawn", devices=1)
+    for strategy in ("shardplus", "shardplus_spawn", ShardPlusStrategy(), ShardPlusStrategy(start_method="fork")):
+        with pytest.raises(ValueError, match=r"You set `strategy=.*" + wording + r"`accelerator='cpu'`"):
+            pl.Trainer(accelerator=flag, strategy=strategy, devices=1)
+    assert not dist.is_initialized()
+
+
 def test_numpy_numbers_are_numbers():
     import numpy as np
 
