@@ -25,6 +25,7 @@ from lightning_shardplus.sharding import (
     PaddedShardSampler,
     PaddingMode,
     PlaceholderShardSampler,
+    check_checkpoint_entry,
     checkpoint_entry,
 )
 
@@ -170,7 +171,9 @@ class ShardedLoaders:
         return checkpoint_entry(_lightning.micro_batches_trained_in_epoch(trainer), samplers)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """The progress of a checkpoint being resumed: the training samplers built next continue its epoch."""
+        """The progress of a checkpoint being resumed: the training samplers built next continue its epoch. A state
+        that is not one (edited by hand, or corrupt) is refused, saying what is wrong."""
+        check_checkpoint_entry(state)
         self._resumed, self._resumed_used = state, 0
 
 

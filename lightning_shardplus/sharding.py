@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Iterator, Sequence, Sized
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch.utils.data import Sampler
@@ -191,8 +191,8 @@ class PaddedShardSampler(_ShardSampler):
         done in this epoch already (batches done x batch size); ``len()`` adds them to the remaining shard,
         since the loop compares its batch count with the loader's length. The next epoch is whole again.
         """
+        check_sampler_state(state)
         consumed = int(state["positions_consumed"])
-        check_int("positions_consumed", consumed, minimum=0)
         check_int("samples_counted", samples_counted, minimum=0)
         if consumed > self.dataset_length:
             raise ValueError(
@@ -295,6 +295,44 @@ def shard_bounds(length: int, num_replicas: int, rank: int) -> tuple[int, int]:
 
 CHECKPOINT_KEY = "shardplus_training_samplers"
 """Where the strategy stores the training samplers' progress in a Lightning checkpoint."""
+
+
+_STATE_MINIMUMS = {"epoch": 0, "seed": 0, "positions_consumed": 0}
+
+
+def check_sampler_state(state: Any, name: str = "state") -> None:
+    """Refuse a :meth:`PaddedShardSampler.state_dict` that is not one (a checkpoint edited by hand, or corrupt),
+    saying which field is wrong."""
+    expected = f"expected a dict with {', '.join(repr(k) for k in _STATE_MINIMUMS)} (integers >= 0)"
+    if not isinstance(state, dict):
+        raise TypeError(f"`{name}`={state!r} is not valid: {expected}.")
+    for key, minimum in _STATE_MINIMUMS.items():
+        if key not in state:
+            raise ValueError(f"`{name}` has no {key!r}: {expected}.")
+        check_int(f"{name}[{key!r}]", state[key], minimum=minimum)
+    if "num_replicas" in state:  # informative
+        check_int(f"{name}[{'num_replicas'!r}]", state["num_replicas"], minimum=1)
+
+
+def check_checkpoint_entry(entry: Any) -> None:
+    """Refuse a training-sampler entry of a checkpoint that :func:`checkpoint_entry` did not write (edited by hand,
+    or corrupt), saying what is wrong: an empty list of sampler states would silently restart the epoch."""
+    name = f"checkpoint[{CHECKPOINT_KEY!r}]"
+    if not isinstance(entry, dict):
+        raise TypeError(f"`{name}`={entry!r} is not valid: expected a dict with 'batches_done' and 'samplers'.")
+    for key in ("batches_done", "samplers"):
+        if key not in entry:
+            raise ValueError(f"`{name}` has no {key!r}: expected a dict with 'batches_done' and 'samplers'.")
+    check_int(f"{name}['batches_done']", entry["batches_done"], minimum=0)
+    samplers = entry["samplers"]
+    expected = "expected a list of one state per training loader (None for a loader without a batch size)"
+    if not isinstance(samplers, (list, tuple)):
+        raise TypeError(f"`{name}['samplers']`={samplers!r} is not valid: {expected}.")
+    if not samplers:
+        raise ValueError(f"`{name}['samplers']`={samplers!r} is not valid: {expected}, at least one.")
+    for i, state in enumerate(samplers):
+        if state is not None:
+            check_sampler_state(state, f"{name}['samplers'][{i}]")
 
 
 def checkpoint_entry(

@@ -153,3 +153,21 @@ def test_after_a_resume_with_aggregation_every_n_steps_checkpointing_does_not_sa
     # every save (on each rank) at an optimizer step: after an even number of micro-batches of the epoch (the
     # loop's `completed` does not count the micro-batch being ended yet)
     assert {step for step, _ in saves} == {3, 6} and all((completed + 1) % 2 == 0 for _, completed in saves), saves
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        ({"samplers": []}, r"\['samplers'\]`=\[\] is not valid: expected a list of one state per training loader"),
+        ({"batches_done": "4"}, r"`checkpoint\['shardplus_training_samplers'\]\['batches_done'\]`='4' is not valid"),
+    ],
+    ids=["no-sampler-state", "text"],
+)
+def test_a_hand_edited_sampler_state_is_refused_on_resume_saying_what_is_wrong(tmp_path, edit, message):
+    fit(tmp_path / "first", 2, every_n_train_steps=4)
+    checkpoint = torch.load(tmp_path / "first" / "checkpoints" / "step=4.ckpt", weights_only=False)
+    checkpoint[CHECKPOINT_KEY] |= edit
+    torch.save(checkpoint, tmp_path / "edited.ckpt")
+    with pytest.raises(Exception, match=message):  # raised on every rank, at setup: no rank waits for another
+        fit(tmp_path / "resumed", 2, ckpt_path=tmp_path / "edited.ckpt")
