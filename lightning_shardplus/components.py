@@ -15,7 +15,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.trainer.states import TrainerFn
 
-from lightning_shardplus import compression, fusion, sharding
+from lightning_shardplus import aggregation, compression, fusion, sharding
 from lightning_shardplus.aggregation import GradientAggregation
 from lightning_shardplus.callbacks import VerifySharding
 from lightning_shardplus.compression import CommunicationHook, CommunicationHookWrapper
@@ -26,7 +26,12 @@ from lightning_shardplus.metrics import AverageTrainingMetrics, ExactEvaluation
 from lightning_shardplus.uneven import EvenSteps
 
 # Where each stateful component's state goes in a Lightning checkpoint.
-CHECKPOINT_KEYS = (sharding.CHECKPOINT_KEY, compression.CHECKPOINT_KEY, fusion.CHECKPOINT_KEY)
+CHECKPOINT_KEYS = (
+    sharding.CHECKPOINT_KEY,
+    compression.CHECKPOINT_KEY,
+    fusion.CHECKPOINT_KEY,
+    aggregation.CHECKPOINT_KEY,
+)
 
 
 @dataclass
@@ -98,7 +103,7 @@ class RunComponents:
 
     def stateful(self) -> dict[str, Any]:
         """The components with checkpoint state (``state_dict`` / ``load_state_dict``), by checkpoint key."""
-        parts = dict(zip(CHECKPOINT_KEYS, (self.loaders, self.hook, self.fusion), strict=True))
+        parts = dict(zip(CHECKPOINT_KEYS, (self.loaders, self.hook, self.fusion, self.aggregation), strict=True))
         return {key: part for key, part in parts.items() if part is not None}
 
     def close(self) -> None:

@@ -270,8 +270,6 @@ class ShardPlusStrategy(DDPStrategy):
         A collective where a component gathers (PowerSGD's per-rank state): Lightning calls this on every rank."""
         parts = self._components
         if parts is not None and "loops" in checkpoint:
-            if parts.aggregation is not None:
-                parts.aggregation.warn_if_mid_window()
             for key, component in parts.stateful().items():
                 if (state := component.state_dict()) is not None:
                     checkpoint[key] = state
