@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from collections import Counter
 from pathlib import Path
 
@@ -177,3 +178,27 @@ def test_predict_with_a_custom_sampler_keeps_lightnings_sharding_of_it(tmp_path)
     rows = read_records(tmp_path)
     per_rank = {rank: [i for r in rows if r["rank"] == rank for i in r["indices"]] for rank in range(2)}
     assert per_rank == {0: [5, 3, 1], 1: [4, 2, 0]}  # Lightning's unrepeated sharding of the sampler's order
+
+
+class RankZeroOnlyValue(RecordingModule):
+    def validation_step(self, batch, batch_idx):
+        super().validation_step(batch, batch_idx)
+        self.log("rank0_only", torch.tensor(1.0), rank_zero_only=True)  # not reduced by exact evaluation
+
+
+@pytest.mark.timeout(120)
+def test_lightnings_sync_dist_advice_is_silenced_only_for_values_exact_evaluation_reduces(tmp_path):
+    # Lightning reads the epoch values (and advises sync_dist=True) before exact evaluation reduces them at the
+    # epoch end: the advice is false for those values. Made an error here (the forked ranks inherit the filter).
+    advice = r"It is recommended to use `self\.log\('{}', \.\.\., sync_dist=True\)`"
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=advice.format(".*"))
+        trainer = cpu_trainer(ShardPlusStrategy(start_method="fork"), 2, max_epochs=1)
+        train, evaluation = DataLoader(IndexedDataset(8), batch_size=2), DataLoader(IndexedDataset(5))
+        trainer.fit(RecordingModule(tmp_path), train, evaluation)
+        cpu_trainer(ShardPlusStrategy(start_method="fork"), 2).test(RecordingModule(tmp_path), evaluation)
+        # still said where it is true: a value logged on rank 0 only is not reduced
+        with pytest.raises(Exception, match=advice.format("rank0_only")):
+            cpu_trainer(ShardPlusStrategy(start_method="fork"), 2).validate(
+                RankZeroOnlyValue(tmp_path), DataLoader(IndexedDataset(5))
+            )

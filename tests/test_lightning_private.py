@@ -320,6 +320,33 @@ def test_lightnings_evaluation_sampler_warning_still_reads_as_shardplus_silences
         assert [str(w.message)[:16] for w in caught] == ["another warning", text[:16]]
 
 
+def test_lightnings_epoch_sync_advice_still_reads_as_shardplus_silences_it():
+    import warnings
+
+    from lightning.pytorch.trainer.connectors.logger_connector import result
+    from lightning.pytorch.utilities.warnings import PossibleUserWarning
+
+    source = inspect.getsource(result._ResultCollection._get_cache)
+    assert "category=PossibleUserWarning" in source
+    assert "It is recommended to use `self.log({result_metric.meta.name!r}, ..., sync_dist=True)`" in source
+    assert "when logging on epoch level in distributed setting" in source and "warning_cache.warn(" in source
+    text = (
+        "It is recommended to use `self.log({!r}, ..., sync_dist=True)` when logging on epoch level in distributed "
+        "setting to accumulate the metric across devices."
+    )
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            restore = _lightning.silence_epoch_sync_advice({"val_loss", "acc(x)"})
+            for name in ("val_loss", "acc(x)", "other"):
+                result.warning_cache.warn(text.format(name), category=PossibleUserWarning)
+            restore()  # evaluation ends: said again where true, although Lightning says it once per name
+            result.warning_cache.warn(text.format("val_loss"), category=PossibleUserWarning)
+        assert [str(w.message) for w in caught] == [text.format("other"), text.format("val_loss")]
+    finally:
+        result.warning_cache.difference_update({text.format(name) for name in ("val_loss", "other")})
+
+
 def test_lightning_destroys_the_process_group_at_exit_for_nccl_only_and_shardplus_registers_it_once(monkeypatch):
     import atexit
     import inspect
