@@ -590,8 +590,12 @@ class ScalingReport(CommunicationHookWrapper):
         self._restore_profiler(trainer)
         self._count_finished(wait=True)
         local = torch.tensor([self._totals[key] for key in _TOTALS], dtype=torch.float64, device=pl_module.device)
-        gathered = trainer.strategy.all_gather(local)  # the one collective of this callback
-        per_rank = [[float(value) for value in row] for row in gathered.reshape(-1, len(_TOTALS)).cpu()]
+        gathered = [local]
+        if dist.is_available() and dist.is_initialized():  # the one collective of this callback
+            # (not `strategy.all_gather`: Lightning's goes through torch's deprecated autograd all_gather)
+            gathered = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+            dist.all_gather(gathered, local)
+        per_rank = [[float(value) for value in row] for row in torch.stack(gathered).cpu()]
         self.report = summarize_scaling(
             [dict(zip(_TOTALS, row, strict=True)) for row in per_rank],
             threshold=self.threshold,
