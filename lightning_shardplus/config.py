@@ -13,6 +13,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import inspect
 import os
 from collections.abc import Callable
@@ -21,6 +22,7 @@ from datetime import timedelta
 from functools import cached_property
 from typing import Any
 
+from lightning.pytorch.strategies import DDPStrategy
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
 from torch.nn.parallel import DistributedDataParallel
 
@@ -45,6 +47,12 @@ DDP_KWARGS = frozenset(inspect.signature(DistributedDataParallel.__init__).param
     "bucket_cap_mb",  # set through `tensor_fusion_threshold_mb`
 }
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
+# ShardPlusStrategy's own arguments: DDPStrategy's, the shardplus ones (ShardPlusConfig) and the DDP flags it names.
+_DDP_STRATEGY_ARGUMENTS = tuple(
+    name
+    for name, parameter in inspect.signature(DDPStrategy.__init__).parameters.items()
+    if name != "self" and parameter.kind is parameter.POSITIONAL_OR_KEYWORD
+)
 # DistributedDataParallel's defaults: what it gets when an argument is left out.
 DDP_DEFAULTS = {
     name: parameter.default
@@ -133,6 +141,13 @@ class ShardPlusConfig:
         return int(os.environ.get("PL_GLOBAL_SEED", 0))
 
 
+STRATEGY_OPTIONS: tuple[str, ...] = (
+    *_DDP_STRATEGY_ARGUMENTS,
+    *(field.name for field in dataclasses.fields(ShardPlusConfig)),
+    *("find_unused_parameters", "static_graph", "gradient_as_bucket_view", "broadcast_buffers"),
+)
+
+
 def at_ddp_defaults(settings: dict[str, Any]) -> list[str]:
     """The names of ``settings`` (DistributedDataParallel arguments) whose value is DDP's default."""
     return [name for name, value in settings.items() if name in DDP_DEFAULTS and value is DDP_DEFAULTS[name]]
@@ -200,8 +215,16 @@ def _check_bucket_arguments(config: ShardPlusConfig, ddp_kwargs: dict[str, Any])
         )
     unknown = sorted(set(ddp_kwargs) - DDP_KWARGS)
     if unknown:
-        given = ", ".join(f"`{k}`={ddp_kwargs[k]!r}" for k in unknown)
+        hints = {k: f" (did you mean `{close}`?)" if (close := closest_option(k)) else "" for k in unknown}
+        given = ", ".join(f"`{k}`={ddp_kwargs[k]!r}{hints[k]}" for k in unknown)
         raise TypeError(
-            f"ShardPlusStrategy got unknown option(s) {given}: valid are its own arguments and "
-            f"DistributedDataParallel's ({', '.join(sorted(DDP_KWARGS))})."
+            f"ShardPlusStrategy got unknown option(s) {given}: valid are its own arguments "
+            f"({', '.join(STRATEGY_OPTIONS)}) and DistributedDataParallel's ({', '.join(sorted(DDP_KWARGS))})."
         )
+
+
+def closest_option(name: str) -> str | None:
+    """The option of ``ShardPlusStrategy`` (its own, or DistributedDataParallel's it passes on) closest to a
+    misspelled ``name`` (difflib), or None when none is close."""
+    close = difflib.get_close_matches(name, [*STRATEGY_OPTIONS, *sorted(DDP_KWARGS)], n=1, cutoff=0.75)
+    return close[0] if close else None

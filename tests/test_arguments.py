@@ -50,6 +50,44 @@ def test_strategy_rejects_bad_arguments(kwargs, error, message):
     assert not dist.is_initialized()
 
 
+def test_a_misspelled_option_lists_the_strategys_options_and_ddps_and_suggests_the_closest():
+    import inspect
+
+    from lightning_shardplus.config import STRATEGY_OPTIONS
+
+    own = set(inspect.signature(ShardPlusStrategy.__init__).parameters) - {"self", "ddp_kwargs"}
+    assert set(STRATEGY_OPTIONS) == own
+    with pytest.raises(TypeError) as error:
+        ShardPlusStrategy(agregation_frequency=2)
+    message = str(error.value)
+    assert "`agregation_frequency`=2" in message and "did you mean `aggregation_frequency`?" in message
+    strategy_part, ddp_part = message.split("DistributedDataParallel's")
+    assert all(name in strategy_part for name in ("aggregation_frequency", "tensor_fusion_threshold_mb", "timeout"))
+    assert "static_graph" in ddp_part and "bucket_cap_mb_list" in ddp_part
+    with pytest.raises(TypeError, match=r"`tensor_fusion_mb`=4 \(did you mean `tensor_fusion_threshold_mb`\?\)"):
+        ShardPlusStrategy(tensor_fusion_mb=4)
+    with pytest.raises(TypeError) as error:
+        ShardPlusStrategy(zzz=1)
+    assert "did you mean" not in str(error.value)  # nothing close
+
+
+def test_a_misspelled_option_in_a_cli_config_gets_the_closest_name(tmp_path, capsys, monkeypatch):
+    from pathlib import Path
+
+    from lightning_shardplus.cli import ShardPlusCLI
+
+    monkeypatch.setattr("sys.argv", ["shardplus"])
+    config = Path(__file__).resolve().parents[1] / "configs" / "digits.yaml"
+    typo = tmp_path / "typo.yaml"
+    misspelled = "verify_sharding: false\n      agregation_frequency: 2"
+    typo.write_text(config.read_text().replace("verify_sharding: false", misspelled))
+    with pytest.raises(SystemExit):
+        ShardPlusCLI(args=["--config", str(typo), "--trainer.logger=false"], run=False)
+    error = capsys.readouterr().err
+    assert "Option 'agregation_frequency' is not accepted" in error
+    assert "ShardPlusStrategy: did you mean 'aggregation_frequency'?" in error
+
+
 def test_strategy_passes_ddp_arguments_through():
     strategy = ShardPlusStrategy(tensor_fusion_threshold_mb=4, static_graph=True, bucket_cap_mb_list=None)
     assert strategy._ddp_kwargs["bucket_cap_mb"] == 4.0
