@@ -5,6 +5,8 @@ Lightning injects a ``DistributedSampler`` into every loader that has none of it
 it with a :class:`~lightning_shardplus.sharding.PaddedShardSampler` for training (equal padded shards, one
 global permutation per epoch) and an :class:`~lightning_shardplus.sharding.ExactShardSampler` for evaluation
 (every sample once). Loaders the user sharded, or that Lightning left alone (iterable datasets), pass through.
+A training set so small for the world size that padding is a quarter or more of the samples read per epoch
+(:data:`PADDING_WARNING_SHARE`) is warned about: those samples weigh more in training.
 One is built per Trainer run by the strategy and dropped at its teardown.
 """
 
@@ -134,6 +136,7 @@ class ShardedLoaders:
             record_indices=self.record_indices,
         )
         self._resume(sampler, loader_batch_size(dataloader))
+        _warn_if_mostly_padding(sampler)
         return sampler
 
     def _resume(self, sampler: PaddedShardSampler, batch_size: int | None) -> None:
@@ -175,6 +178,25 @@ class ShardedLoaders:
         that is not one (edited by hand, or corrupt) is refused, saying what is wrong."""
         check_checkpoint_entry(state)
         self._resumed, self._resumed_used = state, 0
+
+
+PADDING_WARNING_SHARE = 0.25
+"""A training set whose equal shards are at least this share padding (of the samples read per epoch) is warned
+about: e.g. 2 samples on 3 processes (1 of 3), 6 on 4 (2 of 8); 22 on 3 (2 of 24) is not."""
+
+
+def _warn_if_mostly_padding(sampler: PaddedShardSampler) -> None:
+    if sampler.drop_last:
+        return
+    n, world = sampler.dataset_length, sampler.num_replicas
+    read = -(-n // world) * world  # a whole epoch's equal shards
+    if read - n >= PADDING_WARNING_SHARE * read:
+        what = "copies of sample 0" if sampler.padding == "first" else "repeated samples"
+        rank_zero_warn(
+            f"shardplus: padding makes up {read - n} of the {read} training samples read per epoch "
+            f"({(read - n) / read:.0%}, {what}: {n} samples on {world} processes get equal shards of "
+            f"{read // world}). Those samples weigh more in training: use fewer processes or a larger training set."
+        )
 
 
 def loader_batch_size(loader: DataLoader) -> int | None:
