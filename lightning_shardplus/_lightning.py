@@ -8,6 +8,7 @@ training loop use; ``tests/test_lightning_private.py`` fails if any of them move
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from lightning.fabric.utilities.data import sized_len
@@ -51,6 +52,15 @@ def injected_over_dataset_order(sampler: DistributedSampler) -> bool:
     if isinstance(sampler, UnrepeatedDistributedSamplerWrapper):  # predict: wraps the loader's own sampler
         return isinstance(sampler.dataset._sampler, SequentialSampler)  # private: `_DatasetSamplerWrapper`
     return False
+
+
+def unrepeated_sampler(injected: UnrepeatedDistributedSamplerWrapper, num_replicas: int, rank: int) -> Sampler:
+    """Lightning's prediction sampler over the user's sampler that ``injected`` wraps, sharded over
+    ``num_replicas`` ranks (as ``_get_distributed_sampler`` builds it). Private: ``_DatasetSamplerWrapper._sampler``."""
+    user_sampler = injected.dataset._sampler
+    return UnrepeatedDistributedSamplerWrapper(
+        user_sampler, num_replicas=num_replicas, rank=rank, shuffle=injected.shuffle, seed=injected.seed
+    )
 
 
 def micro_batches_done_in_epoch(trainer: Any) -> int:
@@ -464,11 +474,43 @@ EVALUATION_SAMPLER_WARNING = r"Using `DistributedSampler` with the dataloaders\.
 def silence_evaluation_sampler_warning() -> Any:
     """Lightning advises one device for validate/test because its sampler replicates samples; exact evaluation
     replicates none. Returns what undoes it (the filter is process-wide: remove it when the run ends)."""
+    return _ignore_warning(EVALUATION_SAMPLER_WARNING)
+
+
+# Lightning's advice to sync epoch-level values (`_ResultCollection._get_cache`), given once per value name (its
+# module-level `warning_cache`). The evaluation loop reads the epoch values before the epoch-end hooks, where exact
+# evaluation reduces them: for those values the advice is wrong.
+EPOCH_SYNC_ADVICE = (
+    r"It is recommended to use `self\.log\({names}, \.\.\., sync_dist=True\)` when logging on epoch level in "
+    r"distributed setting"
+)
+
+
+def silence_epoch_sync_advice(names: Any) -> Any:
+    """Ignore Lightning's sync_dist advice for the values logged under ``names`` until the returned function is
+    called; it also forgets that the advice was given for them (Lightning gives it once per name and process), so
+    that a later run where it is true still sees it."""
+    from lightning.pytorch.trainer.connectors.logger_connector import result
+
+    pattern = EPOCH_SYNC_ADVICE.format(names="(" + "|".join(re.escape(repr(name)) for name in sorted(names)) + ")")
+    restore_filter = _ignore_warning(pattern)
+
+    def restore() -> None:
+        restore_filter()
+        cache = result.warning_cache  # private: the module's `WarningCache` (a set of messages)
+        cache.difference_update([message for message in cache if re.match(pattern, message)])
+
+    return restore
+
+
+def _ignore_warning(pattern: str) -> Any:
+    """A process-wide "ignore" filter for Lightning's ``PossibleUserWarning`` matching ``pattern``; returns what
+    removes it."""
     import warnings
 
     from lightning.pytorch.utilities.warnings import PossibleUserWarning
 
-    warnings.filterwarnings("ignore", message=EVALUATION_SAMPLER_WARNING, category=PossibleUserWarning)
+    warnings.filterwarnings("ignore", message=pattern, category=PossibleUserWarning)
     added = warnings.filters[0]
 
     def restore() -> None:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 from collections.abc import Iterable
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
@@ -23,11 +25,13 @@ def check_bool(name: str, value: Any) -> None:
         raise TypeError(f"`{name}`={value!r} is not valid: expected True or False.")
 
 
-def check_int(name: str, value: Any, minimum: int | None = None) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
+def check_int(name: str, value: Any, minimum: int | None = None) -> int:
+    """``value`` as an ``int``: any integer (numpy's too, as for numbers elsewhere), not a bool."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"`{name}`={value!r} is not valid: expected an integer{_bound(minimum)}.")
     if minimum is not None and value < minimum:
         raise ValueError(f"`{name}`={value!r} is not valid: expected an integer{_bound(minimum)}.")
+    return int(value)
 
 
 def check_positive_number(name: str, value: Any) -> None:
@@ -59,12 +63,66 @@ def process_group_timeout(timeout: Any) -> timedelta | None:
 
 
 def check_process_group_backend(backend: Any) -> None:
-    """A process-group backend torch knows (its own and registered third-party ones), or per-device ones as
-    ``"cpu:gloo,cuda:nccl"``."""
-    known = [name for name in dist.Backend.backend_list if name not in ("undefined", "fake")]
-    parts = backend.split(",") if isinstance(backend, str) else [None]
-    if not all(part is not None and part.split(":")[-1].lower() in known and part == part.strip() for part in parts):
-        raise ValueError(
-            f"`process_group_backend`={backend!r} is not valid: expected None (Lightning chooses), one of "
-            f"{', '.join(repr(k) for k in known)}, or per device like 'cpu:gloo,cuda:nccl'."
+    """At construction: None or a non-empty string, as ``DDPStrategy`` takes it. The name is checked against torch's
+    backends when the processes start (:func:`check_process_group_backend_known`): a third-party backend (ccl,
+    hccl) registers itself with torch when its package is imported, which may come after the strategy is built."""
+    if backend is None:
+        return
+    if not isinstance(backend, str) or not backend.strip():
+        error = TypeError if not isinstance(backend, str) else ValueError
+        raise error(
+            f"`process_group_backend`={backend!r} is not valid: expected None (Lightning chooses) or a backend "
+            "name: 'gloo', 'nccl', a third-party one such as 'ccl', or per device like 'cpu:gloo,cuda:nccl'."
         )
+
+
+def check_process_group_backend_known(backend: str) -> None:
+    """``backend`` names process-group backends torch knows now (its own and registered third-party ones), each
+    available in this build, or per-device ones as ``"cpu:gloo,cuda:nccl"``; checked before the processes start."""
+    known = [name for name in dist.Backend.backend_list if name not in ("undefined", "fake")]
+    for part in backend.split(","):
+        name = part.split(":")[-1].lower()
+        available = getattr(dist, f"is_{name}_available", None)
+        if part != part.strip() or not name:
+            problem = f"{part!r} has spaces around it or names no backend"
+        elif name not in known:
+            problem = f"{name!r} is not a process-group backend torch knows"
+        elif available is not None and not available():
+            problem = f"this torch build has no {name!r} (torch.distributed.is_{name}_available() is False)"
+        else:
+            continue
+        raise ValueError(
+            f"`process_group_backend`={backend!r} is not valid: {problem}: expected one of "
+            f"{', '.join(repr(k) for k in known)}, a third-party backend registered with torch "
+            "(torch.distributed.Backend.register_backend; importing its package registers it, as "
+            "oneccl_bindings_for_pytorch does for 'ccl'), or per device like 'cpu:gloo,cuda:nccl'."
+        )
+
+def check_writable_file(
+    name: str, value: Any, path: Path | None = None, *, replaced: bool = False, expected: str = "a writable file path"
+) -> Path:
+    """``value`` as the path of a file this process can create or overwrite; returns it, ``~`` expanded. Missing
+    directories are allowed (they are created when the file is written) where they can be created. ``path``: the
+    file ``value`` stands for, when it is not a path itself (``autotune_cache=True``). ``replaced``: the file is
+    written to a temporary file beside it, then renamed over it (its directory must be writable too)."""
+    given = f"`{name}`={value!r}"
+    if path is None:
+        text = os.fspath(value) if isinstance(value, (str, os.PathLike)) else ""
+        if not text:
+            raise ValueError(f"{given} is not valid: expected {expected}.")
+        path, names_a_directory = Path(text), isinstance(text, str) and text.endswith(("/", os.sep))
+    else:
+        given, names_a_directory = f"{given} ({path})", False
+    path = path.expanduser()
+    if names_a_directory or path.is_dir():
+        raise ValueError(f"{given} is a directory: expected {expected} (of a file in it, for example).")
+    directory = path.parent
+    while not directory.exists() and directory != directory.parent:
+        directory = directory.parent
+    if not directory.is_dir():
+        raise ValueError(f"{given} cannot be written: `{directory}` is a file, not a directory: expected {expected}.")
+    if path.exists() and not os.access(path, os.W_OK):
+        raise ValueError(f"{given} cannot be written: no permission to write this file: expected {expected}.")
+    if (replaced or not path.exists()) and not os.access(directory, os.W_OK | os.X_OK):
+        raise ValueError(f"{given} cannot be written: no permission to write in `{directory}`: expected {expected}.")
+    return path

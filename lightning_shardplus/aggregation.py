@@ -27,6 +27,12 @@ plugin unscales AMP gradients (it is linear, so scaling a scaled gradient is the
 ``on_before_optimizer_step`` hooks and before gradient clipping (which thus clips the corrected gradient).
 ``on_after_backward`` still sees the uncorrected, Lightning-normalized gradients of each micro-batch.
 
+A checkpoint saved inside a window (``trainer.save_checkpoint`` from a callback between optimizer steps) holds
+every rank's gradient accumulated so far (each rank's own: ``no_sync`` keeps them local), under
+:data:`CHECKPOINT_KEY`; a run resumed from it on the same world size gives them back and ends the window with
+the same gradient as the uninterrupted run. It costs world size x the gradients' size in the checkpoint; at
+optimizer-step boundaries nothing is added.
+
 :class:`GradientAggregation` is the strategy's component for one fit; the functions hold the arithmetic and the
 batch-size bookkeeping. This module imports neither the strategy nor the other algorithm modules.
 """
@@ -129,6 +135,7 @@ class GradientAggregation:
     ) -> None:
         self.trainer, self.average, self.ranks_correction = trainer, average, ranks_correction
         self._user_accumulate = trainer.accumulate_grad_batches
+        self._checkpointed: dict[str, Any] | None = None  # the window state of a checkpoint being resumed
         if frequency > 1:
             trainer.accumulate_grad_batches = frequency
 
@@ -141,11 +148,13 @@ class GradientAggregation:
         self.trainer.accumulate_grad_batches = self._user_accumulate
 
     def on_train_start(self, gradient_compression: str) -> None:
-        """Say what one optimizer step is; after a resume, keep step-triggered checkpoints from saving mid-window."""
+        """Say what one optimizer step is; after a resume, keep step-triggered checkpoints from saving mid-window,
+        and give a window resumed in its middle the gradients it had accumulated (:meth:`load_state_dict`)."""
         trainer, micro_batches = self.trainer, self.micro_batches_per_step
         if trainer.ckpt_path is not None and micro_batches > 1:
             # resumed at an optimizer step: checkpointing "every n steps" must not save again mid-window
             _lightning.mark_resumed_step_saved(trainer)
+            self._resume_window()
         per_device, batch = micro_batch_size(trainer), effective_batch_size(trainer)
         rank_zero_info(
             f"shardplus: effective batch {batch or 'unknown'} = {per_device or '?'} per device x "
@@ -177,17 +186,113 @@ class GradientAggregation:
 
         return closure_then_normalize
 
-    def warn_if_mid_window(self) -> None:
-        """A checkpoint is saved now: say so if it is inside a window (its accumulated gradient is not in it)."""
+    def _inside_window(self) -> int | None:
+        """The micro-batches trained in this epoch when that is inside a window (its gradient is accumulating
+        locally, not yet all-reduced); None at an optimizer-step boundary."""
         trainer, frequency = self.trainer, self.micro_batches_per_step
-        batches_done = _lightning.micro_batches_trained_in_epoch(trainer)
-        if batches_done % frequency and batches_done < trainer.num_training_batches:
+        done = _lightning.micro_batches_trained_in_epoch(trainer)
+        return done if done % frequency and done < trainer.num_training_batches else None
+
+    def state_dict(self) -> dict[str, Any] | None:
+        """Saved inside a window: every rank's accumulated gradient (each rank's own: the window's micro-batches but
+        the last run under ``no_sync``), gathered on rank 0, which writes the checkpoint. A collective then: call it
+        on every rank. None at optimizer-step boundaries (and on ranks other than 0)."""
+        done = self._inside_window()
+        if done is None:
+            return None
+        module = self.trainer.lightning_module
+        local = {name: p.grad.detach().cpu().clone() for name, p in module.named_parameters() if p.grad is not None}
+        per_rank: list[Any] | None = [local]
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+            per_rank = [None] * world if rank == 0 else None
+            torch.distributed.gather_object(local, per_rank, dst=0)
+        if per_rank is None:
+            return None
+        return window_entry(done, self.micro_batches_per_step, per_rank)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """The window state of a checkpoint being resumed; its gradients are restored when training starts."""
+        self._checkpointed = state
+
+    def _resume_window(self) -> None:
+        trainer, frequency = self.trainer, self.micro_batches_per_step
+        entry, self._checkpointed = self._checkpointed, None
+        done = self._inside_window()
+        if done is None:
+            return
+        if entry is None:
             rank_zero_warn(
-                f"shardplus: a checkpoint is saved after micro-batch {batches_done} of the epoch, inside an "
-                f"aggregation window of {frequency}: the gradients accumulated so far are not in it, so a "
-                "run resumed from it does not equal an uninterrupted one. Save at optimizer steps (ModelCheckpoint "
-                "every_n_train_steps counts them)."
+                f"shardplus: resumed after micro-batch {done} of the epoch, inside an aggregation window of "
+                f"{frequency}, from a checkpoint without the gradients accumulated in that window (written by "
+                "another strategy or an older lightning_shardplus): the window's optimizer step lacks them, so the "
+                "run does not equal an uninterrupted one."
             )
+            return
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        message = restore_window_gradients(trainer.lightning_module, entry, done, frequency, rank, trainer.world_size)
+        if message is not None:
+            rank_zero_warn(f"shardplus: {message}")
+
+
+CHECKPOINT_KEY = "shardplus_aggregation_window"
+
+
+def window_entry(micro_batches_done: int, frequency: int, per_rank: list[dict[str, torch.Tensor]]) -> dict[str, Any]:
+    """What the strategy stores under ``checkpoint[CHECKPOINT_KEY]`` when it saves inside a window: every rank's
+    accumulated gradient by parameter name (CPU tensors: ``torch.load(weights_only=True)`` reads them), and where
+    in the epoch and in which windows they were taken."""
+    return {
+        "micro_batches_done": micro_batches_done,
+        "aggregation_frequency": frequency,
+        "world_size": len(per_rank),
+        "per_rank": per_rank,
+    }
+
+
+@torch.no_grad()
+def restore_window_gradients(
+    module: torch.nn.Module, entry: dict[str, Any], micro_batches_done: int, frequency: int, rank: int, world_size: int
+) -> str | None:
+    """Give ``module``'s parameters the gradients a window had accumulated when a checkpoint was saved in it
+    (:func:`window_entry`), resumed after ``micro_batches_done`` micro-batches with windows of ``frequency``.
+
+    On the same world size each rank gets its own: the resumed window then ends with the same gradient, bitwise,
+    as the uninterrupted run. On another, every rank gets their mean over the checkpoint's ranks, so that the
+    all-reduce at the window's end (a mean over ranks) counts the first micro-batches as the checkpoint's ranks
+    would have; the rest of the window is resharded. Returns a warning to show, or None."""
+    if entry.get("aggregation_frequency") != frequency or entry.get("micro_batches_done") != micro_batches_done:
+        return (
+            f"the checkpoint holds the gradients of an aggregation window of {entry.get('aggregation_frequency')} "
+            f"after micro-batch {entry.get('micro_batches_done')}, this run resumes a window of {frequency} after "
+            f"micro-batch {micro_batches_done}: they are not restored, and the window's step lacks them."
+        )
+    per_rank = entry["per_rank"]
+    message = None
+    if len(per_rank) == world_size:
+        gradients = per_rank[rank]
+    else:
+        # a rank without a parameter's gradient (unused there) contributed zero
+        names = set().union(*per_rank)
+        gradients = {name: sum(g[name] for g in per_rank if name in g) / len(per_rank) for name in names}
+        message = (
+            f"resumed inside an aggregation window saved on {len(per_rank)} processes, on {world_size}: every "
+            "process starts from the mean of the gradients the checkpoint's processes had accumulated, and the rest "
+            "of the window is resharded; the run equals no uninterrupted one."
+        )
+    parameters = dict(module.named_parameters())
+    for name, gradient in gradients.items():
+        parameter = parameters.get(name)
+        if parameter is None or parameter.shape != gradient.shape:
+            return f"the checkpoint's accumulated gradient of {name!r} does not fit this model: none is restored."
+    for name, gradient in gradients.items():
+        parameter = parameters[name]
+        gradient = gradient.to(device=parameter.device, dtype=parameter.dtype)
+        if parameter.grad is None:
+            parameter.grad = gradient
+        else:
+            parameter.grad.copy_(gradient)
+    return message
 
 
 # ---------------------------------------------------------------------------------------------- batch sizes

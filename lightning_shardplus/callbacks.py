@@ -154,14 +154,14 @@ class ScaleLearningRate(Callback):
     ) -> None:
         check_choice("rule", rule, SCALING_RULES)
         if reference_batch_size is not None:
-            check_int("reference_batch_size", reference_batch_size, minimum=1)
+            reference_batch_size = check_int("reference_batch_size", reference_batch_size, minimum=1)
         if warmup_steps is not None and warmup_epochs is not None:
             raise ValueError(
                 f"`warmup_steps`={warmup_steps!r} and `warmup_epochs`={warmup_epochs!r} were both given: "
                 "give at most one of them."
             )
         if warmup_steps is not None:
-            check_int("warmup_steps", warmup_steps, minimum=0)
+            warmup_steps = check_int("warmup_steps", warmup_steps, minimum=0)
         if warmup_epochs is not None:
             _check_warmup_epochs(warmup_epochs)
         check_bool("log_lr", log_lr)
@@ -438,7 +438,7 @@ class ScalingReport(CommunicationHookWrapper):
                 f"`single_device_samples_per_second`={single_device_samples_per_second!r} is not valid: "
                 "expected a number > 0."
             )
-        check_int("skip_first_steps", skip_first_steps, minimum=0)
+        skip_first_steps = check_int("skip_first_steps", skip_first_steps, minimum=0)
         if not 0 < threshold < 1:
             raise ValueError(f"`threshold`={threshold!r} is not valid: expected a number in (0, 1).")
         self.single_device_samples_per_second = single_device_samples_per_second
@@ -590,8 +590,12 @@ class ScalingReport(CommunicationHookWrapper):
         self._restore_profiler(trainer)
         self._count_finished(wait=True)
         local = torch.tensor([self._totals[key] for key in _TOTALS], dtype=torch.float64, device=pl_module.device)
-        gathered = trainer.strategy.all_gather(local)  # the one collective of this callback
-        per_rank = [[float(value) for value in row] for row in gathered.reshape(-1, len(_TOTALS)).cpu()]
+        gathered = [local]
+        if dist.is_available() and dist.is_initialized():  # the one collective of this callback
+            # (not `strategy.all_gather`: Lightning's goes through torch's deprecated autograd all_gather)
+            gathered = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+            dist.all_gather(gathered, local)
+        per_rank = [[float(value) for value in row] for row in torch.stack(gathered).cpu()]
         self.report = summarize_scaling(
             [dict(zip(_TOTALS, row, strict=True)) for row in per_rank],
             threshold=self.threshold,

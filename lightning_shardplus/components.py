@@ -15,7 +15,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.trainer.states import TrainerFn
 
-from lightning_shardplus import compression, fusion, sharding
+from lightning_shardplus import aggregation, compression, fusion, sharding
 from lightning_shardplus.aggregation import GradientAggregation
 from lightning_shardplus.callbacks import VerifySharding
 from lightning_shardplus.compression import CommunicationHook
@@ -27,7 +27,12 @@ from lightning_shardplus.metrics import AverageTrainingMetrics, ExactEvaluation
 from lightning_shardplus.uneven import EvenSteps
 
 # Where each stateful component's state goes in a Lightning checkpoint.
-CHECKPOINT_KEYS = (sharding.CHECKPOINT_KEY, compression.CHECKPOINT_KEY, fusion.CHECKPOINT_KEY)
+CHECKPOINT_KEYS = (
+    sharding.CHECKPOINT_KEY,
+    compression.CHECKPOINT_KEY,
+    fusion.CHECKPOINT_KEY,
+    aggregation.CHECKPOINT_KEY,
+)
 
 
 @dataclass
@@ -99,7 +104,7 @@ class RunComponents:
 
     def stateful(self) -> dict[str, Any]:
         """The components with checkpoint state (``state_dict`` / ``load_state_dict``), by checkpoint key."""
-        parts = dict(zip(CHECKPOINT_KEYS, (self.loaders, self.hook, self.fusion), strict=True))
+        parts = dict(zip(CHECKPOINT_KEYS, (self.loaders, self.hook, self.fusion, self.aggregation), strict=True))
         return {key: part for key, part in parts.items() if part is not None}
 
     def close(self) -> None:
@@ -129,7 +134,8 @@ def _tensor_fusion(
         "gradient_compression": config.gradient_compression,
         "ddp_comm_hook": getattr(setup.ddp_comm_hook, "__qualname__", None),
         "micro_batches_per_step": micro_batches_per_step,
-        **{k: ddp_kwargs.get(k) for k in ("find_unused_parameters", "static_graph", "gradient_as_bucket_view")},
+        # (DDP's default, False, where left out: the key is the same whether the flag was passed or not)
+        **{k: ddp_kwargs.get(k, False) for k in ("find_unused_parameters", "static_graph", "gradient_as_bucket_view")},
     }
     return fusion.TensorFusion(
         trainer,

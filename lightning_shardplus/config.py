@@ -13,6 +13,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import inspect
 import os
 from collections.abc import Callable
@@ -21,6 +22,7 @@ from datetime import timedelta
 from functools import cached_property
 from typing import Any
 
+from lightning.pytorch.strategies import DDPStrategy
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
 from torch.nn.parallel import DistributedDataParallel
 
@@ -29,8 +31,8 @@ from lightning_shardplus._validation import (
     check_bool,
     check_choice,
     check_int,
-    check_positive_number,
     check_process_group_backend,
+    check_writable_file,
     process_group_timeout,
 )
 from lightning_shardplus.compression import GRADIENT_COMPRESSIONS, GradientCompression
@@ -45,6 +47,18 @@ DDP_KWARGS = frozenset(inspect.signature(DistributedDataParallel.__init__).param
     "bucket_cap_mb",  # set through `tensor_fusion_threshold_mb`
 }
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
+# ShardPlusStrategy's own arguments: DDPStrategy's, the shardplus ones (ShardPlusConfig) and the DDP flags it names.
+_DDP_STRATEGY_ARGUMENTS = tuple(
+    name
+    for name, parameter in inspect.signature(DDPStrategy.__init__).parameters.items()
+    if name != "self" and parameter.kind is parameter.POSITIONAL_OR_KEYWORD
+)
+# DistributedDataParallel's defaults: what it gets when an argument is left out.
+DDP_DEFAULTS = {
+    name: parameter.default
+    for name, parameter in inspect.signature(DistributedDataParallel.__init__).parameters.items()
+    if parameter.default is not inspect.Parameter.empty
+}
 
 
 @dataclass(frozen=True)
@@ -72,23 +86,28 @@ class ShardPlusConfig:
     uneven_inputs: UnevenInputs = "join"
 
     def __post_init__(self) -> None:
-        check_int("aggregation_frequency", self.aggregation_frequency, minimum=1)
+        frequency = check_int("aggregation_frequency", self.aggregation_frequency, minimum=1)
+        object.__setattr__(self, "aggregation_frequency", frequency)  # numpy's integers as int
         check_choice("gradient_compression", self.gradient_compression, GRADIENT_COMPRESSIONS)
         check_choice("shard_padding", self.shard_padding, PADDING_MODES)
         if self.shuffle_seed is not None:
-            check_int("shuffle_seed", self.shuffle_seed, minimum=0)
+            object.__setattr__(self, "shuffle_seed", check_int("shuffle_seed", self.shuffle_seed, minimum=0))
         for name in ("average_aggregated_gradients", "exact_evaluation", "verify_sharding"):
             check_bool(name, getattr(self, name))
         if self.tensor_fusion_threshold_mb is not None:
-            check_positive_number("tensor_fusion_threshold_mb", self.tensor_fusion_threshold_mb)
+            fusion.check_bucket_size("tensor_fusion_threshold_mb", self.tensor_fusion_threshold_mb)
             object.__setattr__(self, "tensor_fusion_threshold_mb", float(self.tensor_fusion_threshold_mb))
         check_bool("auto_tune_tensor_fusion", self.auto_tune_tensor_fusion)
         if self.autotune_log is not None and not isinstance(self.autotune_log, (str, os.PathLike)):
             raise TypeError(f"`autotune_log`={self.autotune_log!r} is not valid: expected a file path or None.")
+        if self.autotune_log is not None:
+            check_writable_file("autotune_log", self.autotune_log, expected="a writable file path or None")
         if not isinstance(self.autotune_cache, (bool, str, os.PathLike)):
             raise TypeError(
                 f"`autotune_cache`={self.autotune_cache!r} is not valid: expected True, False or a file path."
             )
+        if self.autotune_cache is not False and (self.autotune_cache is not True or self.auto_tune_tensor_fusion):
+            fusion.check_cache_file("autotune_cache", self.autotune_cache)  # the default only where it is used
         _ = self.autotune_settings  # checked even when tuning is off: a YAML typo fails early
         check_bool("average_training_metrics", self.average_training_metrics)
         check_choice("uneven_inputs", self.uneven_inputs, UNEVEN_INPUTS)
@@ -123,6 +142,18 @@ class ShardPlusConfig:
         return int(os.environ.get("PL_GLOBAL_SEED", 0))
 
 
+STRATEGY_OPTIONS: tuple[str, ...] = (
+    *_DDP_STRATEGY_ARGUMENTS,
+    *(field.name for field in dataclasses.fields(ShardPlusConfig)),
+    *("find_unused_parameters", "static_graph", "gradient_as_bucket_view", "broadcast_buffers"),
+)
+
+
+def at_ddp_defaults(settings: dict[str, Any]) -> list[str]:
+    """The names of ``settings`` (DistributedDataParallel arguments) whose value is DDP's default."""
+    return [name for name, value in settings.items() if name in DDP_DEFAULTS and value is DDP_DEFAULTS[name]]
+
+
 def check_ddp_arguments(
     config: ShardPlusConfig,
     start_method: str,
@@ -135,8 +166,7 @@ def check_ddp_arguments(
     """Check the ``DDPStrategy`` arguments and how they combine with ``config``; returns the timeout as a
     timedelta (a number is seconds, as a YAML config gives it)."""
     check_choice("start_method", start_method, START_METHODS)
-    if process_group_backend is not None:
-        check_process_group_backend(process_group_backend)
+    check_process_group_backend(process_group_backend)  # its name when the processes start (`preflight`)
     for name in ("find_unused_parameters", "static_graph", "gradient_as_bucket_view", "broadcast_buffers"):
         if name in ddp_kwargs and not (name == "broadcast_buffers" and ddp_kwargs[name] is None):
             check_bool(name, ddp_kwargs[name])
@@ -186,8 +216,16 @@ def _check_bucket_arguments(config: ShardPlusConfig, ddp_kwargs: dict[str, Any])
         )
     unknown = sorted(set(ddp_kwargs) - DDP_KWARGS)
     if unknown:
-        given = ", ".join(f"`{k}`={ddp_kwargs[k]!r}" for k in unknown)
+        hints = {k: f" (did you mean `{close}`?)" if (close := closest_option(k)) else "" for k in unknown}
+        given = ", ".join(f"`{k}`={ddp_kwargs[k]!r}{hints[k]}" for k in unknown)
         raise TypeError(
-            f"ShardPlusStrategy got unknown option(s) {given}: valid are its own arguments and "
-            f"DistributedDataParallel's ({', '.join(sorted(DDP_KWARGS))})."
+            f"ShardPlusStrategy got unknown option(s) {given}: valid are its own arguments "
+            f"({', '.join(STRATEGY_OPTIONS)}) and DistributedDataParallel's ({', '.join(sorted(DDP_KWARGS))})."
         )
+
+
+def closest_option(name: str) -> str | None:
+    """The option of ``ShardPlusStrategy`` (its own, or DistributedDataParallel's it passes on) closest to a
+    misspelled ``name`` (difflib), or None when none is close."""
+    close = difflib.get_close_matches(name, [*STRATEGY_OPTIONS, *sorted(DDP_KWARGS)], n=1, cutoff=0.75)
+    return close[0] if close else None

@@ -22,8 +22,8 @@ _STAGE_SPLITS = {
 
 def per_device_batch_size(global_batch_size: int, world_size: int) -> int:
     """``global_batch_size // world_size``, as Determined does; an error if that is zero."""
-    check_int("global_batch_size", global_batch_size, minimum=1)
-    check_int("world_size", world_size, minimum=1)
+    global_batch_size = check_int("global_batch_size", global_batch_size, minimum=1)
+    world_size = check_int("world_size", world_size, minimum=1)
     if global_batch_size < world_size:
         raise ValueError(
             f"`global_batch_size`={global_batch_size} is smaller than the world size ({world_size} processes): "
@@ -62,8 +62,8 @@ class ShardPlusDataModule(pl.LightningDataModule):
         collate_fn: Callable[[list[Any]], Any] | None = None,
         shuffle: bool = True,
     ) -> None:
-        check_int("global_batch_size", global_batch_size, minimum=1)
-        check_int("num_workers", num_workers, minimum=0)
+        global_batch_size = check_int("global_batch_size", global_batch_size, minimum=1)
+        num_workers = check_int("num_workers", num_workers, minimum=0)
         check_bool("pin_memory", pin_memory)
         check_bool("persistent_workers", persistent_workers)
         check_bool("shuffle", shuffle)
@@ -187,10 +187,10 @@ class SyntheticDataModule(ShardPlusDataModule):
         seed: int = 0,
         num_workers: int = 0,
     ) -> None:
-        check_int("num_samples", num_samples, minimum=1)
-        check_int("val_samples", val_samples, minimum=0)
-        check_int("num_classes", num_classes, minimum=2)
-        check_int("seed", seed, minimum=0)
+        num_samples = check_int("num_samples", num_samples, minimum=1)
+        val_samples = check_int("val_samples", val_samples, minimum=0)
+        num_classes = check_int("num_classes", num_classes, minimum=2)
+        seed = check_int("seed", seed, minimum=0)
         if not input_shape or any(isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in input_shape):
             raise ValueError(f"`input_shape`={input_shape!r} is not valid: expected a sequence of integers >= 1.")
         super().__init__(global_batch_size, num_workers=num_workers)

@@ -62,9 +62,12 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_shardplus._validation import check_int
+from lightning_shardplus._validation import check_int, check_writable_file
 
 _MB = 1024 * 1024  # DDP's megabyte
+# DDP hands its C++ reducer the bucket size in bytes, int(bucket_cap_mb * 1024 * 1024), as a 64-bit integer: sizes
+# of 2**43 MB and more fail there (a TypeError when DDP is built, inside the worker processes). Exclusive bound.
+MAX_BUCKET_CAP_MB = float(2**63 // _MB)
 # torch's DDP bucket size when none is given
 DEFAULT_BUCKET_CAP_MB = 25.0
 # and its first bucket then (the gradients ready first); torch.distributed private, guarded by
@@ -140,10 +143,10 @@ class AutotuneSettings:
         object.__setattr__(self, "candidates_mb", _sizes("autotune_candidates_mb", self.candidates_mb, 1))
         first = _sizes("autotune_first_bucket_candidates_mb", self.first_bucket_candidates_mb, 0)
         object.__setattr__(self, "first_bucket_candidates_mb", first)
-        check_int("autotune_steps_per_sample", self.steps_per_sample, minimum=1)
-        check_int("autotune_warmup_steps", self.warmup_steps, minimum=1)
-        check_int("min_rounds", self.min_rounds, minimum=1)
-        check_int("max_rounds", self.max_rounds, minimum=self.min_rounds)
+        object.__setattr__(self, "steps_per_sample", check_int("autotune_steps_per_sample", self.steps_per_sample, 1))
+        object.__setattr__(self, "warmup_steps", check_int("autotune_warmup_steps", self.warmup_steps, minimum=1))
+        object.__setattr__(self, "min_rounds", check_int("min_rounds", self.min_rounds, minimum=1))
+        object.__setattr__(self, "max_rounds", check_int("max_rounds", self.max_rounds, minimum=self.min_rounds))
 
     @property
     def first_stage(self) -> list[BucketSetting]:
@@ -190,6 +193,27 @@ class AutotuneSettings:
         }
 
 
+def is_bucket_size(value: Any) -> bool:
+    """Whether ``value`` is a bucket size in MB that DDP takes: a number > 0 and < :data:`MAX_BUCKET_CAP_MB`."""
+    return (
+        isinstance(value, numbers.Real)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and 0 < value < MAX_BUCKET_CAP_MB
+    )
+
+
+BUCKET_SIZE_RANGE = (
+    f"a finite number > 0 and < {MAX_BUCKET_CAP_MB:.0f} MB (2**43: DDP's bucket size in bytes is a 64-bit integer)"
+)
+
+
+def check_bucket_size(name: str, value: Any) -> None:
+    """Refuse a bucket size in MB that DDP cannot take (:func:`is_bucket_size`)."""
+    if not is_bucket_size(value):
+        raise ValueError(f"`{name}`={value!r} is not valid: expected {BUCKET_SIZE_RANGE}.")
+
+
 def _sizes(name: str, values: Any, minimum_count: int) -> tuple[float, ...]:
     items = None
     if not isinstance(values, (str, bytes)):
@@ -197,14 +221,10 @@ def _sizes(name: str, values: Any, minimum_count: int) -> tuple[float, ...]:
             items = list(values)
         except TypeError:  # not a collection
             items = None
-    valid = (
-        items is not None
-        and len(items) >= minimum_count
-        and all(isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v) and v > 0 for v in items)
-    )
+    valid = items is not None and len(items) >= minimum_count and all(is_bucket_size(v) for v in items)
     if not valid:
         expected = f"at least {minimum_count} bucket size(s) in MB" if minimum_count else "bucket sizes in MB (or none)"
-        raise ValueError(f"`{name}`={values!r} is not valid: expected a list of {expected}, each a number > 0.")
+        raise ValueError(f"`{name}`={values!r} is not valid: expected a list of {expected}, each {BUCKET_SIZE_RANGE}.")
     return tuple(sorted({float(v) for v in items}))
 
 
@@ -408,13 +428,70 @@ def cache_key(
     return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()[:32]
 
 
-def load_cached(path: Path, key: str) -> dict[str, Any] | None:
-    """The cached entry of ``key``, or None (no file, no entry, or an unreadable file)."""
+class NotACacheError(ValueError):
+    """A file that is not an autotune cache: it is neither read nor overwritten."""
+
+
+def read_cache(path: Path) -> dict[str, Any]:
+    """The entries of the autotune cache at ``path``: {} where there is no file or an empty one. Raises
+    :class:`NotACacheError` for a file that is not a cache (not JSON, or not an object whose values are entries
+    with a ``bucket_cap_mb``): such a file is someone else's, and is not overwritten."""
     try:
-        entry = json.loads(Path(path).expanduser().read_text()).get(key)
-    except (OSError, ValueError, AttributeError):
+        text = Path(path).read_text()
+    except FileNotFoundError:
+        return {}
+    except UnicodeDecodeError:
+        raise NotACacheError("not text") from None
+    if not text.strip():
+        return {}
+    try:
+        entries = json.loads(text)
+    except ValueError:
+        raise NotACacheError("not JSON") from None
+    if not isinstance(entries, dict) or not all(
+        isinstance(entry, dict) and "bucket_cap_mb" in entry for entry in entries.values()
+    ):
+        raise NotACacheError("JSON, but not an object of tuned settings each with a `bucket_cap_mb`")
+    return entries
+
+
+def check_cache_file(name: str, cache: str | os.PathLike | bool) -> Path:
+    """Refuse an ``autotune_cache`` that cannot be written, or an existing file that is not a cache (it would be
+    overwritten); True stands for :data:`DEFAULT_CACHE_PATH`. Returns the path."""
+    path = DEFAULT_CACHE_PATH if cache is True else None
+    expected = "a writable file path, or False (no cache)"
+    path = check_writable_file(name, cache, path, replaced=True, expected=expected)
+    given = f"`{name}`={cache!r}" + (f" ({path})" if cache is True else "")
+    try:
+        read_cache(path)
+    except NotACacheError as reason:
+        raise ValueError(
+            f"{given} is not an autotune cache ({reason}), and it is not overwritten: expected the path of a new "
+            "file, of an empty one or of a cache lightning_shardplus wrote, or False (no cache)."
+        ) from None
+    except OSError as error:
+        raise ValueError(f"{given} cannot be read ({error}): expected {expected}.") from None
+    return path
+
+
+def load_cached(path: Path, key: str) -> dict[str, Any] | None:
+    """The cached entry of ``key`` as stored (see :func:`cached_setting`), or None (no file, no entry, or a file
+    that cannot be read or is not a cache)."""
+    try:
+        return read_cache(Path(path).expanduser()).get(key)
+    except (OSError, NotACacheError):
         return None
-    return entry if isinstance(entry, dict) and "bucket_cap_mb" in entry else None
+
+
+def cached_setting(entry: dict[str, Any]) -> BucketSetting:
+    """The setting of a cache or checkpoint entry; ValueError, saying what is wrong, when it is not one DDP takes
+    (the file may have been edited by hand)."""
+    cap, first = entry.get("bucket_cap_mb"), entry.get("first_bucket_mb")
+    for name, value in (("bucket_cap_mb", cap), ("first_bucket_mb", first)):
+        if (value is not None or name == "bucket_cap_mb") and not is_bucket_size(value):
+            optional = " or null" if name == "first_bucket_mb" else ""
+            raise ValueError(f"`{name}`: {value!r}, expected {BUCKET_SIZE_RANGE}{optional}")
+    return BucketSetting(float(cap), None if first is None else float(first))
 
 
 CHECKPOINT_KEY = "shardplus_tensor_fusion"
@@ -429,18 +506,18 @@ def checkpoint_entry(result: FusionResult | None, key: str | None) -> dict[str, 
 
 
 def store_cached(path: Path, key: str, entry: dict[str, Any]) -> None:
-    """Add ``entry`` under ``key`` to the JSON cache file (written whole to a temporary file, then renamed)."""
+    """Add ``entry`` under ``key`` to the JSON cache file (written whole to a temporary file, then renamed).
+    Raises :class:`NotACacheError` (and leaves the file alone) when the file is not a cache."""
     path = Path(path).expanduser()
+    entries = read_cache(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        entries = json.loads(path.read_text())
-        entries = entries if isinstance(entries, dict) else {}
-    except (OSError, ValueError):
-        entries = {}
     entries[key] = entry
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    temporary.write_text(json.dumps(entries, indent=1, sort_keys=True))
-    os.replace(temporary, path)
+    try:
+        temporary.write_text(json.dumps(entries, indent=1, sort_keys=True))
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
 
 
 # ---------------------------------------------------------------------------------------------------- autotuner
@@ -602,14 +679,24 @@ class FusionAutotuner:
         is then over), else the first candidate. Rank 0 looks and broadcasts what it found."""
         found = [0.0, 0.0, -1.0]  # (0: nothing, 1: cache, 2: checkpoint), bucket size, first bucket or -1
         if self.collectives.is_decider and self.cache_key is not None:
-            entry, where = None, 0.0
+            candidates = []
             if (self.checkpointed or {}).get("cache_key") == self.cache_key:
-                entry, where = self.checkpointed, 2.0
-            elif self.cache_path is not None:
-                entry, where = load_cached(self.cache_path, self.cache_key), 1.0
-            if entry is not None:
-                first = entry.get("first_bucket_mb")
-                found = [where, float(entry["bucket_cap_mb"]), -1.0 if first is None else float(first)]
+                candidates.append((self.checkpointed, 2.0, "the checkpoint resumed"))
+            if self.cache_path is not None:
+                candidates.append((load_cached(self.cache_path, self.cache_key), 1.0, f"the cache {self.cache_path}"))
+            for entry, where, source in candidates:
+                if entry is None:
+                    continue
+                try:
+                    setting = cached_setting(entry)
+                except ValueError as reason:  # a hand-edited file; checked here, on rank 0, before the broadcast
+                    rank_zero_warn(
+                        f"shardplus: the tuned bucket setting in {source} for this setup is not valid ({reason}): it "
+                        "is ignored and the bucket size is searched again."
+                    )
+                    continue
+                found = [where, setting.bucket_cap_mb, _encode_first(setting)]
+                break
         where, cap, first = self.collectives.broadcast(found)
         if where:
             setting = BucketSetting(cap, None if first < 0 else first)
@@ -692,9 +779,7 @@ class FusionAutotuner:
             self._sample = _Sample(self.initial_setting, global_step, warmup)
             self._started_at = self.clock()
             if self.log_path is not None and self.collectives.is_decider:
-                self.log_path.parent.mkdir(parents=True, exist_ok=True)
-                with open(self.log_path, "w", newline="") as f:
-                    csv.writer(f).writerow(CSV_COLUMNS)
+                self._write_log_row(CSV_COLUMNS, "w")
 
     def interrupt(self) -> None:
         """Something other than training steps runs now (validation): the step in progress is not timed."""
@@ -774,7 +859,18 @@ class FusionAutotuner:
         )
         self._race = self._first_stage = None
         if complete and self.collectives.is_decider and self.cache_path is not None and self.cache_key is not None:
-            store_cached(self.cache_path, self.cache_key, self.result.cache_entry())
+            try:
+                store_cached(self.cache_path, self.cache_key, self.result.cache_entry())
+            except NotACacheError as reason:  # checked at construction; someone wrote another file there since
+                rank_zero_warn(
+                    f"shardplus: {self.cache_path} is not an autotune cache ({reason}), and it is not overwritten: "
+                    "the tuned setting is used in this run but not cached."
+                )
+            except OSError as error:  # checked at construction; a file system can change or fill up since
+                rank_zero_warn(
+                    f"shardplus: could not write the autotune cache {self.cache_path} ({error}): the tuned setting "
+                    "is used in this run but not cached."
+                )
 
     def _log_row(self, sample: _Sample, score: float) -> None:
         if self.log_path is None:
@@ -792,8 +888,17 @@ class FusionAutotuner:
             f"{1000 * score:.3f}",
             f"{bytes_per_s:.0f}",
         ]
-        with open(self.log_path, "a", newline="") as f:
-            csv.writer(f).writerow(row)
+        self._write_log_row(row, "a")
+
+    def _write_log_row(self, row: Sequence[Any], mode: str) -> None:
+        assert self.log_path is not None
+        try:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.log_path, mode, newline="") as f:
+                csv.writer(f).writerow(row)
+        except OSError as error:  # checked at construction; a file system can change or fill up since
+            rank_zero_warn(f"shardplus: could not write the autotune log {self.log_path} ({error}): logging stops.")
+            self.log_path = None
 
 
 def measured_against(

@@ -5,6 +5,8 @@ Lightning injects a ``DistributedSampler`` into every loader that has none of it
 it with a :class:`~lightning_shardplus.sharding.PaddedShardSampler` for training (equal padded shards, one
 global permutation per epoch) and an :class:`~lightning_shardplus.sharding.ExactShardSampler` for evaluation
 (every sample once). Loaders the user sharded, or that Lightning left alone (iterable datasets), pass through.
+A training set so small for the world size that padding is a quarter or more of the samples read per epoch
+(:data:`PADDING_WARNING_SHARE`) is warned about: those samples weigh more in training.
 One is built per Trainer run by the strategy and dropped at its teardown.
 """
 
@@ -25,6 +27,7 @@ from lightning_shardplus.sharding import (
     PaddedShardSampler,
     PaddingMode,
     PlaceholderShardSampler,
+    check_checkpoint_entry,
     checkpoint_entry,
 )
 
@@ -73,6 +76,14 @@ class ShardedLoaders:
             self._restore_warnings()
             self._restore_warnings = None
 
+    def injection_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """The arguments of the sampler Lightning injects (``distributed_sampler_kwargs``). For prediction with
+        exact shards, one replica: Lightning's prediction sampler asserts that every rank gets a sample, which
+        fails with fewer samples than processes, and :meth:`process` shards the loader over the ranks anyway."""
+        if self.exact_evaluation and self.num_replicas > 1 and self.trainer.state.stage == RunningStage.PREDICTING:
+            return {**kwargs, "num_replicas": 1, "rank": 0}
+        return kwargs
+
     def process(self, dataloader: Any) -> Any:
         """``dataloader`` with a shardplus sampler where Lightning injected its ``DistributedSampler``."""
         if not isinstance(dataloader, DataLoader):
@@ -86,13 +97,17 @@ class ShardedLoaders:
                     "them."
                 )
             return dataloader
+        stage = self.trainer.state.stage
         if not _lightning.injected_over_dataset_order(sampler):
+            if stage == RunningStage.PREDICTING and sampler.num_replicas != self.num_replicas:
+                # injected over one replica (`injection_kwargs`): Lightning's sharding of the user's sampler
+                sampler = _lightning.unrepeated_sampler(sampler, self.num_replicas, self.rank)
+                dataloader = _lightning.replace_sampler(dataloader, sampler, stage)
             rank_zero_warn(
                 "shardplus: a DataLoader has a custom sampler; Lightning's DistributedSamplerWrapper shards "
                 "it, and padded equal shards and exact evaluation do not apply to it."
             )
             return dataloader
-        stage = self.trainer.state.stage
         if stage == RunningStage.TRAINING:
             return _lightning.replace_sampler(dataloader, self._training_sampler(dataloader, sampler), stage)
         if stage in EVALUATION_STAGES and self.exact_evaluation:
@@ -121,6 +136,7 @@ class ShardedLoaders:
             record_indices=self.record_indices,
         )
         self._resume(sampler, loader_batch_size(dataloader))
+        _warn_if_mostly_padding(sampler)
         return sampler
 
     def _resume(self, sampler: PaddedShardSampler, batch_size: int | None) -> None:
@@ -158,8 +174,29 @@ class ShardedLoaders:
         return checkpoint_entry(_lightning.micro_batches_trained_in_epoch(trainer), samplers)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """The progress of a checkpoint being resumed: the training samplers built next continue its epoch."""
+        """The progress of a checkpoint being resumed: the training samplers built next continue its epoch. A state
+        that is not one (edited by hand, or corrupt) is refused, saying what is wrong."""
+        check_checkpoint_entry(state)
         self._resumed, self._resumed_used = state, 0
+
+
+PADDING_WARNING_SHARE = 0.25
+"""A training set whose equal shards are at least this share padding (of the samples read per epoch) is warned
+about: e.g. 2 samples on 3 processes (1 of 3), 6 on 4 (2 of 8); 22 on 3 (2 of 24) is not."""
+
+
+def _warn_if_mostly_padding(sampler: PaddedShardSampler) -> None:
+    if sampler.drop_last:
+        return
+    n, world = sampler.dataset_length, sampler.num_replicas
+    read = -(-n // world) * world  # a whole epoch's equal shards
+    if read - n >= PADDING_WARNING_SHARE * read:
+        what = "copies of sample 0" if sampler.padding == "first" else "repeated samples"
+        rank_zero_warn(
+            f"shardplus: padding makes up {read - n} of the {read} training samples read per epoch "
+            f"({(read - n) / read:.0%}, {what}: {n} samples on {world} processes get equal shards of "
+            f"{read // world}). Those samples weigh more in training: use fewer processes or a larger training set."
+        )
 
 
 def loader_batch_size(loader: DataLoader) -> int | None:

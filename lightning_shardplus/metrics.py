@@ -758,12 +758,15 @@ class ExactEvaluation(Callback):
     From the start of an evaluation run until its epoch end it is :attr:`deferring`: the strategy's ``reduce`` does
     not communicate then (Lightning's per-value ``sync_dist`` would be a per-batch collective), and torchmetrics
     ``Metric`` modules do not sync; at the epoch end every rank joins one reduction of all logged values, then the
-    Metrics' own sync.
+    Metrics' own sync. Lightning reads the epoch values before that and advises ``sync_dist=True`` for values
+    logged without it: the advice is silenced for the values reduced here, during the evaluation run only.
     """
 
     def __init__(self) -> None:
         self.deferring = False
         self._metric_flags: dict[Metric, tuple[bool, bool]] = {}
+        self._silenced: set[str] = set()  # names whose sync_dist advice is ignored until `_close`
+        self._restore_warnings: list[Callable[[], None]] = []
 
     # ------------------------------------------------------------------ window
 
@@ -776,6 +779,10 @@ class ExactEvaluation(Callback):
 
     def _close(self, trainer: pl.Trainer) -> None:
         self.deferring = False
+        for restore in self._restore_warnings:
+            restore()
+        self._restore_warnings.clear()
+        self._silenced.clear()
         for metric, (sync_on_compute, dist_sync_on_step) in self._metric_flags.items():
             metric.sync_on_compute, metric.dist_sync_on_step = sync_on_compute, dist_sync_on_step
             # torchmetrics copies `sync_on_compute` into `_to_sync` on each update: a `compute()` the user calls
@@ -787,6 +794,18 @@ class ExactEvaluation(Callback):
         self._open(trainer, pl_module)
 
     on_test_start = on_validation_start
+
+    def on_validation_batch_end(self, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
+        # before Lightning reads the epoch values (after the last batch of each loader)
+        results = _lightning.active_results(trainer)
+        names = {
+            rm.meta.name for key, rm in _lightning.epoch_result_metrics(results).items() if _exactly_reduced(key, rm)
+        }
+        if new := names - self._silenced:
+            self._restore_warnings.append(_lightning.silence_epoch_sync_advice(new))
+            self._silenced |= new
+
+    on_test_batch_end = on_validation_batch_end
 
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         try:

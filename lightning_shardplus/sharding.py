@@ -11,8 +11,9 @@ one process.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Iterator, Sequence, Sized
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch.utils.data import Sampler
@@ -50,7 +51,7 @@ def _chunks(start: int, count: int, step: int) -> Iterator[torch.Tensor]:
 
 
 def _dataset_length(dataset_or_length: Sized | int) -> int:
-    if isinstance(dataset_or_length, int) and not isinstance(dataset_or_length, bool):
+    if isinstance(dataset_or_length, numbers.Integral) and not isinstance(dataset_or_length, bool):
         length = dataset_or_length
     elif isinstance(dataset_or_length, Sized):
         length = len(dataset_or_length)
@@ -58,7 +59,7 @@ def _dataset_length(dataset_or_length: Sized | int) -> int:
         raise TypeError(
             f"`dataset_or_length`={dataset_or_length!r} is not valid: expected a sized dataset or an int >= 0."
         )
-    check_int("dataset_or_length", length, minimum=0)
+    length = check_int("dataset_or_length", length, minimum=0)
     if length > MAX_LENGTH:
         raise ValueError(f"`dataset_or_length`={length} is not valid: expected at most 2**63 - 1.")
     return length
@@ -70,12 +71,12 @@ class _ShardSampler(Sampler[int]):
     def __init__(
         self, dataset_or_length: Sized | int, num_replicas: int, rank: int, *, shuffle: bool, seed: int
     ) -> None:
-        check_int("num_replicas", num_replicas, minimum=1)
-        check_int("rank", rank, minimum=0)
+        num_replicas = check_int("num_replicas", num_replicas, minimum=1)
+        rank = check_int("rank", rank, minimum=0)
         if rank >= num_replicas:
             raise ValueError(f"`rank`={rank} is not valid: expected 0 <= rank < num_replicas={num_replicas}.")
         check_bool("shuffle", shuffle)
-        check_int("seed", seed, minimum=0)
+        seed = check_int("seed", seed, minimum=0)
         self.dataset_length = _dataset_length(dataset_or_length)
         self.num_replicas = num_replicas
         self.rank = rank
@@ -190,8 +191,8 @@ class PaddedShardSampler(_ShardSampler):
         done in this epoch already (batches done x batch size); ``len()`` adds them to the remaining shard,
         since the loop compares its batch count with the loader's length. The next epoch is whole again.
         """
+        check_sampler_state(state)
         consumed = int(state["positions_consumed"])
-        check_int("positions_consumed", consumed, minimum=0)
         check_int("samples_counted", samples_counted, minimum=0)
         if consumed > self.dataset_length:
             raise ValueError(
@@ -294,6 +295,44 @@ def shard_bounds(length: int, num_replicas: int, rank: int) -> tuple[int, int]:
 
 CHECKPOINT_KEY = "shardplus_training_samplers"
 """Where the strategy stores the training samplers' progress in a Lightning checkpoint."""
+
+
+_STATE_MINIMUMS = {"epoch": 0, "seed": 0, "positions_consumed": 0}
+
+
+def check_sampler_state(state: Any, name: str = "state") -> None:
+    """Refuse a :meth:`PaddedShardSampler.state_dict` that is not one (a checkpoint edited by hand, or corrupt),
+    saying which field is wrong."""
+    expected = f"expected a dict with {', '.join(repr(k) for k in _STATE_MINIMUMS)} (integers >= 0)"
+    if not isinstance(state, dict):
+        raise TypeError(f"`{name}`={state!r} is not valid: {expected}.")
+    for key, minimum in _STATE_MINIMUMS.items():
+        if key not in state:
+            raise ValueError(f"`{name}` has no {key!r}: {expected}.")
+        check_int(f"{name}[{key!r}]", state[key], minimum=minimum)
+    if "num_replicas" in state:  # informative
+        check_int(f"{name}[{'num_replicas'!r}]", state["num_replicas"], minimum=1)
+
+
+def check_checkpoint_entry(entry: Any) -> None:
+    """Refuse a training-sampler entry of a checkpoint that :func:`checkpoint_entry` did not write (edited by hand,
+    or corrupt), saying what is wrong: an empty list of sampler states would silently restart the epoch."""
+    name = f"checkpoint[{CHECKPOINT_KEY!r}]"
+    if not isinstance(entry, dict):
+        raise TypeError(f"`{name}`={entry!r} is not valid: expected a dict with 'batches_done' and 'samplers'.")
+    for key in ("batches_done", "samplers"):
+        if key not in entry:
+            raise ValueError(f"`{name}` has no {key!r}: expected a dict with 'batches_done' and 'samplers'.")
+    check_int(f"{name}['batches_done']", entry["batches_done"], minimum=0)
+    samplers = entry["samplers"]
+    expected = "expected a list of one state per training loader (None for a loader without a batch size)"
+    if not isinstance(samplers, (list, tuple)):
+        raise TypeError(f"`{name}['samplers']`={samplers!r} is not valid: {expected}.")
+    if not samplers:
+        raise ValueError(f"`{name}['samplers']`={samplers!r} is not valid: {expected}, at least one.")
+    for i, state in enumerate(samplers):
+        if state is not None:
+            check_sampler_state(state, f"{name}['samplers'][{i}]")
 
 
 def checkpoint_entry(

@@ -14,6 +14,7 @@ import torch.distributed
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import _StrategyRegistry
+from lightning.pytorch.accelerators import MPSAccelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -22,10 +23,11 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_shardplus import _lightning
+from lightning_shardplus._validation import check_process_group_backend_known
 from lightning_shardplus.aggregation import check_aggregation, effective_batch_size
 from lightning_shardplus.components import CHECKPOINT_KEYS, DistributedSetup, RunComponents
 from lightning_shardplus.compression import GradientCompression
-from lightning_shardplus.config import ShardPlusConfig, check_ddp_arguments
+from lightning_shardplus.config import ShardPlusConfig, at_ddp_defaults, check_ddp_arguments
 from lightning_shardplus.datamodule import ShardPlusDataModule, per_device_batch_size
 from lightning_shardplus.fusion import BucketSetting, FusionResult
 from lightning_shardplus.launch import LaunchAfterCheck, check_launcher_world_size
@@ -50,7 +52,7 @@ class ShardPlusStrategy(DDPStrategy):
         shuffle_seed: seed of the training epoch permutation; None: the ``seed_everything`` seed, else 0.
         exact_evaluation: evaluation loaders get unpadded shards and epoch metrics equal a single-process run.
         verify_sharding: debug aid: after each training epoch, check that the shards were disjoint and complete.
-        tensor_fusion_threshold_mb: DDP's bucket size (``bucket_cap_mb``); None: DDP's default, as ``"ddp"``.
+        tensor_fusion_threshold_mb: DDP's bucket size (``bucket_cap_mb``, < 2**43 MB); None: DDP's default.
         auto_tune_tensor_fusion: choose the bucket size by measuring the first optimizer steps (cached per setup).
         autotune_log: CSV file with one row per measured sample (written by rank 0).
         autotune_candidates_mb: bucket sizes raced (None: 1, 4, 16, 25, 64 MB).
@@ -58,7 +60,8 @@ class ShardPlusStrategy(DDPStrategy):
         autotune_steps_per_sample: timed optimizer steps per sample.
         autotune_warmup_steps: optimizer steps not timed after each re-wrap.
         autotune_cache: JSON cache of tuned results: True (``~/.cache/lightning_shardplus/fusion.json``), a path,
-            or False.
+            or False. An existing file that is not such a cache is refused, never overwritten; an entry that is not
+            valid (edited by hand) is ignored with a warning and the bucket size searched again.
         average_training_metrics: training values logged with ``on_step=True`` are averaged over all ranks in one
             fused collective per optimizer step; False: Lightning's behaviour.
         uneven_inputs: training streams (iterable datasets) of different lengths per rank: ``"join"`` (every sample
@@ -127,6 +130,9 @@ class ShardPlusStrategy(DDPStrategy):
             # then: LightningCLI (jsonargparse) would otherwise offer DDP's `bucket_cap_mb` among `**ddp_kwargs`.
             bucket_cap_mb=config.tensor_fusion_threshold_mb, **flags, **ddp_kwargs,
         )  # fmt: skip
+        # DDP gets its own defaults by leaving them out (as with strategy="ddp"), not by passing them again
+        given = {"bucket_cap_mb": config.tensor_fusion_threshold_mb, **flags}
+        _lightning.set_ddp_kwargs(self, dict.fromkeys(at_ddp_defaults(given)))  # None: left out
         self.config = config
         self._components: RunComponents | None = None  # this Trainer run's, from `setup` to `teardown`
         self._checkpointed: dict[str, Any] = {}  # component states of a checkpoint loaded before `setup`
@@ -137,7 +143,9 @@ class ShardPlusStrategy(DDPStrategy):
         methods = {"shardplus": "popen", "shardplus_spawn": "spawn", "shardplus_fork": "fork"}
         for name, method in {**methods, "shardplus_notebook": "fork"}.items():
             description = f"ShardPlus data-parallel strategy with `start_method` '{method}'"
-            strategy_registry.register(name, cls, description=description, start_method=method, override=True)
+            # only what differs from the defaults ("popen" is the default start method)
+            init_params = {} if method == "popen" else {"start_method": method}
+            strategy_registry.register(name, cls, description=description, override=True, **init_params)
 
     # ------------------------------------------------------------------ what the run sees
 
@@ -172,13 +180,32 @@ class ShardPlusStrategy(DDPStrategy):
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {**super().distributed_sampler_kwargs, "seed": _lightning.InjectedSeed(self.config.epoch_seed)}
+        kwargs = {**super().distributed_sampler_kwargs, "seed": _lightning.InjectedSeed(self.config.epoch_seed)}
+        return self._components.loaders.injection_kwargs(kwargs) if self._components is not None else kwargs
 
     @property
     def _exact_across_ranks(self) -> bool:
         return self.config.exact_evaluation and self.num_replicas > 1
 
     # ------------------------------------------------------------------ before the run
+
+    @property
+    @override
+    def accelerator(self) -> pl.accelerators.Accelerator | None:
+        return self._accelerator
+
+    @accelerator.setter
+    def accelerator(self, accelerator: pl.accelerators.Accelerator) -> None:
+        # The Trainer sets the accelerator it resolved here, as it is built. It refuses the DDP family on MPS by a
+        # strategy name containing "ddp" (or an instance): "shardplus" is refused here, in its words.
+        if isinstance(accelerator, MPSAccelerator):
+            method = self._start_method
+            name = self.strategy_name if method == "popen" else f"{self.strategy_name}_{method}"
+            raise ValueError(
+                f"You set `strategy={name}` but strategies from the DDP family are not supported on the MPS "
+                "accelerator. Either explicitly set `accelerator='cpu'` or change the strategy."
+            )
+        self._accelerator = accelerator
 
     @override
     def _configure_launcher(self) -> None:
@@ -190,6 +217,8 @@ class ShardPlusStrategy(DDPStrategy):
         """Refuse, before any process starts, the arguments of a Trainer call that cannot work at this world
         size or with this strategy's options."""
         check_launcher_world_size(self.cluster_environment, self.num_processes, self.num_nodes)
+        if self._process_group_backend is not None:
+            check_process_group_backend_known(self._process_group_backend)
         for arg in call_args:
             if isinstance(arg, ShardPlusDataModule):
                 per_device_batch_size(arg.global_batch_size, self.num_replicas)
@@ -240,8 +269,6 @@ class ShardPlusStrategy(DDPStrategy):
         A collective where a component gathers (PowerSGD's per-rank state): Lightning calls this on every rank."""
         parts = self._components
         if parts is not None and "loops" in checkpoint:
-            if parts.aggregation is not None:
-                parts.aggregation.warn_if_mid_window()
             for key, component in parts.stateful().items():
                 if (state := component.state_dict()) is not None:
                     checkpoint[key] = state

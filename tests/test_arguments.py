@@ -7,6 +7,7 @@ import pytest
 import torch.distributed as dist
 from _models import IndexedDataset, RecordingModule, cpu_trainer
 from lightning.pytorch.strategies import StrategyRegistry
+from torch.utils.data import DataLoader
 
 import lightning_shardplus  # noqa: F401
 from lightning_shardplus import ShardPlusDataModule, ShardPlusStrategy, SyntheticDataModule
@@ -25,6 +26,9 @@ from lightning_shardplus.datamodule import per_device_batch_size
         ({"average_training_metrics": 0}, TypeError, r"`average_training_metrics`=0"),
         ({"tensor_fusion_threshold_mb": 0}, ValueError, r"`tensor_fusion_threshold_mb`=0.*> 0"),
         ({"tensor_fusion_threshold_mb": -5.0}, ValueError, r"`tensor_fusion_threshold_mb`=-5.0"),
+        # DDP hands its C++ reducer int(mb * 2**20) bytes as a 64-bit integer: 2**43 MB and more fail inside DDP
+        ({"tensor_fusion_threshold_mb": 1e30}, ValueError, r"`tensor_fusion_threshold_mb`=1e\+30.*< 8796093022208 MB"),
+        ({"tensor_fusion_threshold_mb": 2.0**43}, ValueError, r"`tensor_fusion_threshold_mb`=8796093022208.0 is not"),
         ({"start_method": "thread"}, ValueError, r"`start_method`='thread'.*'popen'"),
         ({"bucket_cap_mb": 10}, TypeError, r"`bucket_cap_mb`=10.*tensor_fusion_threshold_mb"),
         ({"shard_paddin": "first"}, TypeError, r"unknown option\(s\) `shard_paddin`='first'.*valid"),
@@ -33,9 +37,8 @@ from lightning_shardplus.datamodule import per_device_batch_size
         ({"timeout": "5"}, TypeError, r"`timeout`='5'.*timedelta > 0, a number of seconds"),
         ({"timeout": -1}, ValueError, r"`timeout`=-1"),
         ({"timeout": 1e300}, ValueError, r"`timeout`=1e\+300"),
-        ({"process_group_backend": "mpi2"}, ValueError, r"`process_group_backend`='mpi2'.*'gloo'.*'cpu:gloo"),
-        ({"process_group_backend": "cpu:gloo,cuda:nccl2"}, ValueError, r"`process_group_backend`='cpu:gloo,cuda"),
-        ({"process_group_backend": "cpu:gloo, cuda:nccl"}, ValueError, r"`process_group_backend`='cpu:gloo, cuda"),
+        ({"process_group_backend": ""}, ValueError, r"`process_group_backend`='' is not valid: expected None.*name"),
+        ({"process_group_backend": 3}, TypeError, r"`process_group_backend`=3 is not valid: expected None"),
         ({"find_unused_parameters": "no"}, TypeError, r"`find_unused_parameters`='no'.*True or False"),
         ({"static_graph": 1}, TypeError, r"`static_graph`=1"),
         ({"broadcast_buffers": "yes"}, TypeError, r"`broadcast_buffers`='yes'"),
@@ -45,6 +48,44 @@ def test_strategy_rejects_bad_arguments(kwargs, error, message):
     with pytest.raises(error, match=message):
         ShardPlusStrategy(**kwargs)
     assert not dist.is_initialized()
+
+
+def test_a_misspelled_option_lists_the_strategys_options_and_ddps_and_suggests_the_closest():
+    import inspect
+
+    from lightning_shardplus.config import STRATEGY_OPTIONS
+
+    own = set(inspect.signature(ShardPlusStrategy.__init__).parameters) - {"self", "ddp_kwargs"}
+    assert set(STRATEGY_OPTIONS) == own
+    with pytest.raises(TypeError) as error:
+        ShardPlusStrategy(agregation_frequency=2)
+    message = str(error.value)
+    assert "`agregation_frequency`=2" in message and "did you mean `aggregation_frequency`?" in message
+    strategy_part, ddp_part = message.split("DistributedDataParallel's")
+    assert all(name in strategy_part for name in ("aggregation_frequency", "tensor_fusion_threshold_mb", "timeout"))
+    assert "static_graph" in ddp_part and "bucket_cap_mb_list" in ddp_part
+    with pytest.raises(TypeError, match=r"`tensor_fusion_mb`=4 \(did you mean `tensor_fusion_threshold_mb`\?\)"):
+        ShardPlusStrategy(tensor_fusion_mb=4)
+    with pytest.raises(TypeError) as error:
+        ShardPlusStrategy(zzz=1)
+    assert "did you mean" not in str(error.value)  # nothing close
+
+
+def test_a_misspelled_option_in_a_cli_config_gets_the_closest_name(tmp_path, capsys, monkeypatch):
+    from pathlib import Path
+
+    from lightning_shardplus.cli import ShardPlusCLI
+
+    monkeypatch.setattr("sys.argv", ["shardplus"])
+    config = Path(__file__).resolve().parents[1] / "configs" / "digits.yaml"
+    typo = tmp_path / "typo.yaml"
+    misspelled = "verify_sharding: false\n      agregation_frequency: 2"
+    typo.write_text(config.read_text().replace("verify_sharding: false", misspelled))
+    with pytest.raises(SystemExit):
+        ShardPlusCLI(args=["--config", str(typo), "--trainer.logger=false"], run=False)
+    error = capsys.readouterr().err
+    assert "Option 'agregation_frequency' is not accepted" in error
+    assert "ShardPlusStrategy: did you mean 'aggregation_frequency'?" in error
 
 
 def test_strategy_passes_ddp_arguments_through():
@@ -57,14 +98,97 @@ def test_strategy_passes_ddp_arguments_through():
     assert ShardPlusStrategy(process_group_backend="cpu:gloo,cuda:nccl")._process_group_backend == "cpu:gloo,cuda:nccl"
 
 
+def test_a_third_party_process_group_backend_is_taken_at_construction_as_ddp_takes_it():
+    # ccl (Intel oneCCL) and hccl (Ascend) register themselves with torch when their package is imported: that
+    # may happen after the strategy is built, so the name is checked when the processes start
+    for backend in ("ccl", "hccl", "cpu:gloo,xpu:ccl"):
+        assert ShardPlusStrategy(process_group_backend=backend)._process_group_backend == backend
+
+
+@pytest.mark.parametrize(
+    ("backend", "message"),
+    [
+        ("mpi2", r"`process_group_backend`='mpi2' is not valid: 'mpi2' is not a process-group backend torch knows.*"
+         r"'gloo'.*register_backend.*'cpu:gloo,cuda:nccl'"),
+        ("cpu:gloo,cuda:nccl2", r"`process_group_backend`='cpu:gloo,cuda:nccl2' is not valid: 'nccl2' is not"),
+        ("cpu:gloo, cuda:nccl", r"`process_group_backend`='cpu:gloo, cuda:nccl' is not valid: ' cuda:nccl' has"),
+    ],
+)
+def test_an_unknown_process_group_backend_fails_when_the_processes_start_before_any_process_group(
+    tmp_path, backend, message
+):
+    trainer = cpu_trainer(ShardPlusStrategy(start_method="fork", process_group_backend=backend), 2, max_epochs=1)
+    with pytest.raises(ValueError, match=message):
+        trainer.fit(RecordingModule(tmp_path), DataLoader(IndexedDataset(8), batch_size=2))
+    assert not dist.is_initialized()
+
+
+def test_a_registered_third_party_backend_passes_the_launch_check():
+    from lightning_shardplus._validation import check_process_group_backend_known
+
+    name = "shardplus_test_backend"
+    if name not in dist.Backend.backend_list:
+        dist.Backend.register_backend(name, lambda *args: None, devices=["cpu"])
+    check_process_group_backend_known(name)
+    check_process_group_backend_known(f"cpu:{name.upper()},cuda:nccl")  # torch takes names in any case
+
+
+@pytest.mark.parametrize("accelerator", ["mps", "auto", "instance"])
+def test_the_mps_accelerator_is_refused_as_lightning_refuses_the_ddp_family(monkeypatch, accelerator):
+    # Lightning recognizes its DDP family by a name containing "ddp": "shardplus" has to refuse MPS itself
+    import lightning.pytorch as pl
+    from lightning.fabric.accelerators.mps import MPSAccelerator as FabricMPSAccelerator
+    from lightning.pytorch.accelerators import MPSAccelerator
+
+    monkeypatch.setattr(FabricMPSAccelerator, "is_available", staticmethod(lambda: True))  # as on Apple silicon
+    monkeypatch.setattr(MPSAccelerator, "is_available", staticmethod(lambda: True))
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    flag = MPSAccelerator() if accelerator == "instance" else accelerator
+    wording = r"but strategies from the DDP family are not supported on the MPS accelerator\. Either explicitly set "
+    with pytest.raises(ValueError, match=r"You set `strategy=ddp_spawn` " + wording):  # Lightning's own
+        pl.Trainer(accelerator=flag, strategy="ddp_spawn", devices=1)
+    for strategy in ("shardplus", "shardplus_spawn", ShardPlusStrategy(), ShardPlusStrategy(start_method="fork")):
+        with pytest.raises(ValueError, match=r"You set `strategy=.*" + wording + r"`accelerator='cpu'`"):
+            pl.Trainer(accelerator=flag, strategy=strategy, devices=1)
+    assert not dist.is_initialized()
+
+
 def test_numpy_numbers_are_numbers():
     import numpy as np
 
     strategy = ShardPlusStrategy(tensor_fusion_threshold_mb=np.float32(4), timeout=np.int64(60))
     assert strategy._ddp_kwargs["bucket_cap_mb"] == 4.0 and type(strategy._ddp_kwargs["bucket_cap_mb"]) is float
     assert strategy._timeout.total_seconds() == 60
-    tuned = ShardPlusStrategy(autotune_candidates_mb=np.array([1.0, 4.0]))
-    assert tuned.config.autotune_settings.candidates_mb == (1.0, 4.0)
+    candidates = ShardPlusStrategy(autotune_candidates_mb=np.array([1.0, 4.0])).config.autotune_settings.candidates_mb
+    assert candidates == (1.0, 4.0)
+
+
+def test_numpy_integers_are_integers():
+    import numpy as np
+
+    from lightning_shardplus import PaddedShardSampler
+    from lightning_shardplus.callbacks import ScaleLearningRate
+
+    strategy = ShardPlusStrategy(
+        aggregation_frequency=np.int64(2),
+        shuffle_seed=np.int32(3),
+        autotune_steps_per_sample=np.uint8(4),
+        autotune_warmup_steps=np.int16(2),
+    )
+    config = strategy.config
+    assert (config.aggregation_frequency, config.shuffle_seed) == (2, 3)
+    assert type(config.aggregation_frequency) is int and type(config.shuffle_seed) is int  # Lightning checks `int`
+    settings = config.autotune_settings
+    assert (settings.steps_per_sample, settings.warmup_steps) == (4, 2) and type(settings.steps_per_sample) is int
+    sampler = PaddedShardSampler(np.int64(10), np.int64(2), np.int64(1), seed=np.int64(5))
+    assert len(sampler) == 5 and type(sampler.num_replicas) is int and type(sampler.seed) is int
+    datamodule = ShardPlusDataModule(np.int64(8), num_workers=np.int64(0))
+    assert type(datamodule.global_batch_size) is int
+    assert ScaleLearningRate(reference_batch_size=np.int64(32), warmup_steps=np.int64(10)).warmup_steps == 10
+    with pytest.raises(TypeError, match=r"`aggregation_frequency`=True is not valid: expected an integer >= 1"):
+        ShardPlusStrategy(aggregation_frequency=True)
+    with pytest.raises(TypeError, match=r"`aggregation_frequency`=np.float64\(2.0\) is not valid"):
+        ShardPlusStrategy(aggregation_frequency=np.float64(2.0))
 
 
 def test_a_timeout_in_seconds_becomes_a_timedelta():
@@ -72,6 +196,27 @@ def test_a_timeout_in_seconds_becomes_a_timedelta():
 
     assert ShardPlusStrategy(timeout=90)._timeout == timedelta(seconds=90)
     assert ShardPlusStrategy(timeout=timedelta(minutes=2))._timeout == timedelta(minutes=2)
+
+
+def test_registered_strategies_pass_only_settings_that_differ_from_the_defaults():
+    import inspect
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    def defaults(function):
+        parameters = inspect.signature(function).parameters.values()
+        return {p.name: p.default for p in parameters if p.default is not inspect.Parameter.empty}
+
+    strategy_defaults, ddp_defaults = defaults(ShardPlusStrategy.__init__), defaults(DistributedDataParallel.__init__)
+    for name in ("shardplus", "shardplus_spawn", "shardplus_fork", "shardplus_notebook"):
+        init_params = StrategyRegistry[name]["init_params"]
+        assert all(value != strategy_defaults[key] for key, value in init_params.items()), (name, init_params)
+        ddp_kwargs = StrategyRegistry.get(name)._ddp_kwargs
+        # DDP gets its own defaults by leaving them out, as with strategy="ddp"
+        assert ddp_kwargs == StrategyRegistry.get("ddp")._ddp_kwargs == {}, (name, ddp_kwargs)
+    given = ShardPlusStrategy(static_graph=True, find_unused_parameters=False, tensor_fusion_threshold_mb=4)._ddp_kwargs
+    assert given == {"static_graph": True, "bucket_cap_mb": 4.0}
+    assert all(ddp_defaults[key] != value for key, value in given.items())
 
 
 def test_strategy_names_are_registered_with_their_start_methods():

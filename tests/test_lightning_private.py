@@ -27,6 +27,19 @@ def test_lightning_passes_the_strategy_seed_to_the_sampler_it_injects():
     assert _lightning.injected_over_dataset_order(predict)  # reads `_DatasetSamplerWrapper._sampler`
 
 
+def test_a_prediction_sampler_injected_over_one_replica_is_resharded_as_lightning_shards_it():
+    # for prediction with exact shards the strategy has Lightning inject over one replica (its prediction sampler
+    # asserts that every rank has a sample); a user's sampler is then sharded as Lightning would have
+    loader = DataLoader(range(6), batch_size=2, sampler=list(range(5, -1, -1)))
+    kwargs = ShardPlusStrategy().distributed_sampler_kwargs | {"num_replicas": 1, "rank": 0}
+    predicting = RunningStage.PREDICTING
+    injected = _get_distributed_sampler(loader, shuffle=False, overfit_batches=0, mode=predicting, **kwargs)
+    assert not _lightning.injected_over_dataset_order(injected)
+    resharded = _lightning.unrepeated_sampler(injected, 2, 1)
+    assert isinstance(resharded, UnrepeatedDistributedSamplerWrapper) and _lightning.is_injected(resharded)
+    assert list(resharded) == [4, 2, 0]
+
+
 def test_prediction_loader_swap_reaches_the_wrapped_batch_sampler():
     loader = DataLoader(range(10), batch_size=3)
     wrapped = _lightning.replace_sampler(loader, SequentialSampler(range(10)), RunningStage.PREDICTING)
@@ -305,6 +318,33 @@ def test_lightnings_evaluation_sampler_warning_still_reads_as_shardplus_silences
         restore()  # when the run ends: later Trainers (plain ddp) see it again
         warnings.warn(text + "validate()`, ...", PossibleUserWarning, stacklevel=1)
         assert [str(w.message)[:16] for w in caught] == ["another warning", text[:16]]
+
+
+def test_lightnings_epoch_sync_advice_still_reads_as_shardplus_silences_it():
+    import warnings
+
+    from lightning.pytorch.trainer.connectors.logger_connector import result
+    from lightning.pytorch.utilities.warnings import PossibleUserWarning
+
+    source = inspect.getsource(result._ResultCollection._get_cache)
+    assert "category=PossibleUserWarning" in source
+    assert "It is recommended to use `self.log({result_metric.meta.name!r}, ..., sync_dist=True)`" in source
+    assert "when logging on epoch level in distributed setting" in source and "warning_cache.warn(" in source
+    text = (
+        "It is recommended to use `self.log({!r}, ..., sync_dist=True)` when logging on epoch level in distributed "
+        "setting to accumulate the metric across devices."
+    )
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            restore = _lightning.silence_epoch_sync_advice({"val_loss", "acc(x)"})
+            for name in ("val_loss", "acc(x)", "other"):
+                result.warning_cache.warn(text.format(name), category=PossibleUserWarning)
+            restore()  # evaluation ends: said again where true, although Lightning says it once per name
+            result.warning_cache.warn(text.format("val_loss"), category=PossibleUserWarning)
+        assert [str(w.message) for w in caught] == [text.format("other"), text.format("val_loss")]
+    finally:
+        result.warning_cache.difference_update({text.format(name) for name in ("val_loss", "other")})
 
 
 def test_lightning_destroys_the_process_group_at_exit_for_nccl_only_and_shardplus_registers_it_once(monkeypatch):

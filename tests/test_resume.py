@@ -7,7 +7,7 @@ from collections import Counter
 import pytest
 import torch
 from _models import IndexedDataset, RecordingModule, cpu_trainer, read_records
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
 from torch.utils.data import DataLoader
 
@@ -18,12 +18,14 @@ from lightning_shardplus.sharding import CHECKPOINT_KEY
 N, BATCH, EPOCHS = 22, 2, 2  # on 2 ranks: 11 samples, 6 batches per rank and epoch (the last one of 1 sample)
 
 
-def fit(directory, world_size, ckpt_path=None, every_n_train_steps=None, batch=BATCH, **strategy_kwargs):
+def fit(
+    directory, world_size, ckpt_path=None, every_n_train_steps=None, batch=BATCH, callbacks=(), **strategy_kwargs
+):
     """A 2-epoch fit on ``world_size`` ranks recording every rank's batches in ``directory``; returns the final
     weights (rank 0's, which the fork launcher hands back to this process)."""
     torch.manual_seed(0)
     model = RecordingModule(directory)
-    callbacks = []
+    callbacks = list(callbacks)
     if every_n_train_steps:
         callbacks.append(
             ModelCheckpoint(
@@ -39,7 +41,7 @@ def fit(directory, world_size, ckpt_path=None, every_n_train_steps=None, batch=B
         max_epochs=EPOCHS,
         deterministic=True,
         callbacks=callbacks,
-        enable_checkpointing=bool(callbacks),
+        enable_checkpointing=bool(every_n_train_steps),
     )
     trainer.fit(model, DataLoader(IndexedDataset(N), batch_size=batch, shuffle=True), ckpt_path=ckpt_path)
     return {k: v.clone() for k, v in model.state_dict().items()}
@@ -153,3 +155,55 @@ def test_after_a_resume_with_aggregation_every_n_steps_checkpointing_does_not_sa
     # every save (on each rank) at an optimizer step: after an even number of micro-batches of the epoch (the
     # loop's `completed` does not count the micro-batch being ended yet)
     assert {step for step, _ in saves} == {3, 6} and all((completed + 1) % 2 == 0 for _, completed in saves), saves
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        ({"samplers": []}, r"\['samplers'\]`=\[\] is not valid: expected a list of one state per training loader"),
+        ({"batches_done": "4"}, r"`checkpoint\['shardplus_training_samplers'\]\['batches_done'\]`='4' is not valid"),
+    ],
+    ids=["no-sampler-state", "text"],
+)
+def test_a_hand_edited_sampler_state_is_refused_on_resume_saying_what_is_wrong(tmp_path, edit, message):
+    fit(tmp_path / "first", 2, every_n_train_steps=4)
+    checkpoint = torch.load(tmp_path / "first" / "checkpoints" / "step=4.ckpt", weights_only=False)
+    checkpoint[CHECKPOINT_KEY] |= edit
+    torch.save(checkpoint, tmp_path / "edited.ckpt")
+    with pytest.raises(Exception, match=message):  # raised on every rank, at setup: no rank waits for another
+        fit(tmp_path / "resumed", 2, ckpt_path=tmp_path / "edited.ckpt")
+
+
+class SaveAt(Callback):
+    """``trainer.save_checkpoint`` after the given (epoch, batch_idx) training micro-batches, on every rank."""
+
+    def __init__(self, directory, points):
+        self.directory, self.points = directory, points
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if (trainer.current_epoch, batch_idx) in self.points:
+            trainer.save_checkpoint(self.directory / f"e{trainer.current_epoch}b{batch_idx}.ckpt")
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("compression", ["none", "powersgd"])
+def test_a_checkpoint_saved_inside_an_aggregation_window_resumes_exactly(tmp_path, compression):
+    # 6 micro-batches per rank and epoch, windows of 4 then 2: saved after micro-batch 2 of the first window,
+    # after the first of the short last window, and after micro-batch 3 of epoch 1's first window
+    points = [(0, 1), (0, 4), (1, 2)]
+    kwargs = {"aggregation_frequency": 4, "gradient_compression": compression}
+    reference = fit(tmp_path / "reference", 2, callbacks=[SaveAt(tmp_path / "checkpoints", points)], **kwargs)
+    expected = read_records(tmp_path / "reference")
+    for epoch, batch_idx in points:
+        checkpoint = tmp_path / "checkpoints" / f"e{epoch}b{batch_idx}.ckpt"
+        resumed_dir = tmp_path / f"resumed-e{epoch}b{batch_idx}"
+        weights = fit(resumed_dir, 2, ckpt_path=checkpoint, **kwargs)
+        resumed = read_records(resumed_dir)
+        for rank in range(2):
+            assert batches(resumed, rank, epoch) == batches(expected, rank, epoch)[batch_idx + 1 :]
+        for key, value in reference.items():
+            assert torch.equal(weights[key], value), (epoch, batch_idx, key)
+    if compression == "none":  # on another world size: the checkpoint's ranks' mean gradient on every rank
+        weights = fit(tmp_path / "resumed-3", 3, ckpt_path=tmp_path / "checkpoints" / "e0b1.ckpt", **kwargs)
+        assert all(torch.isfinite(value).all() for value in weights.values())

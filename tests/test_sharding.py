@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lightning_shardplus import ExactShardSampler, PaddedShardSampler
-from lightning_shardplus.sharding import ShardingError, check_epoch_shards, epoch_permutation
+from lightning_shardplus.sharding import ShardingError, check_checkpoint_entry, check_epoch_shards, epoch_permutation
 
 sizes = st.integers(min_value=0, max_value=1000)
 world_sizes = st.integers(min_value=1, max_value=8)
@@ -210,3 +210,55 @@ def test_resume_state_after_a_resume_counts_from_the_resume():
 def test_resume_state_from_another_dataset_is_refused():
     with pytest.raises(ValueError, match="positions_consumed`=30 is not valid for a dataset of 20 samples"):
         PaddedShardSampler(20, 2, 0).load_state_dict({"epoch": 0, "seed": 0, "positions_consumed": 30})
+
+
+GOOD_STATE = {"epoch": 1, "seed": 3, "positions_consumed": 4, "num_replicas": 2}
+
+
+@pytest.mark.parametrize(
+    ("state", "error", "message"),
+    [
+        ("epoch 1", TypeError, r"`state`='epoch 1' is not valid: expected a dict with 'epoch', 'seed', 'positions_"),
+        ({"epoch": 1, "seed": 3}, ValueError, r"`state` has no 'positions_consumed': expected a dict with 'epoch'"),
+        (GOOD_STATE | {"positions_consumed": "abc"}, TypeError, r"`state\['positions_consumed'\]`='abc' is not valid"),
+        (GOOD_STATE | {"seed": -1}, ValueError, r"`state\['seed'\]`=-1 is not valid: expected an integer >= 0"),
+        (GOOD_STATE | {"epoch": 1.5}, TypeError, r"`state\['epoch'\]`=1.5 is not valid: expected an integer >= 0"),
+        (GOOD_STATE | {"epoch": None}, TypeError, r"`state\['epoch'\]`=None is not valid"),
+        (GOOD_STATE | {"num_replicas": 0}, ValueError, r"`state\[.num_replicas.\]`=0 is not valid: expected an int"),
+    ],
+)
+def test_a_corrupt_sampler_state_is_refused_saying_what_is_wrong(state, error, message):
+    with pytest.raises(error, match=message):
+        PaddedShardSampler(20, 2, 0).load_state_dict(state)
+
+
+KEY = r"`checkpoint\['shardplus_training_samplers'\]"
+
+
+@pytest.mark.parametrize(
+    ("entry", "error", "message"),
+    [
+        ([], TypeError, KEY + r"`=\[\] is not valid: expected a dict with"),
+        ({"samplers": [GOOD_STATE]}, ValueError, KEY + r"` has no 'batches_done'"),
+        ({"batches_done": -2, "samplers": [GOOD_STATE]}, ValueError, r"`=-2 is not valid: expected an integer >= 0"),
+        (
+            {"batches_done": 2, "samplers": []},
+            ValueError,
+            KEY + r"\['samplers'\]`=\[\] is not valid: expected a list of one state per training loader",
+        ),
+        ({"batches_done": 2, "samplers": "x"}, TypeError, KEY + r"\['samplers'\]`='x' is not valid: expected a list"),
+        (
+            {"batches_done": 2, "samplers": [GOOD_STATE | {"seed": "3"}]},
+            TypeError,
+            KEY + r"\['samplers'\]\[0\]\['seed'\]`='3' is not valid",
+        ),
+        ({"batches_done": 2, "samplers": [None, 5]}, TypeError, r"\[.samplers.\]\[1\]`=5 is not valid: expected a"),
+    ],
+)
+def test_a_corrupt_checkpoint_entry_is_refused_saying_what_is_wrong(entry, error, message):
+    with pytest.raises(error, match=message):
+        check_checkpoint_entry(entry)
+
+
+def test_a_valid_checkpoint_entry_passes():
+    assert check_checkpoint_entry({"batches_done": 2, "samplers": [GOOD_STATE, None]}) is None

@@ -127,3 +127,26 @@ def test_a_datamodule_with_shuffle_false_trains_in_dataset_order_on_every_rank(t
     for epoch in range(2):
         shards = [[i for b in by(rows, stage="train", epoch=epoch, rank=r) for i in b["indices"]] for r in range(2)]
         assert shards == [[0, 2, 4, 6, 8], [1, 3, 5, 7, 9]]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("n_train", "world_size", "warned"),
+    [(2, 3, True), (6, 4, True), (22, 3, False), (7, 2, False)],
+    ids=["2-on-3", "6-on-4", "22-on-3", "7-on-2"],
+)
+def test_padding_a_large_share_of_the_epoch_is_a_warning(tmp_path, n_train, world_size, warned):
+    # 2 on 3: 1 of the 3 samples read per epoch is padding (33%); 6 on 4: 2 of 8 (25%); 22 on 3: 2 of 24; 7 on 2: 1 of 8
+    import warnings
+
+    trainer = cpu_trainer(ShardPlusStrategy(start_method="fork"), world_size, max_epochs=1)
+    with warnings.catch_warnings():  # the ranks (forked) inherit the filter: the warning fails the fit
+        warnings.filterwarnings("error", message="shardplus: padding")
+        run = lambda: trainer.fit(RecordingModule(tmp_path), DataLoader(IndexedDataset(n_train), batch_size=1))  # noqa: E731
+        if warned:
+            padding = -(-n_train // world_size) * world_size - n_train
+            message = rf"shardplus: padding makes up {padding} of the {n_train + padding} training samples"
+            with pytest.raises(Exception, match=message):
+                run()
+        else:
+            run()
