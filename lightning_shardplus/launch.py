@@ -100,3 +100,16 @@ class LaunchAfterCheck:
     def __call__(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
         self.check(*args, *kwargs.values(), trainer=trainer)
         return self.launch(function, *args, trainer=trainer, **kwargs)
+
+
+def check_accelerator(accelerator: Any, strategy_name: str, start_method: str) -> None:
+    """Refuse Apple's MPS accelerator as Lightning refuses the DDP family there (it recognizes the family by a name
+    containing "ddp", which "shardplus" does not), in Lightning's words."""
+    from lightning.pytorch.accelerators import MPSAccelerator
+
+    if isinstance(accelerator, MPSAccelerator):
+        name = strategy_name if start_method == "popen" else f"{strategy_name}_{start_method}"
+        raise ValueError(
+            f"You set `strategy={name}` but strategies from the DDP family are not supported on the MPS "
+            "accelerator. Either explicitly set `accelerator='cpu'` or change the strategy."
+        )

@@ -205,7 +205,14 @@ def loader_batch_size(loader: DataLoader) -> int | None:
     return size if isinstance(size, int) and size >= 1 else None
 
 
-def gather_predictions(predictions: list[Any], num_replicas: int) -> None:
+def gather_predictions(loop: Any, num_replicas: int) -> None:
+    """Where the predict ``loop`` returns predictions, :func:`gather_loader_predictions` for each loader."""
+    if loop.return_predictions:
+        for predictions in [loop.predictions] if loop.num_dataloaders == 1 else loop.predictions:
+            gather_loader_predictions(predictions, num_replicas)
+
+
+def gather_loader_predictions(predictions: list[Any], num_replicas: int) -> None:
     """On rank 0, replace the list of prediction batches by every rank's, in dataset order (exact shards are
     contiguous blocks in rank order, so concatenating the ranks' lists gives every sample once, in order); the
     other ranks keep their own, so that no rank but rank 0 holds more than its shard."""

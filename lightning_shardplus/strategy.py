@@ -14,7 +14,6 @@ import torch.distributed
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import _StrategyRegistry
-from lightning.pytorch.accelerators import MPSAccelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -30,7 +29,7 @@ from lightning_shardplus.compression import GradientCompression
 from lightning_shardplus.config import ShardPlusConfig, at_ddp_defaults, check_ddp_arguments
 from lightning_shardplus.datamodule import ShardPlusDataModule, per_device_batch_size
 from lightning_shardplus.fusion import BucketSetting, FusionResult
-from lightning_shardplus.launch import LaunchAfterCheck, check_launcher_world_size
+from lightning_shardplus.launch import LaunchAfterCheck, check_accelerator, check_launcher_world_size
 from lightning_shardplus.loaders import gather_predictions
 from lightning_shardplus.metrics import share_rank_zero_buffers
 from lightning_shardplus.sharding import PaddingMode
@@ -113,11 +112,8 @@ class ShardPlusStrategy(DDPStrategy):
         **ddp_kwargs: Any,
     ) -> None:
         config = ShardPlusConfig.from_arguments(locals())
-        flags = {
-            "find_unused_parameters": find_unused_parameters,
-            "static_graph": static_graph,
-            "gradient_as_bucket_view": gradient_as_bucket_view,
-        }
+        flags = dict(find_unused_parameters=find_unused_parameters, static_graph=static_graph)
+        flags["gradient_as_bucket_view"] = gradient_as_bucket_view
         if broadcast_buffers is not None:
             ddp_kwargs["broadcast_buffers"] = broadcast_buffers  # only when given: torch 2.13 deprecates it
         timeout = check_ddp_arguments(
@@ -140,11 +136,10 @@ class ShardPlusStrategy(DDPStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        methods = {"shardplus": "popen", "shardplus_spawn": "spawn", "shardplus_fork": "fork"}
-        for name, method in {**methods, "shardplus_notebook": "fork"}.items():
+        methods = {"": "popen", "_spawn": "spawn", "_fork": "fork", "_notebook": "fork"}
+        for name, method in ((f"shardplus{suffix}", method) for suffix, method in methods.items()):
+            init_params = {} if method == "popen" else {"start_method": method}  # only what is not the default
             description = f"ShardPlus data-parallel strategy with `start_method` '{method}'"
-            # only what differs from the defaults ("popen" is the default start method)
-            init_params = {} if method == "popen" else {"start_method": method}
             strategy_registry.register(name, cls, description=description, override=True, **init_params)
 
     # ------------------------------------------------------------------ what the run sees
@@ -196,15 +191,8 @@ class ShardPlusStrategy(DDPStrategy):
 
     @accelerator.setter
     def accelerator(self, accelerator: pl.accelerators.Accelerator) -> None:
-        # The Trainer sets the accelerator it resolved here, as it is built. It refuses the DDP family on MPS by a
-        # strategy name containing "ddp" (or an instance): "shardplus" is refused here, in its words.
-        if isinstance(accelerator, MPSAccelerator):
-            method = self._start_method
-            name = self.strategy_name if method == "popen" else f"{self.strategy_name}_{method}"
-            raise ValueError(
-                f"You set `strategy={name}` but strategies from the DDP family are not supported on the MPS "
-                "accelerator. Either explicitly set `accelerator='cpu'` or change the strategy."
-            )
+        # the Trainer sets the accelerator it resolved here: refuse MPS as Lightning refuses the DDP family
+        check_accelerator(accelerator, self.strategy_name, self._start_method)
         self._accelerator = accelerator
 
     @override
@@ -418,10 +406,6 @@ class ShardPlusStrategy(DDPStrategy):
         """Where Lightning returns predictions, rank 0 returns every rank's, in dataset order; the others their
         own (``loaders.gather_predictions``)."""
         super().on_predict_end()
-        loop = self.lightning_module.trainer.predict_loop
-        if not (self._exact_across_ranks and loop.return_predictions):
-            return
-        per_loader = [loop.predictions] if loop.num_dataloaders == 1 else loop.predictions
-        for predictions in per_loader:
-            gather_predictions(predictions, self.num_replicas)
+        if self._exact_across_ranks:
+            gather_predictions(self.lightning_module.trainer.predict_loop, self.num_replicas)
 
