@@ -68,7 +68,7 @@ class AgreedLoader:
         self.loader, self._owner = loader, owner
 
     def __getattr__(self, name: str) -> Any:
-        if name in ("loader", "_owner") or name in ("state_dict", "load_state_dict"):
+        if name in ("loader", "_owner", "state_dict", "load_state_dict"):
             raise AttributeError(name)  # a loader that cannot resume stays one (Lightning checks these names)
         return getattr(self.loader, name)
 
