@@ -9,6 +9,7 @@ from collections.abc import Callable
 from importlib.util import find_spec
 from typing import Any
 
+import lightning.pytorch as pl
 from lightning.fabric.plugins import ClusterEnvironment
 from lightning.fabric.plugins.environments import (
     LightningEnvironment,
@@ -16,6 +17,11 @@ from lightning.fabric.plugins.environments import (
     SLURMEnvironment,
     TorchElasticEnvironment,
 )
+from lightning.pytorch.trainer.states import TrainerFn
+
+from lightning_shardplus._validation import check_process_group_backend_known
+from lightning_shardplus.aggregation import check_aggregation
+from lightning_shardplus.datamodule import ShardPlusDataModule, per_device_batch_size
 
 
 def _launcher_world_size(environment: ClusterEnvironment | None) -> tuple[int, int | None, str] | None:
@@ -113,3 +119,18 @@ def check_accelerator(accelerator: Any, strategy_name: str, start_method: str) -
             f"You set `strategy={name}` but strategies from the DDP family are not supported on the MPS "
             "accelerator. Either explicitly set `accelerator='cpu'` or change the strategy."
         )
+
+
+def check_trainer_call(strategy: Any, *call_args: Any, trainer: Any = None) -> None:
+    """Refuse, before any process starts, the arguments of a Trainer call that cannot work at this world size or
+    with ``strategy``'s options (a ``ShardPlusStrategy``): the launcher's world size, the backend's name, the
+    data module's global batch size, the aggregation frequency against the model's optimization."""
+    check_launcher_world_size(strategy.cluster_environment, strategy.num_processes, strategy.num_nodes)
+    if strategy._process_group_backend is not None:
+        check_process_group_backend_known(strategy._process_group_backend)
+    for arg in call_args:
+        if isinstance(arg, ShardPlusDataModule):
+            per_device_batch_size(arg.global_batch_size, strategy.num_replicas)
+    if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
+        model = next((arg for arg in call_args if isinstance(arg, pl.LightningModule)), None)
+        check_aggregation(strategy.config.aggregation_frequency, trainer, model)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from datetime import timedelta
+from functools import partial
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -22,14 +23,12 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_shardplus import _lightning
-from lightning_shardplus._validation import check_process_group_backend_known
 from lightning_shardplus.aggregation import check_aggregation, effective_batch_size
 from lightning_shardplus.components import CHECKPOINT_KEYS, DistributedSetup, RunComponents
 from lightning_shardplus.compression import GradientCompression
 from lightning_shardplus.config import ShardPlusConfig, at_ddp_defaults, check_ddp_arguments
-from lightning_shardplus.datamodule import ShardPlusDataModule, per_device_batch_size
 from lightning_shardplus.fusion import BucketSetting, FusionResult
-from lightning_shardplus.launch import LaunchAfterCheck, check_accelerator, check_launcher_world_size
+from lightning_shardplus.launch import LaunchAfterCheck, check_accelerator, check_trainer_call
 from lightning_shardplus.loaders import gather_predictions
 from lightning_shardplus.metrics import share_rank_zero_buffers
 from lightning_shardplus.sharding import PaddingMode
@@ -199,20 +198,7 @@ class ShardPlusStrategy(DDPStrategy):
     def _configure_launcher(self) -> None:
         super()._configure_launcher()
         # checks in the launching process, before any worker starts (the launcher keeps its type for Lightning)
-        self._launcher.launch = LaunchAfterCheck(self.preflight, self._launcher.launch)
-
-    def preflight(self, *call_args: Any, trainer: pl.Trainer | None = None) -> None:
-        """Refuse, before any process starts, the arguments of a Trainer call that cannot work at this world
-        size or with this strategy's options."""
-        check_launcher_world_size(self.cluster_environment, self.num_processes, self.num_nodes)
-        if self._process_group_backend is not None:
-            check_process_group_backend_known(self._process_group_backend)
-        for arg in call_args:
-            if isinstance(arg, ShardPlusDataModule):
-                per_device_batch_size(arg.global_batch_size, self.num_replicas)
-        if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
-            model = next((arg for arg in call_args if isinstance(arg, pl.LightningModule)), None)
-            check_aggregation(self.config.aggregation_frequency, trainer, model)
+        self._launcher.launch = LaunchAfterCheck(partial(check_trainer_call, self), self._launcher.launch)
 
     @override
     def connect(self, model: pl.LightningModule) -> None:
