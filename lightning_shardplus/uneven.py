@@ -5,9 +5,10 @@ Iterable training data (an ``IterableDataset`` in a DataLoader, litdata's ``Stre
 DDP then hangs, crashes or, worse, pairs one rank's all-reduce with another rank's next step. ``EvenSteps``
 makes every rank take the same steps:
 
-- Each training loader is wrapped in an :class:`AgreedLoader`. Before each micro-batch every rank says whether it
+- Each training loader is wrapped in an :class:`AgreedLoader`. For each micro-batch every rank says whether it
   still has a batch: one all_reduce (SUM) of one integer, on the host (a gloo group beside an accelerator's
-  backend, so that no device is synchronized). Every rank then knows how many ranks have data.
+  backend, so that no device is synchronized), started one micro-batch ahead so that it runs while the step
+  before trains. Every rank then knows how many ranks have data.
 - ``"join"`` (default): the epoch ends on every rank when no rank has data left; every sample of every stream is
   trained on once. A rank that ran out gets :data:`NO_BATCH` and takes part in the remaining steps without data:
   the strategy runs the DDP forward over :func:`zero_loss` (a zero built from the parameters: the model itself
@@ -33,7 +34,7 @@ from __future__ import annotations
 import itertools
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -142,6 +143,15 @@ class ResumableAgreedLoader(AgreedLoader):
 PER_RANK_KEY = "shardplus_per_rank"
 
 
+class _Agreement(NamedTuple):
+    """One micro-batch's fetch on this rank and the all_reduce in flight that counts the ranks with data."""
+
+    batch: Any
+    exhausted: bool
+    count: torch.Tensor
+    work: Any
+
+
 class EvenSteps:
     """The ``uneven_inputs`` component of one fit.
 
@@ -200,31 +210,36 @@ class EvenSteps:
         """The training loop took the next batch (called at every training batch start)."""
         self.batches_taken += 1
 
-    def _agree(self, has_batch: bool) -> int:
-        """How many ranks have a batch for this micro-batch (one all_reduce of one integer)."""
-        count = torch.tensor([int(has_batch)], dtype=torch.int32)
-        dist.all_reduce(count, group=self.group)
-        return int(count.item())
+    def _fetch_and_agree(self, iterator: Iterator[Any], exhausted: bool) -> _Agreement:
+        """Fetch this rank's next batch and start the all_reduce (SUM) of one integer that tells every rank how many
+        ranks have one. Asynchronous: it runs while the loop trains on the batch before."""
+        batch = None
+        if not exhausted:
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                exhausted = True
+        count = torch.tensor([int(not exhausted)], dtype=torch.int32)
+        return _Agreement(batch, exhausted, count, dist.all_reduce(count, group=self.group, async_op=True))
 
     def agreed_batches(self, iterator: Iterator[Any]) -> Iterator[Any]:
-        """The batches of ``iterator``, in steps every rank takes together."""
+        """The batches of ``iterator``, in steps every rank takes together. The agreement on micro-batch ``k + 1``
+        is started when micro-batch ``k`` is handed out (one batch fetched ahead), so that its latency is hidden
+        behind a training step; every rank decides the same from each agreement, so all start the next or none."""
         self.ranks_with_data, self.batches_taken = [], 0
-        exhausted = False
+        agreement = self._fetch_and_agree(iterator, exhausted=False)
         while True:
-            batch = None
-            if not exhausted:
-                try:
-                    batch = next(iterator)
-                except StopIteration:
-                    exhausted = True
-            with_data = self._agree(not exhausted)
+            agreement.work.wait()
+            with_data = int(agreement.count.item())  # a host tensor (gloo): no device is synchronized
             if self.policy == "drop" and with_data < self.world_size:
-                self._report_dropped(0 if exhausted else _samples(batch) + sum(_samples(b) for b in iterator))
+                left = 0 if agreement.exhausted else _samples(agreement.batch) + sum(_samples(b) for b in iterator)
+                self._report_dropped(left)
                 return
             if with_data == 0:
                 return
             self.ranks_with_data.append(with_data)
-            yield NO_BATCH if exhausted else batch
+            current, agreement = agreement, self._fetch_and_agree(iterator, agreement.exhausted)
+            yield NO_BATCH if current.exhausted else current.batch
 
     def _report_dropped(self, local: int) -> None:
         """``"drop"``: the samples this rank had left, summed over ranks and logged once for the epoch."""
