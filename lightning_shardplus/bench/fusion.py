@@ -28,10 +28,10 @@ from lightning_shardplus.demo import ClassifierModule
 from lightning_shardplus.fusion import (
     DDP_DEFAULT,
     DEFAULT_BUCKET_CAP_MB,
-    DEFAULT_CANDIDATES_MB,
     AutotuneSettings,
     BucketSetting,
     bucket_layout,
+    default_candidates_mb,
     merge_equivalent,
 )
 from lightning_shardplus.strategy import ShardPlusStrategy
@@ -148,9 +148,9 @@ class _FixedSettings:
 def run_fusion_shape(shape: tuple[str, int, int, int], rounds: int, args: argparse.Namespace) -> dict[str, Any]:
     """Tune, then measure ``rounds`` interleaved rounds, on one model shape; returns the row."""
     name, input_dim, hidden_dim, layers = shape
-    candidates = list(args.fusion_candidates or DEFAULT_CANDIDATES_MB)
     model = ClassifierModule(input_dim=input_dim, hidden_dims=[hidden_dim] * layers)
     parameters = list(model.parameters())
+    candidates = list(args.fusion_candidates or default_candidates_mb(parameters))
     autotune = AutotuneSettings(
         candidates_mb=tuple(candidates), steps_per_sample=args.fusion_steps, warmup_steps=args.fusion_warmup
     )
