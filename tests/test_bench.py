@@ -56,6 +56,26 @@ def test_the_matrix_prints_one_progress_line_per_run_and_the_tables_and_no_light
     assert not any("GPU available" in line or "Initializing distributed" in line for line in lines)
 
 
+@pytest.mark.timeout(120)
+def test_the_rewrap_bench_times_the_construction_with_and_without_the_broadcast(tmp_path, capsys):
+    report = bench.main(
+        ["--rewrap", "--rewrap-hidden=8,16", "--rewrap-repeats=2", "--input-dim=4", "--layers=1"]
+        + [f"--json={tmp_path / 'rewrap.json'}"]
+    )
+    rows = report["rewrap_rows"]
+    assert [row["parameters"] for row in rows] == [4 * 8 + 8 + 8 * 10 + 10, 4 * 16 + 16 + 16 * 10 + 10]
+    assert all(row["repeats"] == 2 and row["ms_with_broadcast"] > 0 and row["ms_without_broadcast"] > 0 for row in rows)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == (
+        "| model | parameters | MB | ms with broadcast (init_sync=True) | ms without (init_sync=False) | ratio |"
+    )
+    assert [line.split(" | ")[0] for line in lines[2:4]] == ["| MLP hidden 8", "| MLP hidden 16"]
+    assert all(len(line.split(" | ")) == 6 for line in lines[2:4])  # both columns and the ratio, per model
+    assert "2 processes (gloo), median of 2 constructions each" in lines[-1]
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--rewrap", "--rewrap-repeats=0"])
+
+
 def test_bench_refuses_unknown_rows():
     with pytest.raises(SystemExit):
         bench.parse_args(["--configs=ddp,agg3"])
