@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
+from lightning_shardplus.bench.quiet import quiet_run
 from lightning_shardplus.bench.runner import bench_trainer, report_settings, thread_callbacks
 from lightning_shardplus.datamodule import SyntheticDataModule
 from lightning_shardplus.demo import ClassifierModule
@@ -185,14 +186,16 @@ def _tune_and_measure(
         measured = (len(fixed.settings) + 2) * rounds * (args.fusion_warmup + args.fusion_steps)
         max_steps = autotune.max_tuning_steps + measured + 10
         interleaved = _InterleavedBuckets(fixed.settings, args.fusion_steps, args.fusion_warmup, rounds, out)
-        trainer = bench_trainer("cpu", args.devices, strategy, max_steps, [interleaved, *thread_callbacks(args)])
+        with quiet_run():
+            trainer = bench_trainer("cpu", args.devices, strategy, max_steps, [interleaved, *thread_callbacks(args)])
         datamodule = SyntheticDataModule(
             global_batch_size=args.global_batch_size,
             num_samples=args.global_batch_size * (max_steps + 1),
             val_samples=0,
             input_shape=(input_dim,),
         )
-        trainer.fit(model, datamodule)
+        with quiet_run():
+            trainer.fit(model, datamodule)
         report = json.loads(out.read_text())
         report["csv"] = log.read_text().splitlines()
     return report
