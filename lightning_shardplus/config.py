@@ -64,8 +64,9 @@ DDP_DEFAULTS = {
 @dataclass(frozen=True)
 class ShardPlusConfig:
     """The shardplus arguments of :class:`~lightning_shardplus.ShardPlusStrategy` (documented there, and one line
-    each in the README's table). ``autotune_*candidates_mb`` of None take :mod:`~lightning_shardplus.fusion`'s
-    defaults."""
+    each in the README's table). ``autotune_candidates_mb`` of None: sizes chosen from the model's gradient size
+    (:func:`~lightning_shardplus.fusion.default_candidates_mb`); ``autotune_first_bucket_candidates_mb`` of None:
+    :mod:`~lightning_shardplus.fusion`'s default."""
 
     aggregation_frequency: int = 1
     average_aggregated_gradients: bool = True
@@ -122,7 +123,7 @@ class ShardPlusConfig:
         """The search space and budget of ``auto_tune_tensor_fusion``."""
         candidates, first = self.autotune_candidates_mb, self.autotune_first_bucket_candidates_mb
         return fusion.AutotuneSettings(
-            candidates_mb=fusion.DEFAULT_CANDIDATES_MB if candidates is None else candidates,
+            candidates_mb=candidates,  # None: the model's (fusion.default_candidates_mb), chosen in setup
             first_bucket_candidates_mb=fusion.DEFAULT_FIRST_BUCKET_CANDIDATES_MB if first is None else first,
             steps_per_sample=self.autotune_steps_per_sample,
             warmup_steps=self.autotune_warmup_steps,

@@ -44,6 +44,7 @@ it returns a setting.
 from __future__ import annotations
 
 import csv
+import dataclasses
 import hashlib
 import inspect
 import json
@@ -73,7 +74,11 @@ DEFAULT_BUCKET_CAP_MB = 25.0
 # and its first bucket then (the gradients ready first); torch.distributed private, guarded by
 # tests/test_lightning_private.py
 DDP_FIRST_BUCKET_MB = getattr(dist, "_DEFAULT_FIRST_BUCKET_BYTES", _MB) / _MB  # (absent without distributed)
-DEFAULT_CANDIDATES_MB: tuple[float, ...] = (1.0, 4.0, 16.0, 25.0, 64.0)
+# The default candidates (``autotune_candidates_mb=None``) cut the model's gradients into this many buckets: the
+# size that overlaps communication with the backward pass best depends on the model's gradient size.
+DEFAULT_BUCKETS_PER_MODEL: tuple[int, ...] = (1, 2, 4, 8, 16)
+# and DDP's uniform 25 MB, and, where those all cut the gradients one way, the smallest gradient tensor's size
+MAX_DEFAULT_CANDIDATES = len(DEFAULT_BUCKETS_PER_MODEL) + 2
 DEFAULT_FIRST_BUCKET_CANDIDATES_MB: tuple[float, ...] = (DDP_FIRST_BUCKET_MB,)
 DEFAULT_CACHE_PATH = Path("~/.cache/lightning_shardplus/fusion.json")
 # Untimed steps added to the first sample of a run: its first steps (data loading starts, allocations) are slower.
@@ -91,6 +96,7 @@ CSV_COLUMNS = (
     "timed_steps",
     "step_ms",
     "gradient_bytes_per_s",
+    "note",  # why nothing was raced (one row then: the setting used), else empty
 )
 
 
@@ -126,7 +132,7 @@ DDP_DEFAULT_LABEL = f"DDP's default ({DEFAULT_BUCKET_CAP_MB:g} MB, first bucket 
 class AutotuneSettings:
     """The search space and its budget; checked on construction (errors name the strategy argument)."""
 
-    candidates_mb: tuple[float, ...] = DEFAULT_CANDIDATES_MB
+    candidates_mb: tuple[float, ...] | None = None  # None: chosen from the model's gradient size (for_model)
     first_bucket_candidates_mb: tuple[float, ...] = DEFAULT_FIRST_BUCKET_CANDIDATES_MB
     steps_per_sample: int = 8
     warmup_steps: int = 1
@@ -140,7 +146,8 @@ class AutotuneSettings:
     fixed_bucket_cap_mb: float | None = None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "candidates_mb", _sizes("autotune_candidates_mb", self.candidates_mb, 1))
+        if self.candidates_mb is not None:
+            object.__setattr__(self, "candidates_mb", _sizes("autotune_candidates_mb", self.candidates_mb, 1))
         first = _sizes("autotune_first_bucket_candidates_mb", self.first_bucket_candidates_mb, 0)
         object.__setattr__(self, "first_bucket_candidates_mb", first)
         object.__setattr__(self, "steps_per_sample", check_int("autotune_steps_per_sample", self.steps_per_sample, 1))
@@ -148,12 +155,21 @@ class AutotuneSettings:
         object.__setattr__(self, "min_rounds", check_int("min_rounds", self.min_rounds, minimum=1))
         object.__setattr__(self, "max_rounds", check_int("max_rounds", self.max_rounds, minimum=self.min_rounds))
 
+    def for_model(self, parameters: Sequence[torch.Tensor]) -> AutotuneSettings:
+        """These settings with the default candidates of a model whose parameters are ``parameters``
+        (:func:`default_candidates_mb`) where none were given; given ones stay as given."""
+        if self.candidates_mb is not None:
+            return self
+        return dataclasses.replace(self, candidates_mb=default_candidates_mb(parameters))
+
     @property
     def first_stage(self) -> list[BucketSetting]:
         """The uniform bucket sizes raced first, and DDP's default: the reference (none when the user fixed the
-        size)."""
+        size). The default candidates depend on the model: :meth:`for_model` first."""
         if self.fixed_bucket_cap_mb is not None:
             return []
+        if self.candidates_mb is None:
+            raise ValueError("AutotuneSettings: the default candidates depend on the model: call for_model() first")
         return [BucketSetting(size) for size in self.candidates_mb] + [DDP_DEFAULT]
 
     @property
@@ -178,15 +194,20 @@ class AutotuneSettings:
         """Optimizer steps the search takes at most (it usually stops earlier), not counting steps that span an
         epoch end or a validation (they are not timed)."""
         sample = self.warmup_steps + self.steps_per_sample
-        first = len(self.first_stage) * self.max_rounds * sample
+        if self.candidates_mb is None and self.fixed_bucket_cap_mb is None:  # the model's: at most this many
+            # any default candidate, as far as the second stage goes, is at most a size above every first bucket
+            stage = [BucketSetting(math.inf)] * MAX_DEFAULT_CANDIDATES + [DDP_DEFAULT]
+        else:
+            stage = self.first_stage
+        first = len(stage) * self.max_rounds * sample
         # the first stage's winner decides the second stage: the largest one it can be
-        second = max(len(self.second_stage(chosen)) for chosen in self.first_stage or [self.reference])
+        second = max(len(self.second_stage(chosen)) for chosen in stage or [self.reference])
         return first + second * self.max_rounds * sample + FIRST_SAMPLE_EXTRA_WARMUP
 
     def describe(self) -> dict[str, Any]:
         """The search space, as it enters the cache key."""
         return {
-            "candidates_mb": list(self.candidates_mb),
+            "candidates_mb": None if self.candidates_mb is None else list(self.candidates_mb),
             "first_bucket_candidates_mb": list(self.first_bucket_candidates_mb) if SUPPORTS_FIRST_BUCKET else [],
             "fixed_bucket_cap_mb": self.fixed_bucket_cap_mb,
             "reference": self.reference.label,
@@ -226,6 +247,24 @@ def _sizes(name: str, values: Any, minimum_count: int) -> tuple[float, ...]:
         expected = f"at least {minimum_count} bucket size(s) in MB" if minimum_count else "bucket sizes in MB (or none)"
         raise ValueError(f"`{name}`={values!r} is not valid: expected a list of {expected}, each {BUCKET_SIZE_RANGE}.")
     return tuple(sorted({float(v) for v in items}))
+
+
+def default_candidates_mb(parameters: Sequence[torch.Tensor]) -> tuple[float, ...]:
+    """The default bucket sizes of a model: its gradient bytes divided by each of :data:`DEFAULT_BUCKETS_PER_MODEL`
+    (2 significant digits), DDP's uniform 25 MB, and, where these and DDP's default all cut the gradients the same
+    way, the smallest gradient tensor's size (one bucket per tensor): more than one tensor then has >= 2 layouts.
+    Sizes with the same layout are raced once (:func:`merge_equivalent`)."""
+    grads = [p for p in parameters if p.requires_grad]
+    sizes = [p.numel() * p.element_size() for p in grads if p.numel()]
+    if not sizes:
+        return (DEFAULT_BUCKET_CAP_MB,)
+    total = sum(sizes)
+    candidates = {float(f"{total / buckets / _MB:.2g}") for buckets in DEFAULT_BUCKETS_PER_MODEL}
+    candidates.add(DEFAULT_BUCKET_CAP_MB)
+    layouts = {bucket_layout(grads, BucketSetting(size)) for size in candidates}
+    if len(layouts | {bucket_layout(grads, DDP_DEFAULT)}) < 2:
+        candidates.add(min(sizes) / _MB)  # exact: _MB is a power of 2, DDP gets back min(sizes) bytes
+    return tuple(sorted(size for size in candidates if is_bucket_size(size)))
 
 
 # ---------------------------------------------------------------------------------------------------- search
@@ -651,8 +690,12 @@ class FusionAutotuner:
         clock: Callable[[], float] = time.perf_counter,
         checkpointed: dict[str, Any] | None = None,
         layout: Callable[[BucketSetting], Any] | None = None,
+        gradient_tensors: int | None = None,
     ) -> None:
+        if settings.candidates_mb is None and settings.fixed_bucket_cap_mb is None:
+            raise ValueError("FusionAutotuner: the default candidates depend on the model: settings.for_model() first")
         self.settings = settings
+        self.gradient_tensors = gradient_tensors  # parameter tensors with gradients, for the reason of no search
         self.collectives = collectives or Collectives()
         self.log_path = None if log_path is None else Path(log_path).expanduser()
         self.cache_path = None if cache_path is None else Path(cache_path).expanduser()
@@ -671,6 +714,8 @@ class FusionAutotuner:
         self._steps = 0
         self._started_at = 0.0
         self.initial_setting = self._lookup_cache()
+        if self.result is not None:  # nothing to race: the log says why
+            self._log_no_search(self.result)
 
     # -- cache
 
@@ -717,6 +762,7 @@ class FusionAutotuner:
                     "`tensor_fusion_threshold_mb` (no first bucket to race)"
                     if not stage
                     else "the candidates, which all give this model the same buckets"
+                    + (" (it has one parameter tensor)" if self.gradient_tensors == 1 else "")
                 )
                 self.result = FusionResult(chosen, from_cache=True, source=source)
                 return self.result.setting
@@ -887,8 +933,20 @@ class FusionAutotuner:
             len(sample.intervals),
             f"{1000 * score:.3f}",
             f"{bytes_per_s:.0f}",
+            "",
         ]
         self._write_log_row(row, "a")
+
+    def _log_no_search(self, result: FusionResult) -> None:
+        """The log of a run that races nothing: the header and one row, the setting used and why (rank 0)."""
+        if self.log_path is None or not self.collectives.is_decider:
+            return
+        setting = result.setting
+        first = "" if setting.first_bucket_mb is None else f"{setting.first_bucket_mb:g}"
+        note = f"no search: {result.chosen} from {result.source}"
+        self._write_log_row(CSV_COLUMNS, "w")
+        if self.log_path is not None:  # still: the header could be written
+            self._write_log_row(["", "none", "", f"{setting.bucket_cap_mb:g}", first, "", 0, "", "", note], "a")
 
     def _write_log_row(self, row: Sequence[Any], mode: str) -> None:
         assert self.log_path is not None
@@ -963,7 +1021,7 @@ class TensorFusion:
     ) -> None:
         self.trainer, self.settings, self.tune, self.log_path = trainer, settings, tune, log_path
         self.cache_path = DEFAULT_CACHE_PATH if cache is True else (cache or None)
-        self.cache_extra = {"search": settings.describe(), **(cache_extra or {})}
+        self.cache_extra = dict(cache_extra or {})
         self.tuner: FusionAutotuner | None = None
         self._checkpointed: dict[str, Any] | None = None  # the tuned setting of a checkpoint being resumed
         self._reported = False
@@ -986,7 +1044,11 @@ class TensorFusion:
         if not self.tune:
             return self.settings.reference
         parameters = [p for p in module.parameters() if p.requires_grad]
-        key = cache_key(parameters, world_size, device.type, backend, self.cache_extra)
+        # the default candidates are the model's; the key holds the sizes raced, so that a result found among
+        # other candidates (another default) is not taken for this search's
+        self.settings = self.settings.for_model(parameters)
+        extra = {"search": self.settings.describe(), **self.cache_extra}
+        key = cache_key(parameters, world_size, device.type, backend, extra)
         self.tuner = FusionAutotuner(
             self.settings,
             Collectives.torch_distributed(device),
@@ -997,6 +1059,7 @@ class TensorFusion:
             checkpointed=self._checkpointed,
             # with find_unused_parameters DDP keeps its first-iteration buckets (other cuts): no merging then
             layout=None if self.cache_extra.get("find_unused_parameters") else _partial_layout(parameters),
+            gradient_tensors=len(parameters),
         )
         return self.tuner.initial_setting
 
@@ -1056,8 +1119,8 @@ class TensorFusion:
             return
         self._reported = True
         where = []
-        if self.log_path and not result.from_cache:
-            where.append(f"samples in {self.log_path}")
+        if self.log_path:
+            where.append(f"{'why' if result.from_cache else 'samples'} in {self.log_path}")
         if self.tuner is not None and self.tuner.cache_path is not None and result.complete:
             if result.source == "the autotune cache":
                 where.append(f"cache {self.tuner.cache_path}")

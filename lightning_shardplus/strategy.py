@@ -52,8 +52,10 @@ class ShardPlusStrategy(DDPStrategy):
         verify_sharding: debug aid: after each training epoch, check that the shards were disjoint and complete.
         tensor_fusion_threshold_mb: DDP's bucket size (``bucket_cap_mb``, < 2**43 MB); None: DDP's default.
         auto_tune_tensor_fusion: choose the bucket size by measuring the first optimizer steps (cached per setup).
-        autotune_log: CSV file with one row per measured sample (written by rank 0).
-        autotune_candidates_mb: bucket sizes raced (None: 1, 4, 16, 25, 64 MB).
+        autotune_log: CSV file with one row per measured sample, or one saying why nothing was raced (written by
+            rank 0); None: no log.
+        autotune_candidates_mb: bucket sizes raced. None (printed ``null``): chosen from the model's gradient size,
+            its gradient bytes over 1, 2, 4, 8 and 16 buckets, and 25 MB (``fusion.default_candidates_mb``).
         autotune_first_bucket_candidates_mb: first-bucket sizes raced against the chosen size (None: 1 MB).
         autotune_steps_per_sample: timed optimizer steps per sample.
         autotune_warmup_steps: optimizer steps not timed after each re-wrap.

@@ -38,6 +38,44 @@ def test_bench_rows_count_bytes_and_rounds_per_optimizer_step(tmp_path, capsys):
     assert (tmp_path / "report.json").exists()
 
 
+@pytest.mark.timeout(180)
+def test_the_matrix_prints_one_progress_line_per_run_and_the_tables_and_no_lightning_banner(capfd):
+    tiny = ["--steps=2", "--warmup=2", "--global-batch-size=8", "--input-dim=4", "--hidden-dim=8", "--layers=1"]
+    bench.main(["--repeats=2", *tiny, "--configs=ddp,shardplus"])
+    out, err = capfd.readouterr()  # the file descriptors: the forked workers' output too
+    lines = (out + err).splitlines()
+    progress = [line for line in lines if line.startswith("run ")]
+    assert [line.split(":")[0] for line in progress] == ["run 1/4 ddp", "run 2/4 shardplus", "run 3/4 shardplus",
+                                                         "run 4/4 ddp"]
+    assert all(line.endswith(" samples/s") for line in progress)
+    note = "fewer than 5 runs per row (2): ratios are not significant"
+    assert sum(line.startswith(note) for line in lines) == 1
+    tables = [line for line in lines if line.startswith("|")]
+    assert len(tables) == 2 + 2 + 2  # two tables: header, rule, and the ddp and shardplus rows of the first
+    assert len(lines) == len(progress) + len(tables) + 1 + 2  # the note and the blank lines around it: nothing else
+    assert not any("GPU available" in line or "Initializing distributed" in line for line in lines)
+
+
+@pytest.mark.timeout(120)
+def test_the_rewrap_bench_times_the_construction_with_and_without_the_broadcast(tmp_path, capsys):
+    report = bench.main(
+        ["--rewrap", "--rewrap-hidden=8,16", "--rewrap-repeats=2", "--input-dim=4", "--layers=1"]
+        + [f"--json={tmp_path / 'rewrap.json'}"]
+    )
+    rows = report["rewrap_rows"]
+    assert [row["parameters"] for row in rows] == [4 * 8 + 8 + 8 * 10 + 10, 4 * 16 + 16 + 16 * 10 + 10]
+    assert all(row["repeats"] == 2 and row["ms_with_broadcast"] > 0 and row["ms_without_broadcast"] > 0 for row in rows)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == (
+        "| model | parameters | MB | ms with broadcast (init_sync=True) | ms without (init_sync=False) | ratio |"
+    )
+    assert [line.split(" | ")[0] for line in lines[2:4]] == ["| MLP hidden 8", "| MLP hidden 16"]
+    assert all(len(line.split(" | ")) == 6 for line in lines[2:4])  # both columns and the ratio, per model
+    assert "2 processes (gloo), median of 2 constructions each" in lines[-1]
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--rewrap", "--rewrap-repeats=0"])
+
+
 def test_bench_refuses_unknown_rows():
     with pytest.raises(SystemExit):
         bench.parse_args(["--configs=ddp,agg3"])

@@ -81,6 +81,32 @@ def test_strategy_defaults_to_shardplus_and_strategy_options_parse(tmp_path):
     assert result.returncode != 0 and "shard_padding" in result.stderr
 
 
+@pytest.mark.timeout(120)
+def test_print_config_shows_the_autotune_defaults_the_readme_and_docstring_state(tmp_path, capsys, monkeypatch):
+    from lightning_shardplus import ShardPlusStrategy, cli
+
+    monkeypatch.chdir(tmp_path)
+    strategy = [
+        "--trainer.strategy=lightning_shardplus.ShardPlusStrategy",
+        "--trainer.strategy.auto_tune_tensor_fusion=true",
+    ]
+    with pytest.raises(SystemExit):
+        cli.main(["fit", "--config", str(ROOT / "configs" / "synthetic.yaml"), *strategy, "--print_config"])
+    printed = yaml.safe_load(capsys.readouterr().out)["trainer"]["strategy"]["init_args"]
+    rows = [line.split(" | ") for line in (ROOT / "README.md").read_text().splitlines() if line.startswith("| `auto")]
+    readme = {name.strip("| `"): (default, meaning) for name, default, meaning in rows}
+    docstring = ShardPlusStrategy.__doc__
+    for name in [name for name in printed if name.startswith("autotune_")]:
+        default, meaning = readme[name]
+        assert default == f"`{printed[name]!r}`", name  # the README's default is the printed one, nothing else
+        if printed[name] is None:  # and says what None means, as the docstring does
+            assert "`None`:" in meaning, name
+            assert re.search(rf"{name}: [^\n]*\n?[^\n]*None", docstring), name
+    fusion_page = (ROOT / "docs" / "fusion-autotuning.md").read_text()
+    assert "`autotune_candidates_mb: null`" in fusion_page
+    assert "gradient bytes divided by 1, 2, 4, 8 and 16" in fusion_page
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("flag", [[], ["--instance"]])
 def test_example_script_trains_with_the_strategy_string_or_instance(tmp_path, flag):

@@ -324,12 +324,17 @@ def test_the_step_bound_counts_the_largest_second_stage_the_first_can_lead_to():
     assert len(other.second_stage(DDP_DEFAULT)) == 4
     assert other.max_tuning_steps == (3 + 4) * 4 * sample + 2
     assert AutotuneSettings(fixed_bucket_cap_mb=8.0).max_tuning_steps == 2 * 4 * sample + 2
+    # the default candidates are the model's: the bound before the model is known holds for any model
+    bound = AutotuneSettings().max_tuning_steps
+    for sizes in ([10], [10, 10], [2_621_440, 2_621_440, 262_144], [256 * 256, 256] * 24, [1 << 26, 1 << 24]):
+        parameters = [torch.empty(n, device="meta", requires_grad=True) for n in sizes]
+        assert AutotuneSettings().for_model(parameters).max_tuning_steps <= bound
 
 
 def test_a_cached_or_checkpointed_ddp_default_gives_ddp_no_bucket_size(tmp_path):
     cache = tmp_path / "cache.json"
     fusion.store_cached(cache, "key", {"bucket_cap_mb": 25.0, "first_bucket_mb": 1.0})
-    tuner = FusionAutotuner(AutotuneSettings(), cache_path=cache, cache_key="key")
+    tuner = FusionAutotuner(AutotuneSettings(candidates_mb=(1, 4)), cache_path=cache, cache_key="key")
     assert not tuner.tuning and tuner.initial_setting == DDP_DEFAULT
     strategy = ShardPlusStrategy(auto_tune_tensor_fusion=True)
     _lightning.set_ddp_kwargs(strategy, BucketSetting(4.0, 1.0).ddp_kwargs())  # as the strategy's re-wrap does
@@ -635,7 +640,9 @@ def caps_of(setting):
     return [cap, [] if setting.first_bucket_mb is None else [int(setting.first_bucket_mb * 2**20), cap], False]
 
 
-def tuned_fit(tmp_path, name, callbacks=(), epochs=8, size=96, trainer_kwargs=None, ckpt_path=None, **kwargs):
+def tuned_fit(
+    tmp_path, name, callbacks=(), epochs=8, size=96, trainer_kwargs=None, ckpt_path=None, model=None, **kwargs
+):
     recorder = RecordSteps(tmp_path / f"steps-{name}")
     trainer = cpu_trainer(
         ShardPlusStrategy(start_method="fork", **kwargs),
@@ -644,7 +651,7 @@ def tuned_fit(tmp_path, name, callbacks=(), epochs=8, size=96, trainer_kwargs=No
         callbacks=[recorder, *callbacks],
         **(trainer_kwargs or {}),
     )
-    trainer.fit(MLP(tmp_path / name), loader(size=size), ckpt_path=ckpt_path)
+    trainer.fit((model or MLP)(tmp_path / name), loader(size=size), ckpt_path=ckpt_path)
     runs = [json.loads((tmp_path / f"steps-{name}" / f"rank{r}.json").read_text()) for r in range(2)]
     weights = [torch.load(tmp_path / name / f"rank{r}.pt", weights_only=False)["weights"] for r in range(2)]
     return runs, weights
@@ -703,7 +710,67 @@ def test_tuning_on_two_ranks_finishes_logs_caches_and_a_second_run_starts_from_t
     assert again[0]["result"]["from_cache"] and again[0]["result"]["tuning_steps"] == 0
     for run in again:
         assert wrappers(run) == 1 and all(step["caps"] == caps_of(result["setting"]) for step in run["steps"])
-    assert not (tmp_path / "2.csv").exists()
+    (row,) = csv.DictReader(open(tmp_path / "2.csv"))  # the log says why nothing was raced
+    assert row["stage"] == "none" and logged_setting(row) == BucketSetting(**result["setting"])
+    assert row["note"].startswith("no search: ") and row["note"].endswith("from the autotune cache")
+
+
+# the default candidates race: no given sizes, no first bucket to race
+DEFAULT_TUNING = dict(
+    auto_tune_tensor_fusion=True,
+    autotune_first_bucket_candidates_mb=[],
+    autotune_steps_per_sample=2,
+    autotune_warmup_steps=1,
+)
+
+
+@pytest.mark.timeout(180)
+def test_the_default_candidates_follow_the_gradient_size_and_other_candidates_cached_results_are_not_reused(
+    tmp_path,
+):
+    cache, log = tmp_path / "fusion.json", tmp_path / "default.csv"
+    given, _ = tuned_fit(tmp_path, "given", autotune_cache=str(cache), **TUNING)  # raced among given sizes, cached
+    assert given[0]["result"]["complete"] and not given[0]["result"]["from_cache"]
+    runs, _ = tuned_fit(tmp_path, "default", autotune_cache=str(cache), autotune_log=str(log), **DEFAULT_TUNING)
+    result = runs[0]["result"]  # strategy.fusion_result
+    # searched (the cached result of other candidates is not this search's), and went on with the winner
+    assert result["complete"] and not result["from_cache"] and result["tuning_steps"] > 0
+    assert wrappers(runs[0]) > 2
+    rows = list(csv.DictReader(open(log)))
+    assert rows and {row["stage"] for row in rows} == {"bucket"} and not any(row["note"] for row in rows)
+    # 3.2 kB of gradients: the sizes raced beside DDP's default cut them into 2 to 16 buckets of about equal bytes
+    gradient_mb = 4 * PARAMETERS / 2**20
+    uniform = {logged_setting(row) for row in rows} - {DDP_DEFAULT}
+    assert len(uniform) >= 2 and DDP_DEFAULT in {logged_setting(row) for row in rows}
+    for setting in uniform:
+        buckets = gradient_mb / setting.bucket_cap_mb
+        assert setting.first_bucket_mb is None and any(abs(buckets / k - 1) < 0.05 for k in (2, 4, 8, 16))
+    assert len(json.loads(cache.read_text())) == 2  # each search under its own key
+
+
+class OneTensorMLP(MLP):
+    """The MLP with one parameter tensor that gets gradients (the others frozen)."""
+
+    def __init__(self, out_dir, lr=0.1) -> None:
+        super().__init__(out_dir, lr)
+        for name, parameter in self.named_parameters():
+            parameter.requires_grad_(name == "net.0.weight")
+
+
+@pytest.mark.timeout(120)
+def test_a_model_with_one_parameter_tensor_races_nothing_and_the_log_says_why(tmp_path):
+    log = tmp_path / "one.csv"
+    runs, _ = tuned_fit(
+        tmp_path, "one", model=OneTensorMLP, epochs=2, autotune_cache=False, autotune_log=str(log), **DEFAULT_TUNING
+    )
+    result = runs[0]["result"]
+    assert result["from_cache"] and result["tuning_steps"] == 0 and wrappers(runs[0]) == 1
+    (row,) = csv.DictReader(open(log))
+    assert row["stage"] == "none" and logged_setting(row) == DDP_DEFAULT
+    assert row["note"] == (
+        "no search: DDP's default (25 MB, first bucket 1 MB) from the candidates, which all give this model the same "
+        "buckets (it has one parameter tensor)"
+    )
 
 
 @pytest.mark.timeout(120)
@@ -869,6 +936,9 @@ def test_a_dropped_default_is_kept_over_a_final_leader_no_faster_than_it():
     assert fusion.measured_against([race], A, PREFERRED)[:2] == (pytest.approx(1.4), pytest.approx(1.1))
 
 
+RECORDED_CANDIDATES = (1, 4, 16, 25, 64)  # the default candidates when these runs were recorded
+
+
 @pytest.mark.parametrize("run", [1, 2, 3, 4])
 def test_the_recorded_benchmark_runs_replay_to_the_same_choices(run):
     # docs/bench/fusion-2cpu-run*.json hold each tuning sample (the autotune CSV) and the setting the run chose: fed
@@ -888,7 +958,7 @@ def test_the_recorded_benchmark_runs_replay_to_the_same_choices(run):
         ]
         clock = FakeClock(times=None)  # advanced by hand below
         layout = functools.partial(fusion.bucket_layout, parameters)
-        tuner = FusionAutotuner(AutotuneSettings(), clock=clock, layout=layout)
+        tuner = FusionAutotuner(AutotuneSettings(candidates_mb=RECORDED_CANDIDATES), clock=clock, layout=layout)
         tuner.start()
         step = 0
         while tuner.tuning:  # every step of a sample takes the time that sample measured

@@ -32,6 +32,10 @@ host-side times.
 0's :class:`~lightning_shardplus.PaddedShardSampler` (on-the-fly permutation) beside torch's
 ``DistributedSampler`` (materialized ``randperm``, only up to ``--torch-max-length``): time to the first index,
 indices per second per rank while iterating, and peak resident memory above the level before the sampler.
+
+``--fusion`` measures tensor-fusion autotuning (:mod:`lightning_shardplus.bench.fusion`); ``--rewrap`` times a DDP
+re-wrap with and without the broadcast from rank 0 (:mod:`lightning_shardplus.bench.rewrap`). The matrix prints one
+line per run, then its tables; Lightning's banners and warnings are silenced within the benchmark's runs.
 """
 
 from lightning_shardplus.bench.cli import FULL, QUICK, main, parse_args

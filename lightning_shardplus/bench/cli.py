@@ -12,6 +12,7 @@ from typing import Any
 from lightning.fabric.accelerators.cuda import num_cuda_devices
 
 from lightning_shardplus.bench.fusion import FUSION_SHAPES, run_fusion
+from lightning_shardplus.bench.rewrap import REWRAP_HIDDEN, format_rewrap_table, run_rewrap
 from lightning_shardplus.bench.runner import run
 from lightning_shardplus.bench.sampler import SAMPLER_SIZES, run_sampler
 from lightning_shardplus.bench.tables import (
@@ -38,6 +39,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     _add_workload_arguments(parser)
     _add_sampler_arguments(parser)
     _add_fusion_arguments(parser)
+    _add_rewrap_arguments(parser)
     args = parser.parse_args(argv)
     _fill_defaults(args)
     _check(parser, args)
@@ -134,6 +136,20 @@ def _add_fusion_arguments(parser: argparse.ArgumentParser) -> None:
                         "(default 5; a noisier shape needs more to resolve 1-2%% differences)")
 
 
+def _add_rewrap_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--rewrap``, the cost of a DDP re-wrap with and without the broadcast from rank 0, and its models."""
+    parser.add_argument(
+        "--rewrap", action="store_true",
+        help="time DistributedDataParallel(init_sync=True) against init_sync=False instead (see "
+        "lightning_shardplus.bench.rewrap), on --devices CPU processes, per --rewrap-hidden",
+    )
+    parser.add_argument("--rewrap-hidden", type=_positive_ints, default=list(REWRAP_HIDDEN),
+                        help="with --rewrap: hidden sizes of the MLP (--input-dim, --layers), comma-separated "
+                        f"(default {','.join(map(str, REWRAP_HIDDEN))})")
+    parser.add_argument("--rewrap-repeats", type=int, default=7,
+                        help="with --rewrap: constructions timed per setting and model; the median (default 7)")
+
+
 def _fill_defaults(args: argparse.Namespace) -> None:
     """What was not given: ``--quick``'s or the full run's repeats, steps and warmup; the accelerator and devices
     (``auto``: a GPU if there is one; one process per GPU, else 2); ``--torch-max-length`` as one number."""
@@ -155,7 +171,8 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         parser.error("--sampler-indices and --sampler-sizes are not valid: expected integers >= 1")
     if max(args.sampler_sizes) > 2**63 - 1:
         parser.error("--sampler-sizes is not valid: expected lengths <= 2**63 - 1")
-    for name in ("devices", "repeats", "steps", "global_batch_size", "input_dim", "hidden_dim", "layers"):
+    names = ("devices", "rewrap_repeats", "repeats", "steps", "global_batch_size", "input_dim", "hidden_dim", "layers")
+    for name in names:
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')}={getattr(args, name)} is not valid: expected >= 1")
     if args.warmup < 0:
@@ -210,6 +227,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(format_sampler_table(report))
     elif "fusion_rows" in report:
         print(format_fusion_table(report))
+    elif "rewrap_rows" in report:
+        print(format_rewrap_table(report))
     else:
         _print_matrix(report, args)
     if args.json is not None:
@@ -226,6 +245,10 @@ def _report(args: argparse.Namespace) -> dict[str, Any]:
         return run_sampler(args)
     if args.fusion:
         return run_fusion(args)
+    if args.rewrap:
+        if args.accelerator != "cpu":
+            raise SystemExit(f"--rewrap with --accelerator={args.accelerator}: only cpu (gloo) is measured")
+        return run_rewrap(args)
     return run(select_configs(args.configs), args)
 
 

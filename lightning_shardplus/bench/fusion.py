@@ -22,16 +22,17 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
+from lightning_shardplus.bench.quiet import quiet_run
 from lightning_shardplus.bench.runner import bench_trainer, report_settings, thread_callbacks
 from lightning_shardplus.datamodule import SyntheticDataModule
 from lightning_shardplus.demo import ClassifierModule
 from lightning_shardplus.fusion import (
     DDP_DEFAULT,
     DEFAULT_BUCKET_CAP_MB,
-    DEFAULT_CANDIDATES_MB,
     AutotuneSettings,
     BucketSetting,
     bucket_layout,
+    default_candidates_mb,
     merge_equivalent,
 )
 from lightning_shardplus.strategy import ShardPlusStrategy
@@ -148,9 +149,9 @@ class _FixedSettings:
 def run_fusion_shape(shape: tuple[str, int, int, int], rounds: int, args: argparse.Namespace) -> dict[str, Any]:
     """Tune, then measure ``rounds`` interleaved rounds, on one model shape; returns the row."""
     name, input_dim, hidden_dim, layers = shape
-    candidates = list(args.fusion_candidates or DEFAULT_CANDIDATES_MB)
     model = ClassifierModule(input_dim=input_dim, hidden_dims=[hidden_dim] * layers)
     parameters = list(model.parameters())
+    candidates = list(args.fusion_candidates or default_candidates_mb(parameters))
     autotune = AutotuneSettings(
         candidates_mb=tuple(candidates), steps_per_sample=args.fusion_steps, warmup_steps=args.fusion_warmup
     )
@@ -185,14 +186,16 @@ def _tune_and_measure(
         measured = (len(fixed.settings) + 2) * rounds * (args.fusion_warmup + args.fusion_steps)
         max_steps = autotune.max_tuning_steps + measured + 10
         interleaved = _InterleavedBuckets(fixed.settings, args.fusion_steps, args.fusion_warmup, rounds, out)
-        trainer = bench_trainer("cpu", args.devices, strategy, max_steps, [interleaved, *thread_callbacks(args)])
+        with quiet_run():
+            trainer = bench_trainer("cpu", args.devices, strategy, max_steps, [interleaved, *thread_callbacks(args)])
         datamodule = SyntheticDataModule(
             global_batch_size=args.global_batch_size,
             num_samples=args.global_batch_size * (max_steps + 1),
             val_samples=0,
             input_shape=(input_dim,),
         )
-        trainer.fit(model, datamodule)
+        with quiet_run():
+            trainer.fit(model, datamodule)
         report = json.loads(out.read_text())
         report["csv"] = log.read_text().splitlines()
     return report

@@ -21,6 +21,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import Strategy
 
 from lightning_shardplus.aggregation import effective_batch_size
+from lightning_shardplus.bench.quiet import quiet_run
 from lightning_shardplus.bench.report_cost import measure_report_cost
 from lightning_shardplus.bench.workloads import BenchConfig, RankStream, bench_model
 from lightning_shardplus.callbacks import STEP_PHASES, ScalingReport
@@ -145,13 +146,14 @@ def run_once(config: BenchConfig, args: argparse.Namespace) -> dict[str, Any]:
             *([report] if report else []),
             *thread_callbacks(args),
         ]
-        trainer = bench_trainer(args.accelerator, args.devices, strategy, timed_steps + warmup_steps, callbacks)
-        if config.stream:  # the same samples, as one stream per rank
-            stream = RankStream(datamodule.build_train_dataset())
-            batch = args.global_batch_size // args.devices
-            trainer.fit(model, torch.utils.data.DataLoader(stream, batch_size=batch))
-        else:
-            trainer.fit(model, datamodule)
+        with quiet_run():
+            trainer = bench_trainer(args.accelerator, args.devices, strategy, timed_steps + warmup_steps, callbacks)
+            if config.stream:  # the same samples, as one stream per rank
+                stream = RankStream(datamodule.build_train_dataset())
+                batch = args.global_batch_size // args.devices
+                trainer.fit(model, torch.utils.data.DataLoader(stream, batch_size=batch))
+            else:
+                trainer.fit(model, datamodule)
         return _run_result(directory, counted, warmup_steps, report is not None)
 
 
@@ -192,11 +194,15 @@ def _alternating_runs(configs: list[BenchConfig], args: argparse.Namespace) -> d
     results: dict[str, list[dict[str, Any]]] = {c.name: [] for c in configs}
     for config in configs:
         if config.prepare_steps:
+            print(f"preparing {config.name}: {config.prepare_steps} untimed steps", flush=True)
             run_once(config, argparse.Namespace(**{**vars(args), "steps": config.prepare_steps}))
+    total = args.repeats * len(configs)
     for repeat in range(args.repeats):
         order = configs if repeat % 2 == 0 else list(reversed(configs))
         for config in order:
             results[config.name].append(run_once(config, args))
+            done, rate = sum(len(runs) for runs in results.values()), results[config.name][-1]["samples_per_s"]
+            print(f"run {done}/{total} {config.name}: {rate:.0f} samples/s", flush=True)
     return results
 
 

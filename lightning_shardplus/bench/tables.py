@@ -4,6 +4,7 @@ performance section, and the matrix's two plots."""
 from __future__ import annotations
 
 import statistics
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +24,41 @@ def _count(value: float | None, unit: str = "") -> str:
     return f"{value:g}"
 
 
+# fewer runs per row than this, and the ratios to the baseline are within the run-to-run noise of this benchmark
+SIGNIFICANT_RUNS = 5
+
+# what the matrix's row names mean (plots' caption)
+ROW_MEANINGS = {
+    "ddp": 'strategy="ddp" (the baseline)',
+    "shardplus": "shardplus defaults",
+    "shardplus-plain": "shardplus, average_training_metrics=False",
+    "shardplus-stream": "shardplus on a stream per rank",
+    "shardplus-report": "shardplus + ScalingReport",
+    "none": "shardplus, Python all-reduce hook (gradients counted)",
+    "agg4": "4 micro-batches per optimizer step",
+    "agg8": "8 micro-batches per optimizer step",
+    "fp16": "fp16 gradient compression",
+    "bf16": "bf16 gradient compression",
+    "powersgd": "PowerSGD gradient compression",
+    "autotune": "tuned bucket size (from the cache)",
+    "metrics16-*": "16 scalars logged per step",
+}
+
+
+def noise_note(report: dict[str, Any]) -> str | None:
+    """A line saying the ratios are within noise when a row has fewer than :data:`SIGNIFICANT_RUNS` runs."""
+    runs = min(len(row["runs"]) for row in report["results"].values())
+    if runs >= SIGNIFICANT_RUNS:
+        return None
+    return (
+        f"fewer than {SIGNIFICANT_RUNS} runs per row ({runs}): ratios are not significant (within the run-to-run "
+        f"noise; use --repeats={SIGNIFICANT_RUNS} or more)"
+    )
+
+
 def format_table(report: dict[str, Any]) -> str:
-    """The matrix: per row, samples/s, its ratio to the baseline and the counted communication per step."""
+    """The matrix: per row, samples/s, its ratio to the baseline and the counted communication per step; below
+    it, :func:`noise_note` where the runs are too few for the ratios to mean anything."""
     lines = [
         f"| configuration | samples/s (median) | min - max | ms/step (median) | ratio to {report['baseline']} | "
         "gradient bytes / step | all-reduce rounds / step | collectives in hooks / step | "
@@ -39,7 +73,8 @@ def format_table(report: dict[str, Any]) -> str:
             f"{_count(row['rounds_per_step'])} | {_count(row['collectives_per_step'])} | "
             f"{_count(row['all_reduce_per_step'])} | {_count(row['barrier_per_step'])} |"
         )
-    return "\n".join(lines)
+    note = noise_note(report)
+    return "\n".join(lines + ([] if note is None else ["", note]))
 
 
 def format_breakdown_table(report: dict[str, Any]) -> str:
@@ -147,10 +182,22 @@ def _plot_samples_per_second(axes: Any, report: dict[str, Any]) -> None:
     for index, name in enumerate(names):
         runs = rows[name]["runs"]
         axes.plot([index] * len(runs), runs, "o", color="black", markersize=3, label="runs" if index == 0 else None)
+    baseline = report["baseline"]
+    axes.axhline(rows[baseline]["median_samples_per_s"], color="#c44e52", linestyle="--", label=f"{baseline} = 1.0x")
     axes.set_ylabel("samples/s")
     axes.set_title(f"Samples/s per configuration ({report['settings']['devices']} processes; bars: median)")
     axes.tick_params(axis="x", labelrotation=60)
+    axes.set_xlabel(_caption(names, report), fontsize="x-small", wrap=True)
     axes.legend()
+
+
+def _caption(names: list[str], report: dict[str, Any]) -> str:
+    """What the plotted row names mean, and the noise note where it applies."""
+    keys = dict.fromkeys("metrics16-*" if name.startswith("metrics16-") else name for name in names)
+    text = "; ".join(f"{key}: {ROW_MEANINGS[key]}" for key in keys if key in ROW_MEANINGS)
+    lines = textwrap.wrap(text, 180)
+    note = noise_note(report)
+    return "\n".join(lines + ([note] if note else []))
 
 
 def _plot_step_breakdown(axes: Any, report: dict[str, Any]) -> None:
