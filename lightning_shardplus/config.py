@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import inspect
+import itertools
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -230,3 +231,21 @@ def closest_option(name: str) -> str | None:
     misspelled ``name`` (difflib), or None when none is close."""
     close = difflib.get_close_matches(name, [*STRATEGY_OPTIONS, *sorted(DDP_KWARGS)], n=1, cutoff=0.75)
     return close[0] if close else None
+
+
+def registered_names() -> dict[str, tuple[str, dict[str, Any]]]:
+    """Lightning's ``ddp*`` family of names as ``shardplus*`` (``shardplus_spawn``,
+    ``shardplus_fork_find_unused_parameters_true``, ...): name -> (description, ``init_params``). The parameters
+    are only those that differ from the defaults: DDP's own defaults are left out, as with ``strategy="ddp"``."""
+    methods = {"": "popen", "_spawn": "spawn", "_fork": "fork", "_notebook": "fork"}
+    unused_flags = {"": None, "_find_unused_parameters_true": True, "_find_unused_parameters_false": False}
+    names = {}
+    for (suffix, method), (flag, unused) in itertools.product(methods.items(), unused_flags.items()):
+        init_params: dict[str, Any] = {} if method == "popen" else {"start_method": method}
+        if unused:
+            init_params["find_unused_parameters"] = True
+        description = f"ShardPlus data-parallel strategy with `start_method` '{method}'"
+        if unused is not None:
+            description += f" and `find_unused_parameters={unused}`"
+        names[f"shardplus{suffix}{flag}"] = (description, init_params)
+    return names

@@ -26,7 +26,7 @@ from lightning_shardplus import _lightning
 from lightning_shardplus.aggregation import check_aggregation, effective_batch_size
 from lightning_shardplus.components import CHECKPOINT_KEYS, DistributedSetup, RunComponents
 from lightning_shardplus.compression import GradientCompression
-from lightning_shardplus.config import ShardPlusConfig, at_ddp_defaults, check_ddp_arguments
+from lightning_shardplus.config import ShardPlusConfig, at_ddp_defaults, check_ddp_arguments, registered_names
 from lightning_shardplus.fusion import BucketSetting, FusionResult
 from lightning_shardplus.launch import LaunchAfterCheck, check_accelerator, check_trainer_call
 from lightning_shardplus.loaders import gather_predictions
@@ -137,10 +137,7 @@ class ShardPlusStrategy(DDPStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        methods = {"": "popen", "_spawn": "spawn", "_fork": "fork", "_notebook": "fork"}
-        for name, method in ((f"shardplus{suffix}", method) for suffix, method in methods.items()):
-            init_params = {} if method == "popen" else {"start_method": method}  # only what is not the default
-            description = f"ShardPlus data-parallel strategy with `start_method` '{method}'"
+        for name, (description, init_params) in registered_names().items():
             strategy_registry.register(name, cls, description=description, override=True, **init_params)
 
     # ------------------------------------------------------------------ what the run sees
@@ -396,4 +393,3 @@ class ShardPlusStrategy(DDPStrategy):
         super().on_predict_end()
         if self._exact_across_ranks:
             gather_predictions(self.lightning_module.trainer.predict_loop, self.num_replicas)
-

@@ -208,12 +208,16 @@ def test_registered_strategies_pass_only_settings_that_differ_from_the_defaults(
         return {p.name: p.default for p in parameters if p.default is not inspect.Parameter.empty}
 
     strategy_defaults, ddp_defaults = defaults(ShardPlusStrategy.__init__), defaults(DistributedDataParallel.__init__)
-    for name in ("shardplus", "shardplus_spawn", "shardplus_fork", "shardplus_notebook"):
+    names = [name for name in StrategyRegistry.available_strategies() if name.startswith("shardplus")]
+    assert len(names) == 12, names
+    for name in names:
         init_params = StrategyRegistry[name]["init_params"]
         assert all(value != strategy_defaults[key] for key, value in init_params.items()), (name, init_params)
         ddp_kwargs = StrategyRegistry.get(name)._ddp_kwargs
         # DDP gets its own defaults by leaving them out, as with strategy="ddp"
-        assert ddp_kwargs == StrategyRegistry.get("ddp")._ddp_kwargs == {}, (name, ddp_kwargs)
+        expected = {"find_unused_parameters": True} if name.endswith("_true") else {}
+        assert ddp_kwargs == expected, (name, ddp_kwargs)
+    assert StrategyRegistry.get("ddp")._ddp_kwargs == {}
     given = ShardPlusStrategy(static_graph=True, find_unused_parameters=False, tensor_fusion_threshold_mb=4)._ddp_kwargs
     assert given == {"static_graph": True, "bucket_cap_mb": 4.0}
     assert all(ddp_defaults[key] != value for key, value in given.items())
@@ -226,9 +230,13 @@ def test_strategy_names_are_registered_with_their_start_methods():
         ("shardplus_fork", "fork"),
         ("shardplus_notebook", "fork"),
     ]:
-        strategy = StrategyRegistry.get(name)
-        assert isinstance(strategy, ShardPlusStrategy)
-        assert strategy._start_method == start_method
+        flags = (("", False), ("_find_unused_parameters_true", True), ("_find_unused_parameters_false", False))
+        for flag, unused in flags:  # as Lightning's: ddp_spawn_find_unused_parameters_true, ...
+            strategy = StrategyRegistry.get(name + flag)
+            assert isinstance(strategy, ShardPlusStrategy)
+            assert strategy._start_method == start_method
+            assert strategy._ddp_kwargs.get("find_unused_parameters", False) is unused
+            assert StrategyRegistry.get(f"ddp{name[len('shardplus'):]}{flag}")._start_method == start_method
 
 
 @pytest.mark.parametrize(
