@@ -4,8 +4,9 @@ measurement)."""
 import json
 
 import pytest
+from lightning.pytorch.strategies import DDPStrategy
 
-from lightning_shardplus import bench
+from lightning_shardplus import ShardPlusStrategy, bench
 
 
 @pytest.mark.timeout(180)
@@ -191,13 +192,17 @@ def test_fusion_bench_tunes_then_measures_every_setting_interleaved(tmp_path, ca
 
 @pytest.mark.timeout(120)
 def test_the_streaming_row_runs_beside_its_map_style_twin_on_a_stream_of_the_same_samples():
-    (stream_row,) = [config for config in bench.default_configs() if config.name == "shardplus-stream"]
-    assert stream_row.stream and not stream_row.count_gradients and not stream_row.scaling_report
+    rows = {config.name: config for config in bench.default_configs()}
+    for name in ("ddp-stream", "shardplus-stream"):
+        assert rows[name].stream and not rows[name].count_gradients and not rows[name].scaling_report
+    assert isinstance(rows["ddp-stream"].make_strategy(), DDPStrategy)
+    assert not isinstance(rows["ddp-stream"].make_strategy(), ShardPlusStrategy)
     assert [int(x) for x in bench.RankStream(list(range(10)))] == list(range(10))  # one process: all of it, in order
     args = bench.parse_args(
         ["--repeats=1", "--steps=4", "--warmup=2", "--global-batch-size=8", "--input-dim=4", "--hidden-dim=8"]
-        + ["--layers=1", "--configs=shardplus,shardplus-stream"]
+        + ["--layers=1", "--configs=shardplus,ddp-stream,shardplus-stream"]
     )
     rows = bench.run(bench.select_configs(args.configs), args)["results"]
-    assert list(rows) == ["shardplus", "shardplus-stream"]
+    assert list(rows) == ["shardplus", "ddp-stream", "shardplus-stream"]
+    assert rows["ddp-stream"]["median_samples_per_s"] > 0
     assert rows["shardplus-stream"]["median_samples_per_s"] > 0  # ran its timed steps to the end

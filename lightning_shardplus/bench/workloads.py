@@ -63,8 +63,16 @@ def default_configs() -> list[BenchConfig]:
         BenchConfig(
             "shardplus-plain", shardplus(average_training_metrics=False), count_gradients=False, scaling_report=False
         ),
-        # the defaults over a stream of the same data (equal lengths): its cost against "shardplus" is the
-        # uneven-inputs agreement, one all-reduce of one integer per micro-batch
+        # the same data as one stream per rank (equal lengths, so that plain ddp runs too): "shardplus-stream"
+        # against "ddp-stream" is the cost of the uneven-inputs agreement (one all-reduce of one integer per
+        # micro-batch); "ddp-stream" against "ddp" is the iterable loader's own
+        BenchConfig(
+            "ddp-stream",
+            lambda: DDPStrategy(start_method="fork"),
+            count_gradients=False,
+            scaling_report=False,
+            stream=True,
+        ),
         BenchConfig("shardplus-stream", shardplus(), count_gradients=False, scaling_report=False, stream=True),
         # the defaults with the ScalingReport: its overhead is this row against "shardplus"
         BenchConfig("shardplus-report", shardplus(), count_gradients=False),
