@@ -197,7 +197,8 @@ class _Plan:
     the buffers; cached, so a step with the same order builds none."""
 
     layout: _Layout
-    body_index: Tensor  # header, then each mean observation's weight slot, then each mean/sum value slot
+    weight_slots: tuple[int, ...]  # each mean observation's weight slot in the SUM buffer
+    value_index: Tensor  # each mean/sum observation's value slot in the SUM buffer
     summed: Tensor | None  # the mean/sum observations among all (None: all of them)
     extreme_obs: Tensor | None  # the max/min observations (None: none)
     extreme_index: Tensor | None  # their value slots, then their NaN-flag slots in the MAX buffer
@@ -225,7 +226,8 @@ class _Plan:
         extremes = bool(extreme_obs)
         return cls(
             layout,
-            on_device(list(range(_HEADER)) + weight_slots + value_slots),
+            tuple(weight_slots),
+            on_device(value_slots),
             on_device(summed) if extremes else None,
             on_device(extreme_obs) if extremes else None,
             on_device(extreme_slots + [slot + 1 for slot in extreme_slots]) if extremes else None,
@@ -364,22 +366,23 @@ class FusedMetricReducer:
         """This rank's SUM contribution: header (always) and body (when it fits the agreed capacity). ``abstain``:
         a rank without data in this step contributes nothing (zeros): the reductions are over the other ranks."""
         window = self._window
-        buffer = torch.zeros(_HEADER + self.capacity, dtype=_F64, device=self.device)
         if abstain:
-            return buffer
+            return torch.zeros(_HEADER + self.capacity, dtype=_F64, device=self.device)
         plan = self._plan(window)
         layout = plan.layout
         if layout.slots > self.capacity:  # the header alone: the ranks agree on a larger capacity first
-            buffer[:_HEADER] = self._host_numbers(layout.header)
-            return buffer
-        host = self._host_numbers(layout.header + window.weights + window.coefs)
-        if window.coefs:
-            values = window.stacked()
-            if plan.summed is not None:
-                values = values.index_select(0, plan.summed)
-            split = _HEADER + len(window.weights)
-            host = torch.cat((host[:split], host[split:] * values))
-        return buffer.index_add_(0, plan.body_index, host)
+            return self._host_numbers(layout.header + [0.0] * self.capacity)
+        numbers = layout.header + [0.0] * self.capacity
+        for slot, weight in zip(plan.weight_slots, window.weights, strict=True):
+            numbers[slot] += weight
+        if not window.coefs:
+            return self._host_numbers(numbers)
+        # the buffer, then each mean/sum coefficient
+        buffer, coefs = self._host_numbers(numbers + window.coefs).split((len(numbers), len(window.coefs)))
+        values = window.stacked()
+        if plan.summed is not None:
+            values = values.index_select(0, plan.summed)
+        return buffer.index_add_(0, plan.value_index, torch.mul(coefs, values))
 
     def pack_extremes(self, abstain: bool = False) -> Tensor | None:
         """This rank's MAX contribution at the agreed size (None when it is 0): per max/min name the value (negated
@@ -404,20 +407,19 @@ class FusedMetricReducer:
     def _values(self, plan: _Plan, summed: Tensor, maxed: Tensor | None) -> dict[str, Reduced]:
         """The step's reductions, computed on the device from the summed (and maxed) buffers."""
         layout = plan.layout
-        body = summed[_HEADER:]
-        if layout.slots > body.numel():  # only where the ranks' names differ (they do not fit): `check` raises
-            body = torch.full((layout.slots,), float("nan"), dtype=_F64, device=self.device)
+        if layout.slots > summed.numel() - _HEADER:  # only where the ranks' names differ (they do not fit): `check`
+            summed = torch.full((_HEADER + layout.slots,), float("nan"), dtype=_F64, device=self.device)  # raises
         means = 2 * layout.means
-        weighted, weights = body[0:means:2], body[1:means:2]
-        parts = [weighted / weights] if layout.means else []  # a zero total weight gives NaN
+        weighted, weights = summed.narrow(0, _HEADER, means).view(-1, 2).unbind(1)
+        parts = [torch.div(weighted, weights)] if layout.means else []  # a zero total weight gives NaN
         if layout.sums:
-            parts.append(body[means : means + layout.sums])
+            parts.append(summed.narrow(0, _HEADER + means, layout.sums))
         if layout.extremes:
             if maxed is None or maxed.numel() < layout.extremes:  # likewise
                 maxed = torch.full((layout.extremes,), float("nan"), dtype=_F64, device=self.device)
             values = maxed[0 : layout.extremes : 2] * plan.key_sign
             parts.append(torch.where(maxed[1 : layout.extremes : 2] > 0, float("nan"), values))
-        vector = parts[0] if len(parts) == 1 else torch.cat(parts) if parts else body[:0]
+        vector = parts[0] if len(parts) == 1 else torch.cat(parts) if parts else weights
         shared = _Values(vector, weighted, weights)
         return {key: Reduced(shared, i) for key, i in layout.index.items()}
 
@@ -438,7 +440,7 @@ class FusedMetricReducer:
         self._all_reduce(summed, op=dist.ReduceOp.SUM)
         if abstain or layout.slots > self.capacity or layout.extremes > self.extremes:
             summed = self._agree(summed, abstain)
-        self._unchecked.append(summed[:_HEADER])
+        self._unchecked.append(summed.narrow(0, 0, _HEADER))
         self._wheres.append(where)
         if check or len(self._unchecked) >= UNCHECKED_STEPS:
             self.check()  # before the MAX collective: sized for this step, none if it has no max/min value
