@@ -15,43 +15,34 @@ By default Lightning logs rank 0's own training values; with ``sync_dist=True`` 
 a barrier plus an all_reduce per value per step. With ``ShardPlusStrategy(average_training_metrics=True)``
 every scalar logged with ``on_step=True`` from ``training_step`` and the training-batch hooks
 (``on_train_batch_start``, the backward and optimizer hooks) is collected on each rank and, once per
-logged step, replaced by its reduction over all ranks, computed by ONE ``all_reduce`` for all values
-together:
+logged step (an optimizer step; every batch in manual optimization), replaced by its reduction over all
+ranks, at the start of ``on_train_batch_end``:
 
 - plain values (and ``sync_dist=True`` values with ``reduce_fx="mean"``): the mean over ranks weighted by
   batch size: ``self.log(..., batch_size=...)`` where given, else the size Lightning infers from the batch
-  (as it does for epoch means), else 1;
+  (as it does for epoch means), else 1; with gradient accumulation, over every micro-batch of the step;
 - ``sync_dist=True`` values with ``reduce_fx`` ``"sum"``, ``"max"`` or ``"min"``: that reduction over
-  ranks, as Lightning's own sync would compute it (folded into the same collective; Lightning's sync is
-  skipped).
+  ranks, as Lightning's own sync would compute it (Lightning's sync is skipped).
 
-A logged step is an optimizer step in automatic optimization: with gradient accumulation
-(``aggregation_frequency`` / ``accumulate_grad_batches`` = N) the value logged at a step reduces every
-micro-batch of the window on every rank (for a mean: the batch-weighted mean over the N micro-batches of
-all ranks, i.e. over the whole global batch). Between optimizer steps ``callback_metrics`` and the
-progress bar keep the previous step's value. In manual optimization every batch is a logged step. Epoch
-aggregates (``on_epoch=True``) are accumulated from the same reduced values, so they are identical on all
-ranks and consistent with the step values.
+The values stay on the device: they are packed into one float64 buffer (one ``torch.cat`` and one
+``index_add_`` at positions cached per set of logged names), reduced by ONE SUM ``all_reduce``, plus one
+MAX ``all_reduce`` of 2 slots per max/min name in steps whose agreed layout has max/min names (min as the
+max of the negation), and written back as device tensors: nothing is read on the host during the step,
+the loggers and the progress bar convert the values when they read them. Sizes do not grow with the world
+size.
 
-When the collective runs: values normally come from ``training_step`` (and the hooks before backward), so the
-collective is started, without waiting, when backward begins (``on_before_backward`` of the step's last micro-
-batch) and read in ``on_train_batch_end``: its latency, including the wait for the slowest rank, hides behind
-backward and the optimizer step (on CPU processes; on accelerators the collective runs in
-``on_train_batch_end``, since packing reads the values on the host). A value logged after the collective
-started (``on_after_backward``, ``on_before_optimizer_step``, and also the LightningModule's own
-``on_before_backward``, which Lightning calls after the callbacks') cannot be in that collective: the first
-logged step of a fit therefore reduces in ``on_train_batch_end``, after every hook, and learns from a flag in
-the collective whether any rank logs after backward; if one does, every later step reduces there too (one
-blocking collective per step, as if started late). A value first logged after backward in a later step is that
-rank's own in that step (with a warning); the next collective tells every rank, and from then on steps reduce
-in ``on_train_batch_end`` (that one step pays two collectives).
-
-The collective carries a fixed-size header that lets every rank check, with the same outcome on every
-rank, that all ranks logged the same names (same count and a 48-bit digest of the sorted names): a
-mismatch raises :class:`MetricMismatchError`, naming the metrics and ranks, on every rank instead of
-hanging or adding unrelated values. The body has a capacity agreed by all ranks (64 slots, doubled when a
-step needs more: that step pays a second collective, once), so ranks logging different numbers of values
-still call the collective with tensors of the same size.
+Agreement without a host read: the SUM buffer starts with a header of exact small integers (the number of
+contributing ranks, the body's slots and the max/min slots, a 48-bit digest of the sorted names and
+reductions, each with its square): the ranks logged the same names exactly when, for every pair, contributors
+* sum of squares == (sum)^2. The summed headers are kept on the device and read on the host (one
+synchronisation for all of them) when the loggers read the values anyway (Lightning's logging steps), at
+the end of each training epoch and after 128 unchecked steps: a mismatch raises
+:class:`MetricMismatchError`, naming the first step where the ranks differed, the metrics and ranks, on
+every rank. The buffer sizes are agreed by every rank (64 body slots, doubled when needed; the max/min
+slots set from the checked headers): a rank whose names need more than agreed reads this step's header
+(a synchronisation, once per new layout); the ranks that logged the same names all need the same and
+grow together (a second collective in that step), a mismatched rank grows nothing, so no collective ever
+differs in size.
 
 Left alone (Lightning's behaviour): ``torchmetrics.Metric`` objects (their own sync), values logged with
 ``rank_zero_only=True``, ``sync_dist=True`` values with a ``sync_dist_group``, ``on_step=False`` values,
@@ -66,8 +57,6 @@ callback the strategy puts first in the Trainer's callbacks; every private Light
 from __future__ import annotations
 
 import hashlib
-import math
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -86,9 +75,12 @@ Reduction = Literal["mean", "sum", "max", "min"]
 REDUCTIONS: tuple[str, ...] = ("mean", "sum", "max", "min")
 
 _DIGEST_BYTES = 6  # 48 bits; small integers (a byte, its square) stay exact when summed in float64
-_FLAG = 3 + 2 * _DIGEST_BYTES  # after: participants, (slots, slots^2), (byte, byte^2) per digest byte
-_HEADER = _FLAG + 1  # then the number of ranks that raised the flag
+# header: contributors, (slots, slots^2), (max/min slots, their square), (byte, byte^2) per digest byte
+_HEADER = 5 + 2 * _DIGEST_BYTES
 INITIAL_CAPACITY = 64
+UNCHECKED_STEPS = 128  # at most this many reduced steps between two host checks of the headers
+_PLANS = 256  # cached observation orders, at most
+_F64 = torch.float64
 
 
 class MetricMismatchError(RuntimeError):
@@ -96,61 +88,57 @@ class MetricMismatchError(RuntimeError):
 
 
 class _Values:
-    """The reduced values of one step (Python floats, float64), turned into one tensor per dtype and device on
-    demand, which each metric's step value is a view of."""
+    """The reduced values of one step: one float64 device tensor (means, sums, then max/min values, in layout
+    order) converted once per dtype and device, which each metric's step value is a view of; for means also the
+    global weighted sums and weights."""
 
-    __slots__ = ("floats", "_tensors")
+    __slots__ = ("vector", "weighted", "weights", "_tensors")
 
-    def __init__(self, floats: list[float]) -> None:
-        self.floats = floats
+    def __init__(self, vector: Tensor, weighted: Tensor | None = None, weights: Tensor | None = None) -> None:
+        self.vector, self.weighted, self.weights = vector, weighted, weights
         self._tensors: dict[tuple[torch.dtype, torch.device | str], Tensor] = {}
 
     def tensor(self, dtype: torch.dtype, device: torch.device | str) -> Tensor:
         tensor = self._tensors.get((dtype, device))
         if tensor is None:
-            tensor = self._tensors[(dtype, device)] = torch.tensor(self.floats, dtype=dtype, device=device)
+            tensor = self._tensors[(dtype, device)] = self.vector.to(dtype=dtype, device=device)
         return tensor
 
 
 class Reduced:
     """One metric after the collective: its step value, and for means the global sums it came from (over
-    ranks, and micro-batches, of weight * value, and of the weights)."""
+    ranks, and micro-batches, of weight * value, and of the weights), all as device tensors."""
 
-    __slots__ = ("_index", "_values", "weight", "weighted_sum")
+    __slots__ = ("_index", "_values")
 
-    def __init__(
-        self, values: _Values, index: int, weighted_sum: float | None = None, weight: float | None = None
-    ) -> None:
+    def __init__(self, values: _Values, index: int) -> None:
         self._values, self._index = values, index
-        self.weighted_sum, self.weight = weighted_sum, weight
 
     @classmethod
     def of(cls, value: float, weighted_sum: float | None = None, weight: float | None = None) -> Reduced:
-        return cls(_Values([value]), 0, weighted_sum, weight)
+        means = weighted_sum is not None and weight is not None
+        sums = torch.tensor([weighted_sum, weight], dtype=_F64) if means else None
+        return cls(_Values(torch.tensor([value], dtype=_F64), *((sums[:1], sums[1:]) if means else ())), 0)
+
+    @property
+    def weighted_sum(self) -> Tensor | None:
+        return None if self._values.weighted is None else self._values.weighted[self._index]
+
+    @property
+    def weight(self) -> Tensor | None:
+        return None if self._values.weights is None else self._values.weights[self._index]
 
     @property
     def value(self) -> float:
-        return self._values.floats[self._index]
+        """The step value as a Python float: a host read (for callers outside the training step)."""
+        return self._values.vector[self._index].item()
 
     def value_as(self, dtype: torch.dtype, device: torch.device | str = "cpu") -> Tensor:
         """The step value as a 0-dim tensor (a view of one tensor shared by the step's metrics)."""
         return self._values.tensor(dtype, device)[self._index]
 
     def __repr__(self) -> str:
-        return f"Reduced(value={self.value!r}, weighted_sum={self.weighted_sum!r}, weight={self.weight!r})"
-
-
-def _max(a: float, b: float) -> float:
-    return a if a != a or a >= b else b  # NaN wins, as in torch.maximum
-
-
-def _min(a: float, b: float) -> float:
-    return a if a != a or a <= b else b
-
-
-def _slots(reduction: str, world_size: int) -> int:
-    # max/min: one slot per rank, this rank's value in its own slot (the SUM all_reduce gathers them)
-    return 2 if reduction == "mean" else 1 if reduction == "sum" else world_size
+        return f"Reduced(value={self.value!r})"
 
 
 def _digest(signature: Sequence[tuple[str, str]]) -> bytes:
@@ -158,42 +146,110 @@ def _digest(signature: Sequence[tuple[str, str]]) -> bytes:
     return hashlib.blake2b(text.encode(), digest_size=_DIGEST_BYTES).digest()
 
 
+def _power_of_two(n: int) -> int:
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
 @dataclass(frozen=True)
 class _Layout:
-    """Where each metric of a signature (sorted keys and their reductions) lives in the collective's body."""
+    """Where each metric of a signature (sorted keys and their reductions) lives: means (weighted sum, weight),
+    then sums in the SUM body; max/min (value, NaN flag) in the MAX buffer; ``index``: its place in the step's
+    value vector."""
 
     signature: tuple[tuple[str, str], ...]
-    header: list[float]  # this rank's header: 1, slots, slots^2, then each digest byte and its square
-    slots: int
-    position: dict[str, int]  # first body slot of each key
-    # with max/min keys: where one slot per rank says that rank contributed (a rank without data does not)
-    presence: int | None = None
+    header: list[float]  # this rank's header: 1, slots, slots^2, extremes, extremes^2, digest bytes and squares
+    means: int
+    sums: int
+    extremes: int  # MAX slots: 2 per max/min key
+    index: dict[str, int]
+    extreme_signs: tuple[float, ...]  # +1 per max key, -1 per min key, in layout order
+
+    @property
+    def slots(self) -> int:
+        return 2 * self.means + self.sums
 
     @classmethod
-    def of(cls, signature: tuple[tuple[str, str], ...], world_size: int) -> _Layout:
-        position: dict[str, int] = {}
-        slots = 0
+    def of(cls, signature: tuple[tuple[str, str], ...]) -> _Layout:
+        groups: dict[str, list[str]] = {"mean": [], "sum": [], "extreme": []}
         for key, reduction in signature:
-            position[key] = slots
-            slots += _slots(reduction, world_size)
-        presence = None
-        if any(reduction in ("max", "min") for _, reduction in signature):
-            presence, slots = slots, slots + world_size
-        header = [1, slots, slots * slots] + [x for b in _digest(signature) for x in (b, b * b)]
-        return cls(signature, [float(x) for x in header], slots, position, presence)
+            groups[reduction if reduction in ("mean", "sum") else "extreme"].append(key)
+        ordered = groups["mean"] + groups["sum"] + groups["extreme"]
+        kinds = dict(signature)
+        signs = tuple(1.0 if kinds[key] == "max" else -1.0 for key in groups["extreme"])
+        means, sums, extremes = len(groups["mean"]), len(groups["sum"]), 2 * len(groups["extreme"])
+        slots = 2 * means + sums
+        numbers = [1, slots, slots * slots, extremes, extremes * extremes]
+        header = numbers + [x for b in _digest(signature) for x in (b, b * b)]
+        index = {key: i for i, key in enumerate(ordered)}
+        return cls(signature, [float(x) for x in header], means, sums, extremes, index, signs)
+
+    def body_slot(self, key: str) -> int:
+        i = self.index[key]
+        return 2 * i if i < self.means else self.means + i
+
+    def extreme_slot(self, key: str) -> int:
+        return 2 * (self.index[key] - self.means - self.sums)
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """The device index tensors that put one observation order (the keys in the order they were logged) into
+    the buffers; cached, so a step with the same order builds none."""
+
+    layout: _Layout
+    weight_slots: tuple[int, ...]  # each mean observation's weight slot in the SUM buffer
+    value_index: Tensor  # each mean/sum observation's value slot in the SUM buffer
+    summed: Tensor | None  # the mean/sum observations among all (None: all of them)
+    extreme_obs: Tensor | None  # the max/min observations (None: none)
+    extreme_index: Tensor | None  # their value slots, then their NaN-flag slots in the MAX buffer
+    extreme_sign: Tensor | None  # +1 (max) or -1 (min) per max/min observation
+    key_sign: Tensor | None  # +1 or -1 per max/min key, in layout order
+
+    @classmethod
+    def of(cls, order: tuple[tuple[str, str], ...], layout: _Layout, device: torch.device) -> _Plan:
+        weight_slots, value_slots, summed, extreme_obs, extreme_slots, signs = [], [], [], [], [], []
+        for i, (key, reduction) in enumerate(order):
+            if reduction in ("mean", "sum"):
+                slot = _HEADER + layout.body_slot(key)
+                value_slots.append(slot)
+                summed.append(i)
+                if reduction == "mean":
+                    weight_slots.append(slot + 1)
+            else:
+                extreme_obs.append(i)
+                extreme_slots.append(layout.extreme_slot(key))
+                signs.append(1.0 if reduction == "max" else -1.0)
+
+        def on_device(numbers: list[Any], dtype: torch.dtype = torch.long) -> Tensor:
+            return torch.tensor(numbers, dtype=dtype, device=device)
+
+        extremes = bool(extreme_obs)
+        return cls(
+            layout,
+            tuple(weight_slots),
+            on_device(value_slots),
+            on_device(summed) if extremes else None,
+            on_device(extreme_obs) if extremes else None,
+            on_device(extreme_slots + [slot + 1 for slot in extreme_slots]) if extremes else None,
+            on_device(signs, _F64) if extremes else None,
+            on_device(list(layout.extreme_signs), _F64) if layout.extremes else None,
+        )
 
 
 class _Window:
-    """What this rank observed between two reductions: every value in order, with its key's reduction and
-    label."""
+    """What this rank observed between two reductions, in order: (key, reduction), the value (a 0-dim device
+    tensor), and the host-known weights (mean observations) and coefficients (mean/sum observations: the
+    weight, or 1)."""
 
-    __slots__ = ("kinds", "keys", "values", "weights")
+    __slots__ = ("kinds", "order", "values", "weights", "coefs", "_stacked")
 
     def __init__(self) -> None:
         self.kinds: dict[str, tuple[str, str]] = {}
-        self.keys: list[str] = []
+        self.order: list[tuple[str, str]] = []
         self.values: list[Tensor] = []
         self.weights: list[float] = []
+        self.coefs: list[float] = []
+        self._stacked: Tensor | None = None
 
     def signature(self) -> tuple[tuple[str, str], ...]:
         return tuple((key, self.kinds[key][0]) for key in sorted(self.kinds))
@@ -201,46 +257,29 @@ class _Window:
     def entries(self) -> list[tuple[str, str, str]]:
         return [(key, *self.kinds[key]) for key in sorted(self.kinds)]
 
-    def floats(self) -> list[float]:
-        values = self.values
-        if not values:
-            return []
-        device = values[0].device
-        if all(v.device == device for v in values):
-            return torch.stack(values).tolist()  # one copy (and one synchronisation on an accelerator)
-        return [v.item() for v in values]
-
-
-@dataclass
-class Launched:
-    """A reduction started with :meth:`FusedMetricReducer.start`: the window it carries, its buffer and the
-    collective's handle."""
-
-    window: _Window
-    buffer: Tensor
-    work: Any
-    abstain: bool = False
+    def stacked(self) -> Tensor:
+        if self._stacked is None:
+            self._stacked = torch.stack(self.values)  # one copy, on the device
+        return self._stacked
 
 
 class FusedMetricReducer:
-    """Collects this rank's scalars and reduces all of them across ranks with one SUM ``all_reduce``.
+    """Collects this rank's scalars and reduces all of them across ranks with one SUM ``all_reduce`` (plus one
+    MAX ``all_reduce`` when max/min values are logged), on the device, without reading them on the host.
 
-    The arithmetic around the collective is done on Python floats (float64): for a few scalars that is much
-    cheaper than tensor operations, and it moves the values once each way (one synchronisation on an
-    accelerator, which reading the result needs anyway). The reduction either blocks (:meth:`reduce`) or is
-    started early and finished later (:meth:`start`, :meth:`finish`), so that it overlaps other work.
-
-    Every reduction also sums one flag per rank (``flag=`` of :meth:`pack`): :attr:`flagged_ranks` holds, after
-    each reduction, how many ranks raised it. The caller uses it to agree on a decision without a second
-    collective.
+    Every step's summed header is kept on the device; :meth:`check` reads them (one synchronisation) and raises
+    :class:`MetricMismatchError` on every rank if the ranks logged different metrics in any of them.
+    :meth:`pack`, :meth:`pack_extremes` and :meth:`unpack` are one checked step, in parts (the collectives
+    done by the caller).
 
     Args:
-        world_size, rank: this process's place in the group the collective runs over.
-        all_reduce: SUM all_reduce of a 1-d float64 tensor over that group, in place; called as
-            ``all_reduce(tensor)`` (blocking) or ``all_reduce(tensor, async_op=True)`` (returns a handle with
-            ``wait()``).
+        world_size, rank: this process's place in the group the collectives run over.
+        all_reduce: ``all_reduce(tensor, op=dist.ReduceOp.SUM | MAX)`` of a 1-d float64 tensor over that group,
+            in place.
         all_gather_object: gathers a picklable object from every rank (only used to name a mismatch).
-        capacity: body slots of the collective (grows by doubling when a step needs more).
+        capacity: SUM body slots (2 per mean, 1 per sum; grows by doubling when a step needs more).
+        extremes: MAX slots (2 per max/min name); 0: no MAX collective until a step needs one.
+        device: where the buffers live (the values' device).
     """
 
     def __init__(
@@ -250,15 +289,24 @@ class FusedMetricReducer:
         all_reduce: Callable[..., Any],
         all_gather_object: Callable[[Any], list[Any]],
         capacity: int = INITIAL_CAPACITY,
+        extremes: int = 0,
+        device: torch.device | str = "cpu",
     ) -> None:
         self.world_size = world_size
         self.rank = rank
         self.capacity = capacity
-        self.flagged_ranks = 0
+        self.extremes = extremes
+        self.device = torch.device(device)
         self._all_reduce = all_reduce
         self._all_gather_object = all_gather_object
-        self._window = _Window()  # every observation since the last reduction (or start)
-        self._layout = _Layout.of((), world_size)  # the last one computed
+        self._window = _Window()  # every observation since the last reduction
+        self._layouts: dict[tuple[tuple[str, str], ...], _Layout] = {}
+        self._plans: dict[tuple[tuple[str, str], ...], _Plan] = {}
+        self._identity: Tensor | None = None  # the MAX buffer's identity (-inf values, 0 NaN flags)
+        self._unchecked: list[Tensor] = []  # summed headers of the steps since the last check (device)
+        self._wheres: list[str] = []
+        self._history: list[tuple[int, list[tuple[str, str, str]]]] = []  # (step, entries) at each change
+        self._layout: _Layout | None = None  # this rank's in the last step
 
     @property
     def pending(self) -> list[str]:
@@ -274,9 +322,16 @@ class FusedMetricReducer:
             window.kinds[key] = (reduction, label or key)
         elif kind[0] != reduction:
             raise ValueError(f"`{key}` was observed as {kind[0]!r} and now as {reduction!r}.")
-        window.keys.append(key)
-        window.values.append(value.detach() if value.dim() == 0 else value.detach().reshape(()))
-        window.weights.append(float(weight))
+        value = value.detach() if value.dim() == 0 else value.detach().reshape(())
+        if value.device != self.device:
+            value = value.to(self.device, non_blocking=True)
+        window.order.append((key, reduction))
+        window.values.append(value)
+        if reduction == "mean":
+            window.weights.append(float(weight))
+            window.coefs.append(float(weight))
+        elif reduction == "sum":
+            window.coefs.append(1.0)
 
     def discard(self) -> None:
         """Forget what was observed since the last reduction (on every rank at the same point)."""
@@ -286,141 +341,189 @@ class FusedMetricReducer:
         """(key, reduction, label) of every metric observed since the last reduction, sorted by key."""
         return self._window.entries()
 
-    # ---------------------------------------------------------------- the collective
+    # ---------------------------------------------------------------- packing (device only)
 
-    def _layout_of(self, window: _Window) -> _Layout:
-        signature = window.signature()
-        if self._layout.signature != signature:
-            self._layout = _Layout.of(signature, self.world_size)
-        return self._layout
+    def _plan(self, window: _Window) -> _Plan:
+        order = tuple(window.order)
+        plan = self._plans.get(order)
+        if plan is None:
+            signature = window.signature()
+            layout = self._layouts.get(signature)
+            if layout is None:
+                layout = self._layouts[signature] = _Layout.of(signature)
+            if len(self._plans) >= _PLANS:
+                self._plans.clear()
+            plan = self._plans[order] = _Plan.of(order, layout, self.device)
+        return plan
 
-    def pack(
-        self,
-        device: torch.device | str = "cpu",
-        flag: bool = False,
-        window: _Window | None = None,
-        abstain: bool = False,
-    ) -> Tensor:
-        """This rank's contribution: header (always) and body (when it fits the agreed capacity). ``abstain``: a rank
-        without data in this step contributes nothing (zeros): the reductions are over the other ranks."""
-        window = window or self._window
-        layout = self._layout_of(window)
+    def _host_numbers(self, numbers: list[float]) -> Tensor:
+        """Host-known numbers on the device without waiting for it (a pinned, non-blocking copy on CUDA)."""
+        if self.device.type == "cuda":
+            return torch.tensor(numbers, dtype=_F64, pin_memory=True).to(self.device, non_blocking=True)
+        return torch.tensor(numbers, dtype=_F64, device=self.device)
+
+    def pack(self, abstain: bool = False) -> Tensor:
+        """This rank's SUM contribution: header (always) and body (when it fits the agreed capacity). ``abstain``:
+        a rank without data in this step contributes nothing (zeros): the reductions are over the other ranks."""
+        window = self._window
         if abstain:
-            nothing = [0.0] * _FLAG + [float(flag)] + [0.0] * self.capacity
-            return torch.tensor(nothing, dtype=torch.float64, device=device)
-        numbers = layout.header + [float(flag)] + [0.0] * self.capacity
-        if layout.presence is not None and layout.slots <= self.capacity:
-            numbers[_HEADER + layout.presence + self.rank] = 1.0
-        if window.values and layout.slots <= self.capacity:
-            seen: set[int] = set()  # max/min slots holding a value already
-            for key, value, weight in zip(window.keys, window.floats(), window.weights, strict=True):
-                reduction = window.kinds[key][0]
-                slot = _HEADER + layout.position[key]
-                if reduction == "mean":
-                    numbers[slot] += weight * value
-                    numbers[slot + 1] += weight
-                elif reduction == "sum":
-                    numbers[slot] += value
-                else:
-                    slot += self.rank
-                    if slot not in seen:
-                        seen.add(slot)
-                        numbers[slot] = value
-                    else:
-                        numbers[slot] = (_max if reduction == "max" else _min)(numbers[slot], value)
-        return torch.tensor(numbers, dtype=torch.float64, device=device)
+            return torch.zeros(_HEADER + self.capacity, dtype=_F64, device=self.device)
+        plan = self._plan(window)
+        layout = plan.layout
+        if layout.slots > self.capacity:  # the header alone: the ranks agree on a larger capacity first
+            return self._host_numbers(layout.header + [0.0] * self.capacity)
+        numbers = layout.header + [0.0] * self.capacity
+        for slot, weight in zip(plan.weight_slots, window.weights, strict=True):
+            numbers[slot] += weight
+        if not window.coefs:
+            return self._host_numbers(numbers)
+        # the buffer, then each mean/sum coefficient
+        buffer, coefs = self._host_numbers(numbers + window.coefs).split((len(numbers), len(window.coefs)))
+        values = window.stacked()
+        if plan.summed is not None:
+            values = values.index_select(0, plan.summed)
+        return buffer.index_add_(0, plan.value_index, torch.mul(coefs, values))
 
-    def unpack(
-        self, buffer: Tensor, where: str = "this step", window: _Window | None = None
-    ) -> dict[str, Reduced] | None:
-        """Check the summed header and read the reductions; None when the body did not fit (the capacity has
-        grown: pack and all_reduce again). Raises :class:`MetricMismatchError` on every rank when the ranks
-        differ."""
-        window = window or self._window
-        numbers = buffer.tolist()
-        header = [int(x) for x in numbers[:_HEADER]]  # exact: small integers summed in float64
-        world, contributors = self.world_size, header[0]  # ranks without data in this step do not contribute
-        if not 0 < contributors <= world:
-            raise RuntimeError(
-                f"shardplus: the training-metrics collective summed {contributors} contributions, expected 1 to "
-                f"{world}."
-            )
-        self.flagged_ranks = header[_FLAG]
-        pairs = [(header[i], header[i + 1]) for i in range(1, _FLAG, 2)]
-        if any(contributors * squares != total * total for total, squares in pairs):  # the ranks' numbers differ
-            self._raise_mismatch(where, window)
-        slots = header[1] // contributors
-        if slots > self.capacity:
-            self.capacity = 1 << (slots - 1).bit_length()
+    def pack_extremes(self, abstain: bool = False) -> Tensor | None:
+        """This rank's MAX contribution at the agreed size (None when it is 0): per max/min name the value (negated
+        for min; NaN as -inf) and a NaN flag; the identity (-inf, 0) where this rank has nothing or it does not
+        fit."""
+        if not self.extremes:
             return None
-        layout = self._layout_of(window)
-        floats: list[float] = []
-        values = _Values(floats)
-        reduced: dict[str, Reduced] = {}
-        for key, reduction in layout.signature:
-            slot = _HEADER + layout.position[key]
-            if reduction == "mean":
-                weighted_sum, weight = numbers[slot], numbers[slot + 1]
-                floats.append(weighted_sum / weight if weight else math.nan)
-                reduced[key] = Reduced(values, len(floats) - 1, weighted_sum, weight)
-                continue
-            if reduction == "sum":
-                floats.append(numbers[slot])
-            else:
-                per_rank = numbers[slot : slot + world]
-                if layout.presence is not None:  # the ranks that contributed
-                    present = numbers[_HEADER + layout.presence : _HEADER + layout.presence + world]
-                    per_rank = [value for value, here in zip(per_rank, present, strict=True) if here] or [math.nan]
-                extreme = per_rank[0]
-                for value in per_rank[1:]:
-                    extreme = (_max if reduction == "max" else _min)(extreme, value)
-                floats.append(extreme)
-            reduced[key] = Reduced(values, len(floats) - 1)
-        if window is self._window:
-            self.discard()
+        if self._identity is None or self._identity.numel() != self.extremes:
+            identity = [float("-inf"), 0.0] * (self.extremes // 2)
+            self._identity = torch.tensor(identity, dtype=_F64, device=self.device)
+        buffer = self._identity.clone()
+        window = self._window
+        plan = self._plan(window)
+        if abstain or plan.extreme_obs is None or plan.layout.extremes > self.extremes:
+            return buffer
+        signed = window.stacked().index_select(0, plan.extreme_obs) * plan.extreme_sign
+        infinity = float("inf")
+        finite = signed.nan_to_num(nan=-infinity, posinf=infinity, neginf=-infinity)
+        source = torch.cat((finite, signed.isnan().to(_F64)))
+        return buffer.scatter_reduce_(0, plan.extreme_index, source, "amax")
+
+    def _values(self, plan: _Plan, summed: Tensor, maxed: Tensor | None) -> dict[str, Reduced]:
+        """The step's reductions, computed on the device from the summed (and maxed) buffers."""
+        layout = plan.layout
+        if layout.slots > summed.numel() - _HEADER:  # only where the ranks' names differ (they do not fit): `check`
+            summed = torch.full((_HEADER + layout.slots,), float("nan"), dtype=_F64, device=self.device)  # raises
+        means = 2 * layout.means
+        weighted, weights = summed.narrow(0, _HEADER, means).view(-1, 2).unbind(1)
+        parts = [torch.div(weighted, weights)] if layout.means else []  # a zero total weight gives NaN
+        if layout.sums:
+            parts.append(summed.narrow(0, _HEADER + means, layout.sums))
+        if layout.extremes:
+            if maxed is None or maxed.numel() < layout.extremes:  # likewise
+                maxed = torch.full((layout.extremes,), float("nan"), dtype=_F64, device=self.device)
+            values = maxed[0 : layout.extremes : 2] * plan.key_sign
+            parts.append(torch.where(maxed[1 : layout.extremes : 2] > 0, float("nan"), values))
+        vector = parts[0] if len(parts) == 1 else torch.cat(parts) if parts else weights
+        shared = _Values(vector, weighted, weights)
+        return {key: Reduced(shared, i) for key, i in layout.index.items()}
+
+    # ---------------------------------------------------------------- the step
+
+    def reduce(self, where: str = "this step", abstain: bool = False, check: bool = False) -> dict[str, Reduced]:
+        """Reduce everything observed since the last call, on all ranks, on the device; every rank must call it
+        at the same step (also with nothing observed; ``abstain``: a rank without data, see :meth:`pack`), with
+        the same ``check`` (then :meth:`check` runs after the collectives). One SUM all_reduce, plus one MAX
+        all_reduce while the agreed layout has max/min values; one more SUM where the capacity grows."""
+        window = self._window
+        plan = self._plan(window)
+        layout = plan.layout
+        if layout is not self._layout:  # this rank's names changed: remembered to name a mismatch
+            self._history.append((len(self._unchecked), window.entries()))
+            self._layout = layout
+        summed = self.pack(abstain)
+        self._all_reduce(summed, op=dist.ReduceOp.SUM)
+        if abstain or layout.slots > self.capacity or layout.extremes > self.extremes:
+            summed = self._agree(summed, abstain)
+        self._unchecked.append(summed.narrow(0, 0, _HEADER))
+        self._wheres.append(where)
+        if check or len(self._unchecked) >= UNCHECKED_STEPS:
+            self.check()  # before the MAX collective: sized for this step, none if it has no max/min value
+        maxed = self.pack_extremes(abstain)
+        if maxed is not None:
+            self._all_reduce(maxed, op=dist.ReduceOp.MAX)
+        reduced = self._values(plan, summed, maxed)
+        self.discard()
         return reduced
 
-    def reduce(
-        self, device: torch.device | str = "cpu", where: str = "this step", flag: bool = False, abstain: bool = False
-    ) -> dict[str, Reduced]:
-        """Reduce everything observed since the last call, on all ranks; every rank must call it at the same
-        step (also with nothing observed; ``abstain``: a rank without data, see :meth:`pack`). One all_reduce, two
-        in the step where the capacity grows."""
-        return self._complete(self._window, device, where, flag, abstain)
+    def _agree(self, summed: Tensor, abstain: bool) -> Tensor:
+        """Read this step's summed header on the host: when all ranks logged the same names (then every one of
+        them needs the same sizes and is here, as is every rank without data), adopt the sizes they need,
+        reducing again if the body did not fit. A mismatch changes nothing here: :meth:`check` raises it."""
+        header = self._parse(summed[:_HEADER].tolist())
+        if not _same_everywhere(header):
+            return summed
+        slots, extremes = header[1] // header[0], header[3] // header[0]
+        self.extremes = max(self.extremes, _power_of_two(extremes))
+        if slots <= self.capacity:
+            return summed
+        self.capacity = _power_of_two(slots)
+        summed = self.pack(abstain)
+        self._all_reduce(summed, op=dist.ReduceOp.SUM)
+        return summed
 
-    def start(self, device: torch.device | str = "cpu", flag: bool = False, abstain: bool = False) -> Launched:
-        """Start reducing what was observed so far without waiting for it (every rank at the same point, as
-        for :meth:`reduce`); later observations go to the next reduction. Complete it with :meth:`finish`."""
-        window, self._window = self._window, _Window()
-        buffer = self.pack(device, flag, window, abstain)
-        return Launched(window, buffer, self._all_reduce(buffer, async_op=True), abstain)
+    def check(self) -> None:
+        """Read the summed headers of the steps since the last check on the host (one synchronisation) and raise
+        :class:`MetricMismatchError` naming the first step where the ranks logged different metrics; the MAX
+        buffer takes the size the last of them needed (0: no MAX collective). Every rank calls it at the same
+        step (the headers are the same on every rank, so is the outcome)."""
+        if not self._unchecked:
+            return
+        rows = torch.stack(self._unchecked).tolist()
+        wheres, history = self._wheres, self._history
+        self._unchecked, self._wheres = [], []
+        self._history = [(0, history[-1][1])] if history else []
+        for step, (row, where) in enumerate(zip(rows, wheres, strict=True)):
+            header = self._parse(row)
+            if not _same_everywhere(header):
+                entries = next(entries for first, entries in reversed(history) if first <= step)
+                self._raise_mismatch(where, entries)
+        self.extremes = _power_of_two(header[3] // header[0])
 
-    def finish(
-        self, launched: Launched, device: torch.device | str = "cpu", where: str = "this step"
-    ) -> dict[str, Reduced]:
-        """Wait for a reduction :meth:`start` began and read it (a second, blocking collective in the step
-        where the capacity grows)."""
-        launched.work.wait()
-        reduced = self.unpack(launched.buffer, where, launched.window)
-        if reduced is not None:
-            return reduced
-        return self._complete(launched.window, device, where, bool(self.flagged_ranks), launched.abstain)
+    def unpack(
+        self, summed: Tensor, where: str = "this step", extremes: Tensor | None = None
+    ) -> dict[str, Reduced] | None:
+        """One checked step: read the summed header (a host read), raise :class:`MetricMismatchError` when the
+        ranks differ; None when the agreed sizes had to change (pack and reduce again); else the reductions
+        (``extremes``: the maxed :meth:`pack_extremes`)."""
+        header = self._parse(summed[:_HEADER].tolist())
+        if not _same_everywhere(header):
+            self._raise_mismatch(where, self._window.entries())
+        slots, needed = header[1] // header[0], header[3] // header[0]
+        if slots > self.capacity or needed > self.extremes or (needed and extremes is None):
+            self.capacity = max(self.capacity, _power_of_two(slots))
+            self.extremes = max(self.extremes, _power_of_two(needed))
+            return None
+        reduced = self._values(self._plan(self._window), summed, extremes)
+        self.discard()
+        return reduced
 
-    def _complete(
-        self, window: _Window, device: torch.device | str, where: str, flag: bool, abstain: bool = False
-    ) -> dict[str, Reduced]:
-        while True:
-            buffer = self.pack(device, flag, window, abstain)
-            self._all_reduce(buffer)
-            reduced = self.unpack(buffer, where, window)
-            if reduced is not None:
-                return reduced
+    def _parse(self, row: list[float]) -> list[int]:
+        header = [int(x) for x in row]  # exact: small integers summed in float64
+        if not 0 < header[0] <= self.world_size:  # ranks without data in a step do not contribute
+            raise RuntimeError(
+                f"shardplus: the training-metrics collective summed {header[0]} contributions, expected 1 to "
+                f"{self.world_size}."
+            )
+        return header
 
-    def _raise_mismatch(self, where: str, window: _Window) -> None:
-        gathered = self._all_gather_object(window.entries())  # every rank gets here: the header sums are shared
-        if window is self._window:
-            self.discard()
+    def _raise_mismatch(self, where: str, entries: list[tuple[str, str, str]]) -> None:
+        gathered = self._all_gather_object(entries)  # every rank gets here: the header sums are shared
+        self.discard()
+        self._unchecked, self._wheres, self._history, self._layout = [], [], [], None
         raise MetricMismatchError(describe_mismatch(gathered, where))
+
+
+def _same_everywhere(header: list[int]) -> bool:
+    """Whether every contributing rank sent the same header: for each (n, n^2) pair, contributors * sum of
+    squares equals the squared sum exactly when all n are equal."""
+    contributors = header[0]
+    return all(contributors * header[i + 1] == header[i] * header[i] for i in range(1, _HEADER, 2))
 
 
 def describe_mismatch(per_rank: Sequence[Sequence[tuple[str, str, str]]], where: str) -> str:
@@ -454,10 +557,11 @@ def combined_epoch_state(
     value, count = before
     if reduce_fx == "mean":
         assert reduced.weighted_sum is not None and reduced.weight is not None and count is not None
-        return value + reduced.weighted_sum, count + round(reduced.weight)
+        weighted_sum = reduced.weighted_sum.to(dtype=value.dtype, device=value.device)
+        return value + weighted_sum, count + reduced.weight.round().to(dtype=count.dtype, device=count.device)
+    step = reduced.value_as(value.dtype, value.device)
     if reduce_fx == "sum":
-        return value + reduced.value, count
-    step = torch.tensor(reduced.value, dtype=value.dtype, device=value.device)
+        return value + step, count
     if reduce_fx == "max":
         return torch.maximum(value, step), count
     return torch.minimum(value, step), count
@@ -466,8 +570,8 @@ def combined_epoch_state(
 # -------------------------------------------------------------------- Lightning glue
 
 
-def _all_reduce(tensor: Tensor, async_op: bool = False) -> Any:
-    return dist.all_reduce(tensor, async_op=async_op)  # looked up at call time: tests/test_metrics.py counts it
+def _all_reduce(tensor: Tensor, op: Any = dist.ReduceOp.SUM) -> None:
+    dist.all_reduce(tensor, op=op)  # looked up at call time: tests/test_metrics.py counts it
 
 
 def _all_gather_object(obj: Any) -> list[Any]:
@@ -478,10 +582,10 @@ def _all_gather_object(obj: Any) -> list[Any]:
 
 @dataclass
 class _Pending:
-    """A metric observed in the current window, and where its step/epoch values go once reduced."""
+    """A metric observed in the current step, and where its step/epoch values go once reduced."""
 
     logged: _lightning.LoggedValue
-    epoch_state_before: tuple[Tensor, Tensor | None] | None  # at its first observation in the window
+    epoch_state_before: tuple[Tensor, Tensor | None] | None  # at its first observation in the step
 
 
 @dataclass
@@ -493,28 +597,19 @@ class _BatchWeight:
 
 class AverageTrainingMetrics(Callback):
     """Replaces the training values logged on each rank by their cross-rank reduction, with one collective per
-    logged step. Added by ``ShardPlusStrategy(average_training_metrics=True)`` as the first callback, so that
-    its ``on_train_batch_end`` runs before any other callback (progress bar, checkpointing) reads the
-    metrics.
+    logged step (two with max/min values), run at the start of ``on_train_batch_end`` (so every value logged
+    before it, in ``training_step`` as in the backward and optimizer hooks, is in it). Added by
+    ``ShardPlusStrategy(average_training_metrics=True)`` as the first callback, so that it runs before any other
+    callback (progress bar, checkpointing) reads the metrics.
 
-    When nothing is logged after backward begins (the usual case: values come from ``training_step``), the
-    collective is started in ``on_before_backward`` and read in ``on_train_batch_end``, so its latency hides
-    behind backward and the optimizer step. The first logged step of a fit, and every step once any rank has
-    logged a value after backward began (``on_after_backward``, ``on_before_optimizer_step``), reduce in
-    ``on_train_batch_end`` instead (blocking), which includes those values; the ranks agree on this through a
-    flag carried by the collective itself."""
+    The reduced values are written back into Lightning's results as device tensors; the names are checked on the
+    host at Lightning's logging steps (when the loggers read the values anyway) and at the end of each epoch."""
 
     def __init__(self) -> None:
         self._reducer: FusedMetricReducer | None = None
         self._restore: Callable[[], None] | None = None
         self._results: Any = None
-        self._pending: dict[str, _Pending] = {}  # observed in this step's window before a launch
-        self._after_launch: dict[str, _Pending] = {}  # observed after the window was launched
-        self._launched: Launched | None = None
-        self._backward_began = False  # in this logged step
-        self._logged_after_backward = False  # this rank, in this logged step
-        self._announce = False  # this rank logged values after a launch, which were not averaged
-        self._late_values: bool | None = None  # agreed by all ranks; None: not known yet
+        self._pending: dict[str, _Pending] = {}  # observed in this step
         self._last: dict[str, Tensor] = {}  # the last reduced step value of each metric
         self._warned: set[str] = set()
         self._weight = _BatchWeight()
@@ -534,7 +629,13 @@ class AverageTrainingMetrics(Callback):
         self._stop()
         if trainer.world_size < 2 or not (dist.is_available() and dist.is_initialized()):
             return
-        self._reducer = FusedMetricReducer(trainer.world_size, trainer.global_rank, _all_reduce, _all_gather_object)
+        self._reducer = FusedMetricReducer(
+            trainer.world_size,
+            trainer.global_rank,
+            _all_reduce,
+            _all_gather_object,
+            device=trainer.strategy.root_device,
+        )
         self._results = _lightning.training_results(trainer)
         self._restore = _lightning.intercept_training_logs(self._results, self._take, self._observe)
 
@@ -567,11 +668,9 @@ class AverageTrainingMetrics(Callback):
         reduction = logged.reduce_fx if log.sync_dist and logged.reduce_fx != "mean" else "mean"
         weight = float(log.batch_size) if log.batch_size is not None else self._batch_weight()
         self._reducer.observe(log.key, reduction, logged.value, weight, label=f"`{log.name}` (from {log.fx})")
-        self._logged_after_backward |= self._backward_began
-        pending = self._after_launch if self._launched is not None else self._pending
-        previous = pending.get(log.key)
+        previous = self._pending.get(log.key)
         before = previous.epoch_state_before if previous is not None else logged.epoch_state_before
-        pending[log.key] = _Pending(logged, before)
+        self._pending[log.key] = _Pending(logged, before)
 
     def _batch_weight(self) -> float:
         batch = _lightning.current_batch(self._results)
@@ -579,16 +678,6 @@ class AverageTrainingMetrics(Callback):
             size = _lightning.batch_size_of_current_batch(self._results)
             self._weight = _BatchWeight(batch, float(size) if size is not None else 1.0, True)
         return self._weight.weight
-
-    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
-        if self._reducer is None or not _lightning.logs_this_step(trainer) or self._backward_began:
-            return
-        self._backward_began = True
-        # Packing reads the values on the host: on an accelerator that would wait for the forward pass before
-        # backward is queued, so there the collective stays in `on_train_batch_end` (which must read them anyway).
-        if self._late_values is False and trainer.strategy.root_device.type == "cpu":
-            self._launched = self._reducer.start(trainer.strategy.root_device, self._announce, self._abstains())
-            self._announce = False
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -601,38 +690,20 @@ class AverageTrainingMetrics(Callback):
             for key, pending in self._pending.items():
                 _lightning.set_step_value(pending.logged.metric, self._last.get(key))
             return
-        where = f"epoch {trainer.current_epoch}, batch {batch_idx}"
-        device = trainer.strategy.root_device
         try:
-            if self._launched is None:
-                flag = self._logged_after_backward or self._announce
-                self._announce = False
-                self._apply(self._pending, self._reducer.reduce(device, where, flag, self._abstains()))
-                if self._late_values is None:
-                    self._late_values = self._reducer.flagged_ranks > 0
-                return
-            applied = self._apply(self._pending, self._reducer.finish(self._launched, device, where))
-            if self._reducer.flagged_ranks:
-                # a rank logged after backward in an earlier step: from now on every step reduces in this hook
-                self._late_values = True
-                self._apply(self._after_launch, self._reducer.reduce(device, where, abstain=self._abstains()), applied)
-            elif self._after_launch:
-                self._warn_not_averaged(self._after_launch)
-                self._announce = True  # the next collective tells every rank
-                self._reducer.discard()
+            where = f"epoch {trainer.current_epoch}, batch {batch_idx}"
+            check = _lightning.loggers_read_this_step(trainer)
+            self._apply(self._reducer.reduce(where, self._abstains(), check))
         finally:
             self._clear_step()
 
-    def _apply(
-        self,
-        pending: dict[str, _Pending],
-        reduced: dict[str, Reduced],
-        applied: dict[str, tuple[Tensor, Tensor | None]] | None = None,
-    ) -> dict[str, tuple[Tensor, Tensor | None]]:
-        """Write the reduced values as the step values (and into the epoch state); returns the epoch states
-        written, so that values of the same key reduced later in the step build on them."""
-        written: dict[str, tuple[Tensor, Tensor | None]] = {}
-        for key, entry in pending.items():
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._reducer is not None:
+            self._reducer.check()  # the steps since the last logging step, before the epoch values are logged
+
+    def _apply(self, reduced: dict[str, Reduced]) -> None:
+        """Write the reduced values as the step values (device tensors), and into the epoch state."""
+        for key, entry in self._pending.items():
             logged = entry.logged
             local = logged.value
             step = reduced[key].value_as(local.dtype, local.device)
@@ -640,28 +711,13 @@ class AverageTrainingMetrics(Callback):
                 step = step.reshape(local.shape)
             _lightning.set_step_value(logged.metric, step)
             self._last[key] = step
-            before = applied[key] if applied and key in applied else entry.epoch_state_before
-            if before is not None:
-                written[key] = combined_epoch_state(logged.reduce_fx, before, reduced[key])
-                _lightning.set_epoch_state(logged.metric, *written[key])
-        return written
+            if entry.epoch_state_before is not None:
+                state = combined_epoch_state(logged.reduce_fx, entry.epoch_state_before, reduced[key])
+                _lightning.set_epoch_state(logged.metric, *state)
 
-    def _warn_not_averaged(self, pending: dict[str, _Pending]) -> None:
-        names = [entry.logged.log.name for entry in pending.values()]
-        warnings.warn(  # on the ranks concerned
-            f"shardplus: {names} were logged after backward began, once the step's training metrics had been "
-            "sent: in this step they are this rank's own values; from the next step on, every step's values "
-            "are averaged in `on_train_batch_end` instead.",
-            stacklevel=2,
-        )
-
-    def _clear_step(self, wait: bool = True) -> None:
-        if self._launched is not None and wait:
-            self._launched.work.wait()  # a started collective is not abandoned half-way
-        self._launched = None
+    def _clear_step(self) -> None:
         self._pending.clear()
-        self._after_launch.clear()
-        self._backward_began = self._logged_after_backward = self._without_data = False
+        self._without_data = False
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._stop()
@@ -676,12 +732,8 @@ class AverageTrainingMetrics(Callback):
         if self._restore is not None:
             self._restore()
         self._restore = self._reducer = self._results = None
-        # not waiting for a collective still in flight: after an exception a peer may be gone (it ends with the
-        # process group)
-        self._clear_step(wait=False)
+        self._clear_step()
         self._last.clear()
-        self._announce = False
-        self._late_values = None
         self._weight = _BatchWeight()
 
 

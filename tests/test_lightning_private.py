@@ -94,6 +94,7 @@ import lightning.pytorch as pl  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from lightning.pytorch.core.module import LightningModule  # noqa: E402
+from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop  # noqa: E402
 from lightning.pytorch.trainer.connectors.logger_connector.logger_connector import (  # noqa: E402
     _LoggerConnector,
 )
@@ -121,6 +122,15 @@ def test_the_training_results_and_the_logging_rule_are_where_the_metrics_glue_lo
     assert callable(trainer.fit_loop._should_accumulate)
     rule = inspect.getsource(_LoggerConnector.update_train_step_metrics)
     assert "fit_loop._should_accumulate() and self.trainer.lightning_module.automatic_optimization" in rule
+    assert "if self.should_update_logs or self.trainer.fast_dev_run:" in rule
+    assert isinstance(_LoggerConnector.should_update_logs, property)
+    assert isinstance(trainer._logger_connector, _LoggerConnector)
+    # `loggers_read_this_step` asks in `on_train_batch_end`: the loggers are updated after it, before the counter
+    # `should_update_logs` reads moves on
+    advance = inspect.getsource(_TrainingEpochLoop.advance)
+    order = ['"on_train_batch_end"', "update_train_step_metrics()"]
+    assert all(part in advance for part in order) and sorted(order, key=advance.index) == order
+    assert "_batches_that_stepped += 1" in inspect.getsource(_TrainingEpochLoop.on_advance_end)
 
 
 def never_called(*args, **kwargs):
