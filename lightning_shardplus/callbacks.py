@@ -27,15 +27,27 @@ from lightning_shardplus._lightning import TRAIN_DATALOADER_NEXT
 from lightning_shardplus._validation import check_bool, check_choice, check_int
 from lightning_shardplus.aggregation import effective_batch_size, micro_batch_size
 from lightning_shardplus.instrumentation import CommunicationHookWrapper
-from lightning_shardplus.sharding import PaddedShardSampler, check_epoch_shards
+from lightning_shardplus.sharding import (
+    DIGEST_WIDTH,
+    PaddedShardSampler,
+    ShardingError,
+    check_epoch_shards,
+    digest_problem,
+    shard_digest,
+)
 from lightning_shardplus.step_clock import HostClock, StepClock, step_clock
 
 _dataloaders = aggregation.dataloaders
 
 
 class VerifySharding(Callback):
-    """At the end of each training epoch, check across ranks that the shards were disjoint and, if the epoch
-    ran to its end, covered the whole dataset. Added by ``ShardPlusStrategy(verify_sharding=True)``."""
+    """At the end of each training epoch, check across ranks that the shards were disjoint, each rank read its own
+    positions of the epoch's order and, if the epoch ran to its end, covered every sample left in it. Added by
+    ``ShardPlusStrategy(verify_sharding=True)``.
+
+    Each rank sends a fixed-size digest (:func:`~lightning_shardplus.sharding.shard_digest`: counts and keyed
+    hash sums), all samplers in one all-reduce, whatever the dataset's length. Only when the digests disagree are
+    the index lists gathered, to name the ranks and a sample."""
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         samplers = [
@@ -43,22 +55,42 @@ class VerifySharding(Callback):
             for dl in _dataloaders(trainer.train_dataloader)
             if isinstance(dl.sampler, PaddedShardSampler)
         ]
-        for sampler in samplers:
-            local = (sampler.yielded_indices[: sampler.num_real_samples], sampler.completed_epoch)
-            gathered: list[Any] = [None] * trainer.world_size
-            if dist.is_available() and dist.is_initialized():
-                dist.all_gather_object(gathered, local)
-            else:
-                gathered = [local]
-            check_epoch_shards(
-                trainer.current_epoch,
-                [indices for indices, _ in gathered],
-                sampler.dataset_length,
-                # a resumed epoch read only what the checkpoint had left
-                expect_full_coverage=all(done for _, done in gathered)
-                and not sampler.drop_last
-                and sampler.start_position == 0,
-            )
+        if not samplers:
+            return
+        distributed = dist.is_available() and dist.is_initialized()
+        # the process group's rank: the one a rank should have read for, whatever its sampler was told
+        rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+        own = [shard_digest(sampler, rank, world) for sampler in samplers]
+        total = torch.tensor([value for digest in own for value in digest], dtype=torch.int64, device=pl_module.device)
+        if distributed:
+            dist.all_reduce(total)
+        totals = total.tolist()
+        for i, sampler in enumerate(samplers):
+            problem = digest_problem(totals[i * DIGEST_WIDTH : (i + 1) * DIGEST_WIDTH], own[i], sampler, world)
+            if problem is not None:
+                _name_the_ranks(trainer.current_epoch, sampler, world, distributed, problem)
+
+
+def _name_the_ranks(epoch: int, sampler: PaddedShardSampler, world: int, distributed: bool, problem: str) -> None:
+    """The second pass, after the digests disagreed (every rank takes it): gather the index lists to name the
+    ranks and a sample (:func:`~lightning_shardplus.sharding.check_epoch_shards`), else raise the digest's
+    finding."""
+    local = (sampler.yielded_indices[: sampler.num_real_samples], sampler.completed_epoch)
+    gathered: list[Any] = [None] * world
+    if distributed:
+        dist.all_gather_object(gathered, local)
+    else:
+        gathered = [local]
+    check_epoch_shards(
+        epoch,
+        [indices for indices, _ in gathered],
+        sampler.dataset_length,
+        # a resumed epoch read only what the checkpoint had left
+        expect_full_coverage=all(done for _, done in gathered)
+        and not sampler.drop_last
+        and sampler.start_position == 0,
+    )
+    raise ShardingError(f"verify_sharding: in epoch {epoch}, {problem}.")
 
 
 ScalingRule = Literal["linear", "sqrt", "none"]

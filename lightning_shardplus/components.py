@@ -107,11 +107,34 @@ class RunComponents:
         parts = dict(zip(CHECKPOINT_KEYS, (self.loaders, self.hook, self.fusion, self.aggregation), strict=True))
         return {key: part for key, part in parts.items() if part is not None}
 
+    def checkpoint_states(self, checkpoint_path: Any) -> dict[str, Any]:
+        """Each stateful component's checkpoint entry, by key (None ones left out). Call it on every rank: the
+        communication hook writes this rank's PowerSGD state beside ``checkpoint_path``."""
+        states = {
+            key: part.state_dict(checkpoint_path) if part is self.hook else part.state_dict()
+            for key, part in self.stateful().items()
+        }
+        return {key: state for key, state in states.items() if state is not None}
+
     def close(self) -> None:
         """The run ends: what the components changed outside themselves is put back."""
         self.loaders.close()
         if self.aggregation is not None:
             self.aggregation.close()
+
+
+def checkpointed_states(checkpoint: dict[str, Any], checkpoint_path: Any) -> dict[str, Any]:
+    """The component entries of a loaded checkpoint, by key; the compression entry learns the checkpoint's path
+    (its per-rank files lie beside it, see :func:`compression.rank_file`)."""
+    states = {key: checkpoint[key] for key in CHECKPOINT_KEYS if key in checkpoint}
+    if isinstance(entry := states.get(compression.CHECKPOINT_KEY), dict):
+        states[compression.CHECKPOINT_KEY] = {**entry, "checkpoint_path": str(checkpoint_path)}
+    return states
+
+
+def remove_checkpoint_files(checkpoint_path: Any, rank: int) -> None:
+    """A checkpoint is removed (ModelCheckpoint's top-k): remove this rank's files beside it."""
+    compression.remove_rank_states(checkpoint_path, rank)
 
 
 def _add_callbacks(config: ShardPlusConfig, trainer: pl.Trainer, exact_across_ranks: bool) -> None:

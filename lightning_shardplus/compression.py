@@ -30,17 +30,23 @@ PowerSGD's state is keyed by DDP bucket index, but DDP re-cuts its buckets after
 fresh DDP wrapper (a resumed run, or a re-wrap during fit) starts with one bucket again.
 :class:`PowerSGDCompression` keeps the state per *parameter* across such changes, which is also the form saved
 in checkpoints (see :meth:`PowerSGDCompression.state_dict`), so a resumed run continues with the same error
-feedback and warm start.
+feedback and warm start. Each rank writes its own state to ``<checkpoint>.powersgd/rank-<r>-of-<W>.pt``
+(:func:`rank_file`); rank 0's checkpoint holds only what is the same on every rank, so it does not grow with W.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
+import os
 from collections.abc import Callable
+from os import PathLike
 from typing import Any, Literal
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
@@ -125,7 +131,7 @@ class CastCompression:
     def state_dict(self) -> dict[str, Any] | None:
         return None
 
-    def load_checkpoint_entry(self, entry: dict[str, Any], rank: int, world_size: int) -> None:
+    def load_checkpoint_entry(self, entry: dict[str, Any], own: dict[str, Any] | None, world_size: int) -> None:
         pass
 
 
@@ -335,18 +341,23 @@ class PowerSGDCompression:
             for name, parts in saved["params"].items()
         }
 
-    def load_checkpoint_entry(self, entry: dict[str, Any], rank: int, world_size: int) -> None:
-        """Restore this rank's part of a checkpoint entry written by :func:`checkpoint_entry`."""
-        per_rank = entry["per_rank"]
-        if entry.get("world_size") == world_size and len(per_rank) == world_size:
-            self.load_state_dict(per_rank[rank])
+    def load_checkpoint_entry(self, entry: dict[str, Any], own: dict[str, Any] | None, world_size: int) -> None:
+        """Continue from a checkpoint entry of :func:`checkpoint_entry` and this rank's own state (``own``, from
+        its file beside the checkpoint; None where any rank's is missing or the world size differs)."""
+        if own is not None:
+            self.load_state_dict(own)
             return
+        saved_world = entry.get("world_size")
+        if saved_world == world_size:
+            where = rank_file(entry.get("checkpoint_path", "<checkpoint>"), "<r>", world_size)  # type: ignore[arg-type]
+            reason = f"missing or stale for some rank ({where!r})"
+        else:
+            reason = f"from {saved_world} processes, this run has {world_size}"
         rank_zero_warn(
-            f"shardplus: the checkpoint's PowerSGD state is from {entry.get('world_size')} processes, this "
-            f"run has {world_size}: the step counter and warm-start P/Q (the same on every rank) are "
-            "restored, the per-rank error feedback starts again from zero."
+            f"shardplus: the checkpoint's per-rank PowerSGD state is {reason}: the step counter and warm-start "
+            "P/Q (the same on every rank) are restored, the per-rank error feedback starts again from zero."
         )
-        self.load_state_dict(per_rank[0], keep_error_feedback=False)
+        self.load_state_dict(entry["state"], keep_error_feedback=False)
 
 
 def _fresh_state(template: PowerSGDState | None) -> PowerSGDState:
@@ -368,12 +379,55 @@ def _fresh_state(template: PowerSGDState | None) -> PowerSGDState:
 
 
 CHECKPOINT_KEY = "shardplus_gradient_compression"
+RANK_FILES_SUFFIX = ".powersgd"
+"""Each rank's PowerSGD state goes to ``<checkpoint>.powersgd/rank-<r>-of-<W>.pt``, written by that rank."""
 
 
-def checkpoint_entry(name: str, per_rank: list[dict[str, Any] | None]) -> dict[str, Any]:
-    """What the strategy stores under ``checkpoint[CHECKPOINT_KEY]``: every rank's state, gathered on rank 0
-    (Lightning writes checkpoints from rank 0 only)."""
-    return {"name": name, "world_size": len(per_rank), "per_rank": per_rank}
+def checkpoint_entry(name: str, world_size: int, state: dict[str, Any]) -> dict[str, Any]:
+    """What rank 0 stores under ``checkpoint[CHECKPOINT_KEY]``: the name, the world size and rank 0's state without
+    its error feedback (step counter, random generator and warm-start P/Q are the same on every rank). The same
+    size whatever the world size: each rank's full state is in its own file (:func:`rank_file`)."""
+    params = {n: {k: v for k, v in parts.items() if k != "error"} for n, parts in state["params"].items()}
+    return {"name": name, "world_size": world_size, "state": {**state, "params": params}}
+
+
+def rank_file(checkpoint_path: str | PathLike, rank: int, world_size: int) -> str:
+    """Where rank ``rank`` of ``world_size`` keeps its PowerSGD state for the checkpoint ``checkpoint_path``."""
+    return f"{os.fspath(checkpoint_path)}{RANK_FILES_SUFFIX}/rank-{rank}-of-{world_size}.pt"
+
+
+def save_rank_state(state: dict[str, Any], checkpoint_path: str | PathLike, rank: int, world_size: int) -> None:
+    """Write this rank's state beside the checkpoint (any fsspec filesystem, as Lightning's checkpoints)."""
+    path = rank_file(checkpoint_path, rank, world_size)
+    fs = get_filesystem(path)
+    fs.makedirs(os.path.dirname(path), exist_ok=True)
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    with fs.open(path, "wb") as file:  # one write: a reader never sees half a file from this rank
+        file.write(buffer.getvalue())
+
+
+def load_rank_state(checkpoint_path: str | PathLike, rank: int, world_size: int) -> dict[str, Any] | None:
+    """This rank's state saved beside the checkpoint; None when there is no such file."""
+    path = rank_file(checkpoint_path, rank, world_size)
+    fs = get_filesystem(path)
+    if not fs.exists(path):
+        return None
+    with fs.open(path, "rb") as file:
+        return torch.load(file, map_location="cpu", weights_only=True)
+
+
+def remove_rank_states(checkpoint_path: str | PathLike, rank: int) -> None:
+    """Remove this rank's files beside a removed checkpoint (of any world size), then the folder if empty: every
+    rank calls it, so per-rank files on node-local disks go too."""
+    folder = f"{os.fspath(checkpoint_path)}{RANK_FILES_SUFFIX}"
+    fs = get_filesystem(folder)
+    for path in fs.glob(f"{folder}/rank-{rank}-of-*.pt"):
+        with contextlib.suppress(FileNotFoundError):
+            fs.rm(path)
+    with contextlib.suppress(OSError):  # not empty yet (another rank's file) or gone already
+        if fs.exists(folder) and not fs.ls(folder):
+            fs.rmdir(folder)
 
 
 class CommunicationHook:
@@ -401,6 +455,7 @@ class CommunicationHook:
         self.name, self.backend = name, backend
         self.user_hook, self.user_state, self.user_wrapper = user_hook, user_state, user_wrapper
         self.wrappers = wrappers or []
+        self.device = device
         self.compression = build_compression(name, user_state)
         if self.compression is not None:
             self.compression.check_backend(backend, device)
@@ -433,29 +488,43 @@ class CommunicationHook:
         """This rank's compression state (PowerSGD's error feedback is per rank); None when stateless."""
         return None if self.compression is None else self.compression.state_dict()
 
-    def state_dict(self) -> dict[str, Any] | None:
-        """Every rank's compression state, gathered on rank 0 (which writes the checkpoint): a collective, call
-        it on every rank. None when stateless (and on ranks other than 0)."""
+    def state_dict(self, checkpoint_path: str | PathLike | None = None) -> dict[str, Any] | None:
+        """The checkpoint entry (:func:`checkpoint_entry`, the same size at any world size); this rank's full state
+        is written to its own file beside ``checkpoint_path`` (:func:`rank_file`). Call it on every rank; it does
+        not communicate. None when stateless."""
         state = self.local_state_dict()
         if state is None:
             return None
-        if not (dist.is_available() and dist.is_initialized()):
-            return checkpoint_entry(self.name, [state])
-        gathered: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-        dist.gather_object(state, gathered, dst=0)
-        return None if gathered is None else checkpoint_entry(self.name, gathered)
+        rank, world = _rank_and_world()
+        if checkpoint_path is not None:
+            save_rank_state(state, checkpoint_path, rank, world)
+        return checkpoint_entry(self.name, world, state)
 
     def load_state_dict(self, entry: dict[str, Any]) -> None:
-        """Continue with this rank's part of a checkpoint's compression state (see :func:`checkpoint_entry`)."""
-        if self.compression is None or entry.get("name") != self.name:
+        """Continue with a checkpoint's compression state: the entry, and this rank's file beside the checkpoint
+        (``entry["checkpoint_path"]``, added at load time). One all-reduce of a count: if any rank's file is
+        missing or stale, every rank restarts its error feedback (with one warning)."""
+        if self.compression is None or entry.get("name") != self.name or "state" not in entry:
             rank_zero_warn(
                 f"shardplus: the checkpoint holds {entry.get('name')!r} gradient-compression state, this run "
                 f"uses `gradient_compression`={self.name!r}: it starts without it."
             )
             return
-        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        rank = dist.get_rank() if world > 1 else 0
-        self.compression.load_checkpoint_entry(entry, rank, world)
+        rank, world = _rank_and_world()
+        path = entry.get("checkpoint_path")
+        own = load_rank_state(path, rank, world) if path is not None and entry.get("world_size") == world else None
+        if own is not None and own.get("iter") != entry["state"].get("iter"):
+            own = None  # a file of another save to the same path
+        missing = torch.tensor([float(own is None)], device=self.device)
+        if world > 1:
+            dist.all_reduce(missing)
+        self.compression.load_checkpoint_entry(entry, own if missing.item() == 0 else None, world)
+
+
+def _rank_and_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
 
 
 # Set on a DistributedDataParallel wrapper once `CommunicationHook.register` has given it its hook.

@@ -15,6 +15,7 @@ import numbers
 from collections.abc import Iterator, Sequence, Sized
 from typing import Any, Literal
 
+import numpy as np
 import torch
 from torch.utils.data import Sampler
 
@@ -382,3 +383,95 @@ def check_epoch_shards(
             f"verify_sharding: in epoch {epoch}, ranks 0..{len(real_indices_per_rank) - 1} together read "
             f"{len(owner)} of {dataset_length} samples; missing for example {missing[:10]}."
         )
+
+
+# ---------------------------------------------------------------------- verify_sharding's fixed-size digest
+
+DIGEST_PRIME = (1 << 61) - 1
+"""The hashed lanes are sums modulo this Mersenne prime."""
+_DIGEST_KEYS = (0x243F6A8885A308D3, 0x13198A2E03707344, 0xA4093822299F31D0)  # one keyed hash per lane
+_HALF = 31  # each lane travels as two int64 halves of 31 bits: their sums over 2**32 ranks fit in an int64
+_COUNTS = 3  # real samples read, "ran to the end" and "read past the dataset or another world size"
+DIGEST_WIDTH = _COUNTS + 2 * (len(_DIGEST_KEYS) + 1)
+_MASK64 = (1 << 64) - 1
+
+
+def _mix(values: Any, key: int) -> Any:
+    """splitmix64 of ``values ^ key`` (numpy uint64 array, wrapping), reduced modulo :data:`DIGEST_PRIME`."""
+    z = values ^ np.uint64(key)
+    z = z + np.uint64(0x9E3779B97F4A7C15)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return (z ^ (z >> np.uint64(31))) % np.uint64(DIGEST_PRIME)
+
+
+def _hash_lanes(chunks: Iterator[torch.Tensor]) -> list[int]:
+    """Per key, the sum modulo :data:`DIGEST_PRIME` of the keyed hash of every index: the same for any order of
+    the same multiset of indices, different (with probability ~1 - 2**-60 per lane) for another one."""
+    sums = [0] * len(_DIGEST_KEYS)
+    for chunk in chunks:
+        values = chunk.numpy().astype(np.int64).view(np.uint64)
+        for lane, key in enumerate(_DIGEST_KEYS):
+            hashed = _mix(values, key)  # < 2**61: the 32-bit halves sum without overflow over 2**32 values
+            high, low = int((hashed >> np.uint64(32)).sum()), int((hashed & np.uint64(0xFFFFFFFF)).sum())
+            sums[lane] = (sums[lane] + (high << 32) + low) % DIGEST_PRIME
+    return sums
+
+
+def _config_hash(*fields: int) -> int:
+    z = 0
+    for field in fields:
+        z = (z ^ (int(field) & _MASK64)) + 0x9E3779B97F4A7C15 & _MASK64
+        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9 & _MASK64
+        z = (z ^ (z >> 27)) * 0x94D049BB133111EB & _MASK64
+        z ^= z >> 31
+    return z % DIGEST_PRIME
+
+
+def shard_digest(sampler: PaddedShardSampler, rank: int, world_size: int) -> list[int]:
+    """:data:`DIGEST_WIDTH` integers saying what ``sampler`` (with ``record_indices``) read this epoch, whatever
+    the dataset's length: summed over the ranks by one all-reduce and read by :func:`digest_problem`.
+
+    Hashed lanes hold ``hash(read) - hash(expected)`` where ``expected`` are the epoch order's indices at the
+    positions ``start + rank + j * world_size`` (``j`` < the number of real samples read) that process ``rank``
+    (the process group's, not the sampler's) should have read: their sum is 0 exactly when the ranks together
+    read each expected sample once, so an overlap is caught even when a gap compensates it in plain sums."""
+    real = sampler.yielded_indices[: sampler.num_real_samples]
+    n, start, k = sampler.dataset_length, sampler.start_position, len(real)
+    misfit = sampler.num_replicas != world_size or (k > 0 and start + rank + (k - 1) * world_size >= n)
+    read = (torch.tensor(real[i : i + CHUNK_SIZE], dtype=torch.int64) for i in range(0, k, CHUNK_SIZE))
+    observed = _hash_lanes(read)
+    expected = [0] * len(_DIGEST_KEYS)
+    if not misfit:
+        positions = _chunks(start + rank, k, world_size)
+        expected = _hash_lanes(_order_at(p, n, seed=sampler.seed, epoch=sampler.epoch, shuffle=sampler.shuffle)
+                               for p in positions)  # fmt: skip
+    config = _config_hash(n, start, sampler.seed, sampler.epoch, sampler.shuffle, sampler.drop_last, world_size)
+    lanes = [(o - e) % DIGEST_PRIME for o, e in zip(observed, expected, strict=True)] + [config]
+    digest = [k, int(sampler.completed_epoch), int(misfit)]
+    for value in lanes:
+        digest += [value >> _HALF, value & ((1 << _HALF) - 1)]
+    return digest
+
+
+def digest_problem(
+    total: Sequence[int], own: Sequence[int], sampler: PaddedShardSampler, world_size: int
+) -> str | None:
+    """What is wrong with the ranks' shards, from ``total`` (the sum of every rank's :func:`shard_digest`) and
+    this rank's ``own``; None when they read disjoint shards, each its own positions, and a finished epoch
+    covered every sample left in it."""
+    count, completed, misfits = total[:_COUNTS]
+    lanes = [((total[i] << _HALF) + total[i + 1]) % DIGEST_PRIME for i in range(_COUNTS, DIGEST_WIDTH, 2)]
+    config = (own[-2] << _HALF) + own[-1]
+    if lanes[-1] != world_size * config % DIGEST_PRIME:
+        return "the ranks disagree on the epoch's order (seed, epoch, resume position, dataset length or world size)"
+    if misfits or any(lanes[:-1]):
+        return (
+            f"the samples ranks 0..{world_size - 1} read are not each rank's own positions of the epoch's order: "
+            "shards overlap, or a rank read another's samples"
+        )
+    left = sampler.dataset_length - sampler.start_position
+    expected = left // world_size * world_size if sampler.drop_last else left
+    if completed == world_size and count != expected:
+        return f"ranks 0..{world_size - 1} together read {count} of the {expected} samples of the epoch"
+    return None

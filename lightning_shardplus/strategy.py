@@ -24,7 +24,7 @@ from typing_extensions import override
 
 from lightning_shardplus import _lightning
 from lightning_shardplus.aggregation import check_aggregation, effective_batch_size
-from lightning_shardplus.components import CHECKPOINT_KEYS, DistributedSetup, RunComponents
+from lightning_shardplus.components import DistributedSetup, RunComponents, checkpointed_states, remove_checkpoint_files
 from lightning_shardplus.compression import GradientCompression
 from lightning_shardplus.config import ShardPlusConfig, at_ddp_defaults, check_ddp_arguments, registered_names
 from lightning_shardplus.fusion import BucketSetting, FusionResult
@@ -238,21 +238,23 @@ class ShardPlusStrategy(DDPStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        """Add each component's state under its own key (training checkpoints only, not weights-only ones).
-        A collective where a component gathers (PowerSGD's per-rank state): Lightning calls this on every rank."""
-        parts = self._components
-        if parts is not None and "loops" in checkpoint:
-            for key, component in parts.stateful().items():
-                if (state := component.state_dict()) is not None:
-                    checkpoint[key] = state
+        """Add each component's state under its own key (training checkpoints only, not weights-only ones). Called on
+        every rank (a collective mid aggregation window): each writes its PowerSGD state beside ``filepath``."""
+        if self._components is not None and "loops" in checkpoint:
+            checkpoint.update(self._components.checkpoint_states(filepath))
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         # DDP restores checkpoints before `setup`, which builds the components that take these states
-        self._checkpointed = {key: checkpoint[key] for key in CHECKPOINT_KEYS if key in checkpoint}
+        self._checkpointed = checkpointed_states(checkpoint, checkpoint_path)
         return checkpoint
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        super().remove_checkpoint(filepath)
+        remove_checkpoint_files(filepath, self.global_rank)  # every rank: its files beside the checkpoint
 
     def compression_state_dict(self) -> dict[str, Any] | None:
         """This rank's gradient-compression state (PowerSGD's); None for stateless compression or outside fit."""

@@ -7,6 +7,7 @@ import pytest
 from lightning.pytorch.strategies import DDPStrategy
 
 from lightning_shardplus import ShardPlusStrategy, bench
+from lightning_shardplus.sharding import DIGEST_WIDTH
 
 
 @pytest.mark.timeout(180)
@@ -206,3 +207,23 @@ def test_the_streaming_row_runs_beside_its_map_style_twin_on_a_stream_of_the_sam
     assert list(rows) == ["shardplus", "ddp-stream", "shardplus-stream"]
     assert rows["ddp-stream"]["median_samples_per_s"] > 0
     assert rows["shardplus-stream"]["median_samples_per_s"] > 0  # ran its timed steps to the end
+
+
+@pytest.mark.timeout(300)
+def test_scale_bench_counts_what_shardplus_adds_over_ddp_at_two_processes(tmp_path, capsys):
+    from lightning_shardplus.bench import scale
+
+    results = scale.main(["--world-sizes=2", "--steps=2", "--epochs=2", f"--json={tmp_path / 'scale.json'}"])
+    row = results["world_sizes"]["2"]
+    assert set(row) == {"ddp", "shardplus", "added", "checkpoint_bytes", "powersgd_rank_file_bytes"}
+    for kind in ("ddp", "shardplus"):
+        assert set(row[kind]) == {"per_step", "per_epoch", "once", "by_phase"}
+        assert row[kind]["once"]["calls"] > 0  # Lightning's own setup barriers and broadcasts are counted
+    added = row["added"]
+    assert added["per_step"]["calls"] == 1  # the fused training-metrics all_reduce
+    assert added["per_epoch"]["calls"] >= 1  # verify_sharding's digest at least
+    digest = row["shardplus"]["by_phase"]["epoch_end@1"]["all_reduce"]
+    assert digest == [1, 8 * DIGEST_WIDTH]  # one all_reduce of the fixed-size digest per epoch
+    assert row["checkpoint_bytes"] > row["powersgd_rank_file_bytes"] > 0
+    assert "| 2 |" in capsys.readouterr().out
+    assert json.loads((tmp_path / "scale.json").read_text())["world_sizes"]["2"]["added"] == added

@@ -2,6 +2,7 @@
 several buckets, across DDP re-wraps and across a stop-and-resume, bf16's backend check, argument checks."""
 
 import json
+import warnings
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -18,7 +19,7 @@ from torch.utils.data import DataLoader
 
 import lightning_shardplus  # noqa: F401
 from lightning_shardplus import ShardPlusStrategy
-from lightning_shardplus.compression import CHECKPOINT_KEY
+from lightning_shardplus.compression import CHECKPOINT_KEY, rank_file
 from lightning_shardplus.instrumentation import CommunicationCounter
 
 DIM, HIDDEN, CLASSES = 16, 32, 8
@@ -213,8 +214,10 @@ def test_powersgd_resumed_from_a_checkpoint_continues_like_an_uninterrupted_run(
     checkpoint = torch.load(tmp_path / "ckpt" / "epoch=1.ckpt", weights_only=True)  # plain types and tensors
     entry = checkpoint[CHECKPOINT_KEY]
     assert entry["name"] == "powersgd" and entry["world_size"] == 2
-    first, second = (state["params"]["net.0.weight"]["error"] for state in entry["per_rank"])
-    assert not torch.equal(first, second)  # each rank's own error feedback, gathered on rank 0
+    assert "error" not in entry["state"]["params"]["net.0.weight"]  # rank 0's file holds no per-rank state
+    per_rank = [torch.load(rank_file(tmp_path / "ckpt" / "epoch=1.ckpt", r, 2), weights_only=True) for r in range(2)]
+    first, second = (state["params"]["net.0.weight"]["error"] for state in per_rank)
+    assert not torch.equal(first, second)  # each rank's own error feedback, in its own file
 
     resumed = fit(tmp_path / "resumed", epochs=4, ckpt_path=str(tmp_path / "ckpt" / "epoch=1.ckpt"), **kwargs)
     for full, again in zip(uninterrupted, resumed, strict=True):
@@ -228,6 +231,47 @@ def test_powersgd_resumed_from_a_checkpoint_continues_like_an_uninterrupted_run(
     torch.save(checkpoint, tmp_path / "stripped.ckpt")
     stripped = fit(tmp_path / "stripped", epochs=4, ckpt_path=str(tmp_path / "stripped.ckpt"), **kwargs)
     assert (flat(stripped[0]["weights"]) - flat(uninterrupted[0]["weights"])).abs().max() > 1e-4
+
+
+@pytest.mark.timeout(300)
+def test_rank_zeros_powersgd_checkpoint_does_not_grow_with_the_world_size(tmp_path):
+    sizes = {}
+    for world in (2, 4):
+        directory = tmp_path / f"ckpt{world}"
+        checkpoints = ModelCheckpoint(dirpath=directory, filename="{epoch}", save_top_k=1)  # keeps the newest only
+        fit(
+            tmp_path / f"run{world}",
+            world_size=world,
+            callbacks=[checkpoints],
+            trainer_kwargs={"enable_checkpointing": True},
+            gradient_compression="powersgd",
+            ddp_comm_state=powersgd_state(),
+        )
+        sizes[world] = (directory / "epoch=1.ckpt").stat().st_size
+        # every rank wrote its own file beside the checkpoint; the removed checkpoint's files went with it
+        assert sorted(p.name for p in (directory / "epoch=1.ckpt.powersgd").iterdir()) == [
+            f"rank-{r}-of-{world}.pt" for r in range(world)
+        ]
+        assert sorted(p.name for p in directory.iterdir()) == ["epoch=1.ckpt", "epoch=1.ckpt.powersgd"]
+    assert abs(sizes[4] - sizes[2]) <= 0.02 * sizes[2], sizes
+
+
+@pytest.mark.timeout(240)
+def test_powersgd_resume_without_the_per_rank_files_warns_and_restarts_error_feedback(tmp_path):
+    kwargs = dict(gradient_compression="powersgd", ddp_comm_state=powersgd_state())
+    checkpoints = ModelCheckpoint(dirpath=tmp_path / "ckpt", filename="{epoch}", save_top_k=-1)
+    fit(tmp_path / "full", callbacks=[checkpoints], trainer_kwargs={"enable_checkpointing": True}, **kwargs)
+    checkpoint = tmp_path / "ckpt" / "epoch=0.ckpt"
+    for path in (tmp_path / "ckpt" / "epoch=0.ckpt.powersgd").iterdir():
+        path.unlink()
+    message = r"per-rank PowerSGD state is missing or stale .*rank-<r>-of-2\.pt.*error feedback starts again"
+    with warnings.catch_warnings():  # the ranks (forked) inherit the filter: the warning stops the fit, named
+        warnings.filterwarnings("error", message=".*per-rank PowerSGD state")
+        with pytest.raises(Exception, match=message):
+            fit(tmp_path / "resumed", epochs=3, ckpt_path=str(checkpoint), **kwargs)
+    with warnings.catch_warnings():  # with its files, the other checkpoint resumes without a word
+        warnings.filterwarnings("error", message=".*per-rank PowerSGD state")
+        fit(tmp_path / "resumed2", epochs=3, ckpt_path=str(tmp_path / "ckpt" / "epoch=1.ckpt"), **kwargs)
 
 
 @pytest.mark.timeout(120)
@@ -325,7 +369,7 @@ def test_compression_state_from_another_setting_or_world_size_warns_and_keeps_wh
     saved = PowerSGDCompression()
     saved.state.iter = 7
     saved._loose = {"w": {"error": torch.ones(6), "p": torch.ones(2), "q": torch.ones(3)}}
-    entry = checkpoint_entry("powersgd", [saved.state_dict(), saved.state_dict()])
+    entry = checkpoint_entry("powersgd", 2, saved.state_dict())
 
     # the strategy's component of a fit with fp16 (on NCCL the backend check is torch's: nothing communicates here)
     hook = CommunicationHook("fp16", backend="nccl", device=torch.device("cpu"))
@@ -338,8 +382,8 @@ def test_compression_state_from_another_setting_or_world_size_warns_and_keeps_wh
 
     restored = PowerSGDCompression()
     with pytest.warns(UserWarning, match=r"from 2 processes, this run has 3.*error feedback starts again"):
-        restored.load_checkpoint_entry(entry, rank=2, world_size=3)
+        restored.load_checkpoint_entry(entry, None, world_size=3)
     assert restored.state.iter == 7 and set(restored._loose["w"]) == {"p", "q"}
     again = PowerSGDCompression()
-    again.load_checkpoint_entry(entry, rank=1, world_size=2)
+    again.load_checkpoint_entry(entry, saved.state_dict(), world_size=2)
     assert set(again._loose["w"]) == {"error", "p", "q"}

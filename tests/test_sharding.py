@@ -1,5 +1,6 @@
 """Properties of the shard samplers, checked in one process over many sizes, world sizes and epochs."""
 
+import itertools
 import math
 from collections import Counter
 
@@ -8,7 +9,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lightning_shardplus import ExactShardSampler, PaddedShardSampler
-from lightning_shardplus.sharding import ShardingError, check_checkpoint_entry, check_epoch_shards, epoch_permutation
+from lightning_shardplus.sharding import (
+    DIGEST_WIDTH,
+    ShardingError,
+    check_checkpoint_entry,
+    check_epoch_shards,
+    digest_problem,
+    epoch_permutation,
+    shard_digest,
+)
 
 sizes = st.integers(min_value=0, max_value=1000)
 world_sizes = st.integers(min_value=1, max_value=8)
@@ -262,3 +271,59 @@ def test_a_corrupt_checkpoint_entry_is_refused_saying_what_is_wrong(entry, error
 
 def test_a_valid_checkpoint_entry_passes():
     assert check_checkpoint_entry({"batches_done": 2, "samplers": [GOOD_STATE, None]}) is None
+
+
+def _digests(samplers, world):
+    """Each simulated rank's digest and their sum (what VerifySharding's one all-reduce computes)."""
+    own = [shard_digest(sampler, rank, world) for rank, sampler in enumerate(samplers)]
+    return own, [sum(values) for values in zip(*own, strict=True)]
+
+
+def _read_epoch(n, world, stop=None, consumed=0, **kwargs):
+    samplers = [PaddedShardSampler(n, world, rank, record_indices=True, **kwargs) for rank in range(world)]
+    for sampler in samplers:
+        sampler.set_epoch(3)
+        if consumed:  # a resumed epoch: what another world size left of it
+            sampler.load_state_dict({"epoch": 3, "seed": sampler.seed, "positions_consumed": consumed})
+        taken = list(itertools.islice(iter(sampler), stop)) if stop is not None else list(sampler)
+        assert taken
+    return samplers
+
+
+@pytest.mark.parametrize(
+    ("n", "world", "kwargs", "stop"),
+    [(10, 3, {}, None), (12, 4, {"drop_last": True}, None), (7, 2, {"shuffle": False}, None), (50, 4, {}, 5),
+     (3, 8, {"padding": "wrap"}, None), (23, 3, {"consumed": 7}, None), (23, 3, {"consumed": 7, "drop_last": True}, 2)],
+)
+def test_the_digest_of_correct_shards_finds_nothing_and_has_a_fixed_size(n, world, kwargs, stop):
+    samplers = _read_epoch(n, world, stop, **kwargs)
+    own, total = _digests(samplers, world)
+    assert {len(digest) for digest in own} == {DIGEST_WIDTH}
+    assert all(digest_problem(total, digest, samplers[0], world) is None for digest in own)
+
+
+def test_the_digest_catches_an_overlap_that_a_gap_compensates_in_the_plain_sum():
+    samplers = _read_epoch(8, 2, shuffle=False)  # rank 0 reads 0, 2, 4, 6; rank 1 reads 1, 3, 5, 7
+    samplers[0].yielded_indices = [0, 3, 3, 6]  # 3 twice, 2 and 4 never: the count and the sum are unchanged
+    own, total = _digests(samplers, 2)
+    assert total[0] == 8 and sum(samplers[0].yielded_indices) == 0 + 2 + 4 + 6
+    assert "shards overlap" in digest_problem(total, own[0], samplers[0], 2)
+
+
+def test_the_digest_catches_a_rank_reading_another_ranks_shard_and_a_seed_that_differs():
+    samplers = _read_epoch(20, 4)
+    samplers[3].yielded_indices = list(samplers[2].yielded_indices)
+    own, total = _digests(samplers, 4)
+    assert all("shards overlap" in digest_problem(total, digest, samplers[0], 4) for digest in own)
+
+    samplers = _read_epoch(20, 4)
+    samplers[1] = _read_epoch(20, 4, seed=9)[1]
+    own, total = _digests(samplers, 4)
+    assert all("disagree on the epoch's order" in digest_problem(total, digest, samplers[0], 4) for digest in own)
+
+
+def test_the_digest_catches_a_finished_epoch_that_missed_samples():
+    samplers = _read_epoch(9, 3)
+    samplers[2].yielded_indices = samplers[2].yielded_indices[:2]  # rank 2 lost a sample yet finished
+    own, total = _digests(samplers, 3)
+    assert digest_problem(total, own[0], samplers[0], 3) == "ranks 0..2 together read 8 of the 9 samples of the epoch"
