@@ -154,12 +154,12 @@ def _child(kind: str, world: int, out: Path, steps: int, epochs: int) -> None:
     else:
         strategy = ShardPlusStrategy(start_method="fork", gradient_compression="powersgd")
         callbacks.append(ModelCheckpoint(dirpath=out / "ckpt", filename="last", save_top_k=1))
-    trainer = pl.Trainer(
-        accelerator="cpu", devices=world, strategy=strategy, max_epochs=epochs, logger=False,
-        enable_checkpointing=kind == "powersgd", enable_progress_bar=False, enable_model_summary=False,
-        callbacks=callbacks, num_sanity_val_steps=0,
-    )  # fmt: skip
-    with quiet_run():
+    with quiet_run():  # the Trainer's banners too
+        trainer = pl.Trainer(
+            accelerator="cpu", devices=world, strategy=strategy, max_epochs=epochs, logger=False,
+            enable_checkpointing=kind == "powersgd", enable_progress_bar=False, enable_model_summary=False,
+            callbacks=callbacks, num_sanity_val_steps=0,
+        )  # fmt: skip
         trainer.fit(Tiny(), DataLoader(data, batch_size=batch), DataLoader(data, batch_size=batch))
 
 
