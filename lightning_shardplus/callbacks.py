@@ -484,17 +484,19 @@ class ScalingReport(CommunicationHookWrapper):
             raise TypeError(f"`device_timing`={device_timing!r} is not valid: expected None, True or False.")
         self.device_timing = device_timing
         self.report: dict[str, Any] | None = None
-        self._totals = dict.fromkeys(_TOTALS, 0.0)
+        self._sums = [0.0] * len(_TOTALS)  # per `_TOTALS` key, summed locally: floats, nothing allocated per step
         self._seen = 0
         self._was_tuning = False
         self._world_size = 1
         self._batch_size: int | None = None
         self._clock: StepClock = HostClock()
+        self._on_host = True  # `_clock` is the host's: marks are `perf_counter` floats, counted as they come
         self._previous_end: Any = None  # a mark of `_clock`
-        self._marks: dict[str, Any] = {}  # this micro-batch's marks of `_clock`
-        self._host_marks: dict[str, float] = {}  # and when the host made them
+        self._reset_marks()
         self._pending: deque[_CountedStep] = deque()  # counted micro-batches whose marks the device has not passed
-        # `next()` on the training loader since the previous micro-batch ended: (start, stop) marks of `_clock`
+        # `next()` on the training loader since the previous micro-batch ended: its seconds on the host clock, its
+        # (start, stop) marks on a device clock (read once the device has passed them)
+        self._fetch_seconds = 0.0
         self._fetches: list[tuple[Any, Any]] = []
         self._fetch_started: Any = None
         self._profiler: _FetchTimingProfiler | None = None
@@ -502,13 +504,15 @@ class ScalingReport(CommunicationHookWrapper):
 
     def __getstate__(self) -> dict[str, Any]:  # the spawn launcher pickles the Trainer's callbacks
         # device events cannot be pickled; `setup` picks the clock again in the new process
-        fresh = {"_clock": HostClock(), "_marks": {}, "_host_marks": {}, "_fetches": [], "_pending": deque()}
-        return self.__dict__ | fresh | {"_profiler": None, "_fetch_started": None, "_previous_end": None}
+        fresh = {"_clock": HostClock(), "_on_host": True, "_fetches": [], "_pending": deque()}
+        marks = dict.fromkeys(("_start", "_before_backward", "_last_bucket", "_after_backward"))
+        return self.__dict__ | fresh | marks | {"_profiler": None, "_fetch_started": None, "_previous_end": None}
 
-    def _mark(self, name: str) -> None:
-        now = time.perf_counter()
-        self._host_marks[name] = now
-        self._marks[name] = now if isinstance(self._clock, HostClock) else self._clock.mark()
+    def _reset_marks(self) -> None:
+        """Forget the micro-batch's marks of `_clock` (None: not reached) and the host times of the three that
+        decide whether the last bucket was handed over during the backward pass."""
+        self._start = self._before_backward = self._last_bucket = self._after_backward = None
+        self._host_before_backward = self._host_last_bucket = self._host_after_backward = math.nan
 
     # ------------------------------------------------------------------ the hook wrapper
 
@@ -519,7 +523,8 @@ class ScalingReport(CommunicationHookWrapper):
 
         def timed_hook(state, bucket):  # no annotations: DDP checks them against its types
             if bucket.is_last():
-                report._mark("last_bucket")
+                report._host_last_bucket = now = time.perf_counter()
+                report._last_bucket = now if report._on_host else report._clock.mark()
             return hook(state, bucket)
 
         timed_hook.__qualname__ = f"timed({getattr(hook, '__qualname__', repr(hook))})"
@@ -531,9 +536,10 @@ class ScalingReport(CommunicationHookWrapper):
         if stage == "fit":
             self._hook_wrapped = False  # the strategy wraps its hook after this, in its own setup
             self._clock = step_clock(trainer.strategy.root_device, self.device_timing)
+            self._on_host = isinstance(self._clock, HostClock)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._totals = dict.fromkeys(_TOTALS, 0.0)
+        self._sums = [0.0] * len(_TOTALS)
         self._seen = 0
         self._was_tuning = False
         self._world_size = trainer.world_size
@@ -556,52 +562,87 @@ class ScalingReport(CommunicationHookWrapper):
         self._restore_profiler(trainer)
 
     def _fetch_start(self) -> None:
-        self._fetch_started = self._clock.mark()
+        self._fetch_started = time.perf_counter() if self._on_host else self._clock.mark()
 
     def _fetch_stop(self) -> None:
-        if self._fetch_started is not None:
+        if self._fetch_started is None:
+            return
+        if self._on_host:
+            self._fetch_seconds += time.perf_counter() - self._fetch_started
+        else:
             self._fetches.append((self._fetch_started, self._clock.mark()))
-            self._fetch_started = None
+        self._fetch_started = None
+
+    def _new_gap(self) -> None:
+        """The time between micro-batches starts again now (the start of an epoch, the end of validation)."""
+        self._previous_end = time.perf_counter() if self._on_host else self._clock.mark()
+        self._fetch_seconds, self._fetches = 0.0, []
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._previous_end = self._clock.mark()
-        self._fetches = []
+        self._new_gap()
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not trainer.sanity_checking:
-            self._previous_end = self._clock.mark()
-            self._fetches = []
+            self._new_gap()
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        self._marks, self._host_marks = {}, {}
-        self._mark("start")
-        self._marks["previous_end"] = self._marks["start"] if self._previous_end is None else self._previous_end
-        self._marks["fetches"], self._fetches = self._fetches, []
+        self._reset_marks()
+        self._start = time.perf_counter() if self._on_host else self._clock.mark()
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
-        if "before_backward" not in self._marks:
-            self._mark("before_backward")
+        if self._before_backward is None:
+            self._host_before_backward = now = time.perf_counter()
+            self._before_backward = now if self._on_host else self._clock.mark()
 
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._mark("after_backward")
+        self._host_after_backward = now = time.perf_counter()
+        self._after_backward = now if self._on_host else self._clock.mark()
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        self._mark("end")
-        marks, host_marks, self._marks, self._host_marks = self._marks, self._host_marks, {}, {}
-        self._previous_end = marks["end"]
+        end = time.perf_counter() if self._on_host else self._clock.mark()
+        previous_end, self._previous_end = self._previous_end, end
+        fetch_seconds, fetches, self._fetch_seconds, self._fetches = self._fetch_seconds, self._fetches, 0.0, []
         self._seen += 1
         # tensor-fusion autotuning re-wraps DDP and tries slower bucket sizes on purpose: its steps, and the first
         # step after it (the last re-wrap, DDP's bucket rebuild), are not this run's steady state
         tuning = bool(getattr(trainer.strategy, "fusion_tuning", False))
         after_tuning, self._was_tuning = self._was_tuning, tuning
-        if not (tuning or after_tuning or self._seen <= self.skip_first_steps or "start" not in marks):
-            size = self.batch_size_fn(batch) if self.batch_size_fn is not None else self._batch_size
-            self._pending.append(_CountedStep(marks, host_marks, size or 0))
+        if tuning or after_tuning or self._seen <= self.skip_first_steps or self._start is None:
+            return self._count_finished(wait=False)
+        step = _CountedStep(
+            self._start if previous_end is None else previous_end,
+            fetches,
+            self._start,
+            self._before_backward,
+            self._last_bucket if self._world_size > 1 and self._last_bucket_in_backward() else None,
+            self._after_backward,
+            end,
+            self.batch_size_fn(batch) if self.batch_size_fn is not None else (self._batch_size or 0),
+        )
+        if self._on_host:  # every mark has happened: counted at once, without queueing
+            return self._add(step.phases(self._clock, fetch_seconds), step.samples)
+        self._pending.append(step)
         self._count_finished(wait=False)
+
+    def _last_bucket_in_backward(self) -> bool:
+        """Whether DDP handed over the last bucket during this backward pass, by the host's clock (NaN: a mark
+        that was not made; before_backward may be missing: no ``on_before_backward`` call)."""
+        before = self._host_before_backward
+        return (before <= self._host_last_bucket or before != before) and self._host_last_bucket <= (
+            self._host_after_backward
+        )
+
+    def _add(self, phases: tuple[float, ...], samples: int) -> None:
+        sums = self._sums
+        for i, seconds in enumerate(phases):
+            if seconds > 0.0:
+                sums[i] += seconds
+        sums[-2] += samples
+        sums[-1] += 1
 
     def _count_finished(self, wait: bool) -> None:
         """Adds the phases of the pending micro-batches the clock can measure (with ``wait``: all of them)."""
@@ -609,19 +650,16 @@ class ScalingReport(CommunicationHookWrapper):
         while self._pending:
             step = self._pending[0]
             if wait:
-                clock.wait(step.marks["end"])
-            elif not isinstance(clock, HostClock) and not all(clock.ready(mark) for mark in step.all_marks()):
+                clock.wait(step.end)
+            elif not all(clock.ready(mark) for mark in step.all_marks()):
                 return
             self._pending.popleft()
-            for phase, seconds in step.phases(clock, self._world_size).items():
-                self._totals[phase] += max(0.0, seconds)
-            self._totals["samples"] += step.samples
-            self._totals["micro_batches"] += 1
+            self._add(step.phases(clock, sum(clock.seconds(start, stop) for start, stop in step.fetches)), step.samples)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._restore_profiler(trainer)
         self._count_finished(wait=True)
-        local = torch.tensor([self._totals[key] for key in _TOTALS], dtype=torch.float64, device=pl_module.device)
+        local = torch.tensor(self._sums, dtype=torch.float64, device=pl_module.device)
         gathered = [local]
         if dist.is_available() and dist.is_initialized():  # the one collective of this callback
             # (not `strategy.all_gather`: Lightning's goes through torch's deprecated autograd all_gather)
@@ -653,43 +691,41 @@ class ScalingReport(CommunicationHookWrapper):
 
 @dataclass
 class _CountedStep:
-    """A counted micro-batch: its clock marks (``previous_end``, ``fetches``: the (start, stop) pairs of ``next()``
-    on the loader before it, ``start``, ``before_backward``, ``last_bucket``, ``after_backward``, ``end``; the
-    last three optional) and when the host made them."""
+    """A counted micro-batch: its clock marks (the previous micro-batch's end, the (start, stop) pairs of ``next()``
+    on the loader before it, start, before_backward, the last bucket when it was handed over during this backward,
+    after_backward, end; None: not reached) and its samples."""
 
-    marks: dict[str, Any]
-    host_marks: dict[str, float]
+    previous_end: Any
+    fetches: list[tuple[Any, Any]]
+    start: Any
+    before_backward: Any
+    last_bucket: Any
+    after_backward: Any
+    end: Any
     samples: int
 
     def all_marks(self) -> list[Any]:
-        fetches = [mark for pair in self.marks["fetches"] for mark in pair]
-        return [mark for name, mark in self.marks.items() if name != "fetches"] + fetches
+        marks = [self.previous_end, self.start, self.before_backward, self.last_bucket, self.after_backward, self.end]
+        return [mark for mark in marks if mark is not None] + [mark for pair in self.fetches for mark in pair]
 
-    def phases(self, clock: StepClock, world_size: int) -> dict[str, float]:
-        """Seconds per phase on ``clock`` (all its marks must have happened)."""
-        marks, host = self.marks, self.host_marks
-        end = marks["end"]
-        before_backward = marks.get("before_backward", end)
-        after_backward = marks.get("after_backward", before_backward)
-        # the last bucket counts when it was handed over during this backward, by the host's clock
-        in_backward = (
-            "last_bucket" in host
-            and "after_backward" in host
-            and host.get("before_backward", math.inf) <= host["last_bucket"] <= host["after_backward"]
+    def phases(self, clock: StepClock, fetch_seconds: float) -> tuple[float, ...]:
+        """Seconds per phase of :data:`STEP_PHASES` on ``clock`` (all its marks must have happened), with
+        ``fetch_seconds`` the clock's time across ``next()`` on the loader (on a device clock: nothing is queued
+        in it, the time the device went idle, if it ran out of work, waiting for data)."""
+        end = self.end
+        before_backward = end if self.before_backward is None else self.before_backward
+        after_backward = before_backward if self.after_backward is None else self.after_backward
+        last_bucket = after_backward if self.last_bucket is None else self.last_bucket
+        gap = clock.seconds(self.previous_end, self.start)
+        fetch = min(fetch_seconds, gap if gap > 0.0 else 0.0)
+        return (
+            fetch,
+            gap - fetch,
+            clock.seconds(self.start, before_backward),
+            clock.seconds(before_backward, last_bucket),
+            clock.seconds(last_bucket, after_backward),
+            clock.seconds(after_backward, end),
         )
-        last_bucket = marks["last_bucket"] if world_size > 1 and in_backward else after_backward
-        gap = clock.seconds(marks["previous_end"], marks["start"])
-        # on a device clock: the device's time across each `next()` (nothing is queued in it: the time the device
-        # went idle, if it ran out of work, waiting for data)
-        fetch = min(sum(clock.seconds(start, stop) for start, stop in marks["fetches"]), max(gap, 0.0))
-        return {
-            "data": fetch,
-            "between_steps": gap - fetch,
-            "forward": clock.seconds(marks["start"], before_backward),
-            "backward": clock.seconds(before_backward, last_bucket),
-            "communication": clock.seconds(last_bucket, after_backward),
-            "optimizer": clock.seconds(after_backward, end),
-        }
 
 
 class _FetchTimingProfiler(Profiler):
@@ -699,6 +735,13 @@ class _FetchTimingProfiler(Profiler):
     def __init__(self, wrapped: Profiler, report: ScalingReport) -> None:
         super().__init__()
         self.wrapped, self.report = wrapped, report
+
+    def profile(self, action_name: str) -> Any:
+        """The wrapped profiler's own ``profile`` for every action but the batch fetch (which Lightning times with
+        ``start`` and ``stop``): the ~40 actions profiled per step cost what they cost without this wrapper."""
+        if action_name == TRAIN_DATALOADER_NEXT:
+            return super().profile(action_name)
+        return self.wrapped.profile(action_name)
 
     def start(self, action_name: str) -> None:
         if action_name == TRAIN_DATALOADER_NEXT:

@@ -4,12 +4,14 @@ Both samplers draw their order from one global permutation per epoch that every 
 from ``(seed, epoch)``; a rank then takes its share of that order. The permutation is a keyed bijection
 (:mod:`lightning_shardplus.permutation`) evaluated on the rank's positions chunk by chunk, so a sampler's memory
 does not depend on the dataset's length and its first index comes at once; :func:`epoch_permutation` is the
-same order as one tensor. Nothing here communicates or imports Lightning, so every property can be checked in
-one process.
+same order as one tensor. Iterating hands out each chunk's ``tolist()`` through ``itertools.chain``: the per-index
+work is C code, as in iterating torch's materialized list. Nothing here communicates or imports Lightning, so
+every property can be checked in one process.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import numbers
 from collections.abc import Iterator, Sequence, Sized
@@ -20,7 +22,7 @@ import torch
 from torch.utils.data import Sampler
 
 from lightning_shardplus._validation import check_bool, check_choice, check_int
-from lightning_shardplus.permutation import MAX_LENGTH, permuted
+from lightning_shardplus.permutation import MAX_LENGTH, KeyedPermutation
 
 PaddingMode = Literal["first", "wrap"]
 PADDING_MODES: tuple[str, ...] = ("first", "wrap")
@@ -33,21 +35,21 @@ def epoch_permutation(length: int, *, seed: int, epoch: int, shuffle: bool = Tru
     """The global order of ``range(length)`` for one epoch as one tensor: the same on every rank for the same seed
     and epoch. ``length`` int64 values: for small datasets and tests; the samplers compute only their positions.
     """
-    return _order_at(torch.arange(length, dtype=torch.int64), length, seed=seed, epoch=epoch, shuffle=shuffle)
+    positions = np.arange(length, dtype=np.int64)
+    return torch.from_numpy(KeyedPermutation(length, seed, epoch).at(positions) if shuffle else positions)
 
 
-def _order_at(positions: torch.Tensor, length: int, *, seed: int, epoch: int, shuffle: bool) -> torch.Tensor:
-    """The indices at ``positions`` of the epoch's order (identity without shuffling)."""
-    return permuted(positions, length, seed, epoch) if shuffle else positions
-
-
-def _chunks(start: int, count: int, step: int) -> Iterator[torch.Tensor]:
-    """``start, start + step, ...`` (``count`` values) as int64 tensors of at most :data:`CHUNK_SIZE`, growing
+def _chunks(start: int, count: int, step: int) -> Iterator[np.ndarray]:
+    """``start, start + step, ...`` (``count`` values) as int64 arrays of at most :data:`CHUNK_SIZE`, growing
     from :data:`_FIRST_CHUNK_SIZE`."""
     done, size = 0, _FIRST_CHUNK_SIZE
     while done < count:
         n = min(size, count - done)
-        yield start + step * done + step * torch.arange(n, dtype=torch.int64)
+        chunk = np.arange(n, dtype=np.int64)
+        if step != 1:
+            chunk *= step
+        chunk += start + step * done
+        yield chunk
         done, size = done + n, min(CHUNK_SIZE, size * 4)
 
 
@@ -89,17 +91,24 @@ class _ShardSampler(Sampler[int]):
         """Select the epoch whose permutation the next iteration uses (Lightning calls this every epoch)."""
         self.epoch = epoch
 
-    def _order_at(self, positions: torch.Tensor) -> torch.Tensor:
-        return _order_at(positions, self.dataset_length, seed=self.seed, epoch=self.epoch, shuffle=self.shuffle)
+    def _order(self) -> Any:
+        """The current epoch's order as a function of a position array (the identity without shuffling)."""
+        if not self.shuffle:
+            return lambda positions: positions
+        return KeyedPermutation(self.dataset_length, self.seed, self.epoch).at
 
-    def _index_chunks(self) -> Iterator[torch.Tensor]:
-        """This rank's indices for the current epoch, chunk by chunk."""
+    def _index_chunks(self) -> Iterator[np.ndarray]:
+        """This rank's indices for the current epoch, chunk by chunk (int64 arrays)."""
         raise NotImplementedError
 
     def shard_indices(self) -> torch.Tensor:
         """This rank's indices for the current epoch as one tensor (for small datasets and tests)."""
         chunks = list(self._index_chunks())
-        return torch.cat(chunks) if chunks else torch.zeros(0, dtype=torch.int64)
+        return torch.from_numpy(np.concatenate(chunks)) if chunks else torch.zeros(0, dtype=torch.int64)
+
+    def _iterate(self) -> Iterator[int]:
+        """The indices as Python ints: each chunk's ``tolist()``, chained in C."""
+        return itertools.chain.from_iterable(map(np.ndarray.tolist, self._index_chunks()))
 
 
 class PaddedShardSampler(_ShardSampler):
@@ -206,33 +215,32 @@ class PaddedShardSampler(_ShardSampler):
         self.samples_counted_before_start = samples_counted
         self._set_shard_size()
 
-    def _index_chunks(self) -> Iterator[torch.Tensor]:
+    def _index_chunks(self) -> Iterator[np.ndarray]:
         """This rank's indices, padding included: positions ``start + rank + j * W`` of the order, then the
         padding."""
         n, w, real = self.dataset_length, self.num_replicas, self.num_real_samples
         start = self.start_position + self.rank
+        order = self._order()
         for positions in _chunks(start, real, w):
-            yield self._order_at(positions)
+            yield order(positions)
         # Padding positions p >= N, kept as offsets p - N (p itself may pass 2**63 - 1): index 0, or the order's
         # first indices again (offset modulo N, as torch's DistributedSampler repeats its order).
         for offsets in _chunks(start + real * w - n, self.num_samples - real, w):
             if self.padding == "first":
-                yield torch.zeros_like(offsets)
+                yield np.zeros_like(offsets)
             else:
-                yield self._order_at(offsets % n)
+                yield order(offsets % n)
 
     def __iter__(self) -> Iterator[int]:
-        if self.record_indices:
-            self.yielded_indices, self.completed_epoch = [], False
-        for chunk in self._index_chunks():
-            if not self.record_indices:
-                yield from chunk.tolist()
-                continue
-            for index in chunk.tolist():
-                self.yielded_indices.append(index)
-                yield index
-        if self.record_indices:
-            self.completed_epoch = True
+        return self._recorded() if self.record_indices else self._iterate()
+
+    def _recorded(self) -> Iterator[int]:
+        """The indices, noting each in ``yielded_indices`` and whether the epoch ran to its end."""
+        self.yielded_indices, self.completed_epoch = [], False
+        for index in self._iterate():
+            self.yielded_indices.append(index)
+            yield index
+        self.completed_epoch = True
 
     def __len__(self) -> int:
         """This rank's indices in the epoch; in a resumed epoch also those counted as done before the resume
@@ -260,13 +268,13 @@ class ExactShardSampler(_ShardSampler):
         super().__init__(dataset_or_length, num_replicas, rank, shuffle=shuffle, seed=seed)
         self.start, self.stop = shard_bounds(self.dataset_length, num_replicas, rank)
 
-    def _index_chunks(self) -> Iterator[torch.Tensor]:
+    def _index_chunks(self) -> Iterator[np.ndarray]:
+        order = self._order()
         for positions in _chunks(self.start, self.stop - self.start, 1):
-            yield self._order_at(positions)
+            yield order(positions)
 
     def __iter__(self) -> Iterator[int]:
-        for chunk in self._index_chunks():
-            yield from chunk.tolist()
+        return self._iterate()
 
     def __len__(self) -> int:
         return self.stop - self.start
