@@ -413,12 +413,12 @@ def _mix(values: Any, key: int) -> Any:
     return (z ^ (z >> np.uint64(31))) % np.uint64(DIGEST_PRIME)
 
 
-def _hash_lanes(chunks: Iterator[torch.Tensor]) -> list[int]:
+def _hash_lanes(chunks: Iterator[np.ndarray]) -> list[int]:
     """Per key, the sum modulo :data:`DIGEST_PRIME` of the keyed hash of every index: the same for any order of
     the same multiset of indices, different (with probability ~1 - 2**-60 per lane) for another one."""
     sums = [0] * len(_DIGEST_KEYS)
     for chunk in chunks:
-        values = chunk.numpy().astype(np.int64).view(np.uint64)
+        values = np.asarray(chunk, dtype=np.int64).view(np.uint64)
         for lane, key in enumerate(_DIGEST_KEYS):
             hashed = _mix(values, key)  # < 2**61: the 32-bit halves sum without overflow over 2**32 values
             high, low = int((hashed >> np.uint64(32)).sum()), int((hashed & np.uint64(0xFFFFFFFF)).sum())
@@ -447,13 +447,12 @@ def shard_digest(sampler: PaddedShardSampler, rank: int, world_size: int) -> lis
     real = sampler.yielded_indices[: sampler.num_real_samples]
     n, start, k = sampler.dataset_length, sampler.start_position, len(real)
     misfit = sampler.num_replicas != world_size or (k > 0 and start + rank + (k - 1) * world_size >= n)
-    read = (torch.tensor(real[i : i + CHUNK_SIZE], dtype=torch.int64) for i in range(0, k, CHUNK_SIZE))
+    read = (np.asarray(real[i : i + CHUNK_SIZE], dtype=np.int64) for i in range(0, k, CHUNK_SIZE))
     observed = _hash_lanes(read)
     expected = [0] * len(_DIGEST_KEYS)
     if not misfit:
-        positions = _chunks(start + rank, k, world_size)
-        expected = _hash_lanes(_order_at(p, n, seed=sampler.seed, epoch=sampler.epoch, shuffle=sampler.shuffle)
-                               for p in positions)  # fmt: skip
+        order = sampler._order()  # the epoch's order at the positions process `rank` should have read
+        expected = _hash_lanes(order(positions) for positions in _chunks(start + rank, k, world_size))
     config = _config_hash(n, start, sampler.seed, sampler.epoch, sampler.shuffle, sampler.drop_last, world_size)
     lanes = [(o - e) % DIGEST_PRIME for o, e in zip(observed, expected, strict=True)] + [config]
     digest = [k, int(sampler.completed_epoch), int(misfit)]
