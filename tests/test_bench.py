@@ -103,8 +103,10 @@ def test_sampler_bench_rows_for_small_lengths(tmp_path, capsys):
     ]
     assert rows[0]["indices_timed"] == 499 and rows[-1]["indices_timed"] == 2999  # half of N on rank 0 of 2
     assert all(row["first_index_ms"] > 0 and row["indices_per_s"] > 0 for row in rows)
+    for row in rows:  # the whole pass includes the first index: slower than the pass after it, faster than 1 / first
+        assert 1e3 / row["first_index_ms"] < row["indices_per_s_with_setup"] < row["indices_per_s"]
     table = capsys.readouterr().out
-    assert "| 10^5 | shardplus PaddedShardSampler |" in table and "indices/s per rank" in table
+    assert "| 10^5 | shardplus PaddedShardSampler |" in table and "indices/s per rank (whole pass)" in table
     assert (tmp_path / "sampler.json").exists()
     with pytest.raises(SystemExit):
         bench.parse_args(["--sampler", "--sampler-sizes=9223372036854775808"])

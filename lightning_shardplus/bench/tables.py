@@ -219,11 +219,14 @@ def _plot_step_breakdown(axes: Any, report: dict[str, Any]) -> None:
 def format_sampler_table(report: dict[str, Any]) -> str:
     """The ``--sampler`` rows: time to the first index, indices/s and peak memory per length and sampler."""
     lines = [
-        "| N | sampler | first index | indices/s per rank | peak memory |",
-        "|---:|---|---:|---:|---:|",
+        "| N | sampler | first index | indices/s per rank (after the first) | indices/s per rank (whole pass) "
+        "| peak memory |",
+        "|---:|---|---:|---:|---:|---:|",
     ]
     for row in report["sampler_rows"]:
         rate = "-" if row["indices_per_s"] is None else f"{row['indices_per_s'] / 1e6:.1f} M"
+        whole = row.get("indices_per_s_with_setup")  # absent from reports saved by earlier versions
+        rate += " | -" if whole is None else f" | {whole / 1e6:.1f} M"
         memory = "-" if row["peak_memory_mb"] is None else f"{row['peak_memory_mb']:.0f} MB"
         lines.append(
             f"| {_length_text(row['length'])} | {row['sampler']} | {row['first_index_ms']:.2f} ms | {rate} | {memory} |"
