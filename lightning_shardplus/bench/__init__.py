@@ -31,7 +31,8 @@ host-side times.
 ``--sampler`` runs a different benchmark, in this process and without training: for each dataset length N, rank
 0's :class:`~lightning_shardplus.PaddedShardSampler` (on-the-fly permutation) beside torch's
 ``DistributedSampler`` (materialized ``randperm``, only up to ``--torch-max-length``): time to the first index,
-indices per second per rank while iterating, and peak resident memory above the level before the sampler.
+indices per second per rank after the first index and over the whole pass (first index included), and peak
+resident memory above the level before the sampler.
 
 ``--fusion`` measures tensor-fusion autotuning (:mod:`lightning_shardplus.bench.fusion`); ``--rewrap`` times a DDP
 re-wrap with and without the broadcast from rank 0 (:mod:`lightning_shardplus.bench.rewrap`). The matrix prints one
