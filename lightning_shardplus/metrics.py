@@ -29,7 +29,10 @@ The values stay on the device: they are packed into one float64 buffer (one ``to
 MAX ``all_reduce`` of 2 slots per max/min name in steps whose agreed layout has max/min names (min as the
 max of the negation), and written back as device tensors: nothing is read on the host during the step,
 the loggers and the progress bar convert the values when they read them. Sizes do not grow with the world
-size.
+size. Where no hook that runs after backward starts can log (automatic optimization, no such hook overridden:
+:func:`logs_only_before_backward`), the SUM all_reduce starts in the last micro-batch's ``on_before_backward``
+and runs during backward; ``on_train_batch_end`` then waits for it (on gloo the host no longer blocks on it there;
+on NCCL the current stream waits).
 
 Agreement without a host read: the SUM buffer starts with a header of exact small integers (the number of
 contributing ranks, the body's slots and the max/min slots, a 48-bit digest of the sorted names and
@@ -65,6 +68,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torchmetrics import Metric
@@ -263,6 +267,15 @@ class _Window:
         return self._stacked
 
 
+@dataclass(frozen=True)
+class _Started:
+    """A step's SUM buffer whose all_reduce is running (``work``: its handle, None when it already completed)."""
+
+    summed: Tensor
+    work: Any
+    abstain: bool
+
+
 class FusedMetricReducer:
     """Collects this rank's scalars and reduces all of them across ranks with one SUM ``all_reduce`` (plus one
     MAX ``all_reduce`` when max/min values are logged), on the device, without reading them on the host.
@@ -274,8 +287,8 @@ class FusedMetricReducer:
 
     Args:
         world_size, rank: this process's place in the group the collectives run over.
-        all_reduce: ``all_reduce(tensor, op=dist.ReduceOp.SUM | MAX)`` of a 1-d float64 tensor over that group,
-            in place.
+        all_reduce: ``all_reduce(tensor, op=dist.ReduceOp.SUM | MAX, async_op=False)`` of a 1-d float64 tensor over
+            that group, in place; with ``async_op=True`` it returns a handle with ``wait()`` (or None when done).
         all_gather_object: gathers a picklable object from every rank (only used to name a mismatch).
         capacity: SUM body slots (2 per mean, 1 per sum; grows by doubling when a step needs more).
         extremes: MAX slots (2 per max/min name); 0: no MAX collective until a step needs one.
@@ -307,6 +320,7 @@ class FusedMetricReducer:
         self._wheres: list[str] = []
         self._history: list[tuple[int, list[tuple[str, str, str]]]] = []  # (step, entries) at each change
         self._layout: _Layout | None = None  # this rank's in the last step
+        self._started: _Started | None = None  # the SUM collective `start` began, until `finish`
 
     @property
     def pending(self) -> list[str]:
@@ -334,8 +348,17 @@ class FusedMetricReducer:
             window.coefs.append(1.0)
 
     def discard(self) -> None:
-        """Forget what was observed since the last reduction (on every rank at the same point)."""
+        """Forget what was observed since the last reduction, and a started reduction (on every rank at the same
+        point)."""
+        if self._started is not None and self._started.work is not None:
+            self._started.work.wait()  # every rank issued it: let it complete before its buffer is dropped
+        self._started = None
         self._window = _Window()
+
+    @property
+    def started(self) -> bool:
+        """Whether :meth:`start` began a reduction that :meth:`finish` has not completed."""
+        return self._started is not None
 
     def entries(self) -> list[tuple[str, str, str]]:
         """(key, reduction, label) of every metric observed since the last reduction, sorted by key."""
@@ -426,18 +449,35 @@ class FusedMetricReducer:
     # ---------------------------------------------------------------- the step
 
     def reduce(self, where: str = "this step", abstain: bool = False, check: bool = False) -> dict[str, Reduced]:
-        """Reduce everything observed since the last call, on all ranks, on the device; every rank must call it
-        at the same step (also with nothing observed; ``abstain``: a rank without data, see :meth:`pack`), with
-        the same ``check`` (then :meth:`check` runs after the collectives). One SUM all_reduce, plus one MAX
-        all_reduce while the agreed layout has max/min values; one more SUM where the capacity grows."""
-        window = self._window
+        """Reduce everything observed since the last call, on all ranks, on the device: :meth:`start` then
+        :meth:`finish`."""
+        self.start(abstain)
+        return self.finish(where, check)
+
+    def start(self, abstain: bool = False) -> None:
+        """Start the step's SUM all_reduce without waiting for it, so that it runs while the caller goes on
+        (backward); :meth:`finish` completes the step. Every rank calls both at the same step (also with nothing
+        observed; ``abstain``: a rank without data, see :meth:`pack`). Nothing may be observed in between."""
+        if self._started is not None:
+            raise RuntimeError("shardplus: a training-metrics reduction was started twice without `finish`.")
+        summed = self.pack(abstain)
+        self._started = _Started(summed, self._all_reduce(summed, op=dist.ReduceOp.SUM, async_op=True), abstain)
+
+    def finish(self, where: str = "this step", check: bool = False) -> dict[str, Reduced]:
+        """Wait for the SUM all_reduce :meth:`start` began and return the step's reductions, on the device; with
+        ``check`` (the same on every rank) :meth:`check` runs first. One SUM all_reduce in all, plus one MAX
+        all_reduce while the agreed layout has max/min values, and one more SUM where the capacity grows."""
+        started, self._started = self._started, None
+        if started is None:
+            raise RuntimeError("shardplus: `finish` without `start`.")
+        if started.work is not None:
+            started.work.wait()  # on CUDA (NCCL) the current stream waits, not the host
+        window, summed, abstain = self._window, started.summed, started.abstain
         plan = self._plan(window)
         layout = plan.layout
         if layout is not self._layout:  # this rank's names changed: remembered to name a mismatch
             self._history.append((len(self._unchecked), window.entries()))
             self._layout = layout
-        summed = self.pack(abstain)
-        self._all_reduce(summed, op=dist.ReduceOp.SUM)
         if abstain or layout.slots > self.capacity or layout.extremes > self.extremes:
             summed = self._agree(summed, abstain)
         self._unchecked.append(summed.narrow(0, 0, _HEADER))
@@ -570,8 +610,8 @@ def combined_epoch_state(
 # -------------------------------------------------------------------- Lightning glue
 
 
-def _all_reduce(tensor: Tensor, op: Any = dist.ReduceOp.SUM) -> None:
-    dist.all_reduce(tensor, op=op)  # looked up at call time: tests/test_metrics.py counts it
+def _all_reduce(tensor: Tensor, op: Any = dist.ReduceOp.SUM, async_op: bool = False) -> Any:
+    return dist.all_reduce(tensor, op=op, async_op=async_op)  # looked up at call time: tests count it
 
 
 def _all_gather_object(obj: Any) -> list[Any]:
@@ -595,12 +635,48 @@ class _BatchWeight:
     known: bool = False
 
 
+# Hooks that run between the start of the last micro-batch's backward and `on_train_batch_end` (automatic
+# optimization), in which a value could be logged after the collective started early.
+_MODULE_HOOKS_AFTER_BACKWARD_STARTS = (
+    "on_before_backward",
+    "backward",
+    "on_after_backward",
+    "optimizer_step",
+    "on_before_optimizer_step",
+    "configure_gradient_clipping",
+    "lr_scheduler_step",
+)
+_CALLBACK_HOOKS_AFTER_BACKWARD_STARTS = ("on_before_backward", "on_after_backward", "on_before_optimizer_step")
+
+
+def logs_only_before_backward(trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:
+    """Whether no value can be logged between the start of a step's last backward and ``on_train_batch_end``:
+    automatic optimization, and neither the LightningModule nor a callback (other than shardplus's own, which
+    log nothing averaged) overrides a hook that runs there. The same code on every rank gives the same answer.
+    Then the training-metrics collective can start when backward starts, and run during it."""
+    if not pl_module.automatic_optimization:
+        return False
+    if any(is_overridden(hook, pl_module, pl.LightningModule) for hook in _MODULE_HOOKS_AFTER_BACKWARD_STARTS):
+        return False
+    return not any(
+        is_overridden(hook, callback, Callback)
+        for callback in trainer.callbacks
+        if not type(callback).__module__.startswith("lightning_shardplus.")
+        for hook in _CALLBACK_HOOKS_AFTER_BACKWARD_STARTS
+    )
+
+
 class AverageTrainingMetrics(Callback):
     """Replaces the training values logged on each rank by their cross-rank reduction, with one collective per
-    logged step (two with max/min values), run at the start of ``on_train_batch_end`` (so every value logged
+    logged step (two with max/min values), completed at the start of ``on_train_batch_end`` (so every value logged
     before it, in ``training_step`` as in the backward and optimizer hooks, is in it). Added by
     ``ShardPlusStrategy(average_training_metrics=True)`` as the first callback, so that it runs before any other
     callback (progress bar, checkpointing) reads the metrics.
+
+    Where no hook after backward can log (:func:`logs_only_before_backward`, decided once per fit), the SUM
+    collective starts in the last micro-batch's ``on_before_backward`` and runs during backward: on gloo it no
+    longer blocks the host at the batch end. A value logged after that point anyway (from a hook this check does
+    not know) is this rank's own, with a warning, like values logged in ``on_train_batch_end``.
 
     The reduced values are written back into Lightning's results as device tensors; the names are checked on the
     host at Lightning's logging steps (when the loggers read the values anyway) and at the end of each epoch."""
@@ -614,6 +690,7 @@ class AverageTrainingMetrics(Callback):
         self._warned: set[str] = set()
         self._weight = _BatchWeight()
         self._without_data = False  # this rank had no data in a micro-batch of this logged step (uneven inputs)
+        self._start_early = False  # start the collective when the last backward starts (`logs_only_before_backward`)
 
     def abstain_this_step(self) -> None:
         """This rank has no data in the current micro-batch (``uneven_inputs="join"``): in a logged step where it
@@ -638,6 +715,11 @@ class AverageTrainingMetrics(Callback):
         )
         self._results = _lightning.training_results(trainer)
         self._restore = _lightning.intercept_training_logs(self._results, self._take, self._observe)
+        self._start_early = logs_only_before_backward(trainer, pl_module)
+
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
+        if self._reducer is not None and self._start_early and _lightning.logs_this_step(trainer):
+            self._reducer.start(self._abstains())
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # A batch skipped by `on_train_batch_start` returning -1 ends the epoch before `on_train_batch_end`:
@@ -658,6 +740,15 @@ class AverageTrainingMetrics(Callback):
                     f"shardplus: `{log.name}` is logged in `on_train_batch_end`, after the training metrics "
                     "of the batch were averaged across ranks (at the start of that hook, before callbacks "
                     "read them): it is this rank's own value. Log it from `training_step` to average it."
+                )
+            return False
+        if self._reducer is not None and self._reducer.started:
+            if log.key not in self._warned:
+                self._warned.add(log.key)
+                rank_zero_warn(
+                    f"shardplus: `{log.name}` is logged in `{log.fx}`, after the training metrics of the step "
+                    "started being averaged across ranks (when its last backward started: no hook after it is "
+                    "overridden): it is this rank's own value. Log it from `training_step` to average it."
                 )
             return False
         return True
@@ -693,7 +784,9 @@ class AverageTrainingMetrics(Callback):
         try:
             where = f"epoch {trainer.current_epoch}, batch {batch_idx}"
             check = _lightning.loggers_read_this_step(trainer)
-            self._apply(self._reducer.reduce(where, self._abstains(), check))
+            if not self._reducer.started:  # not started early (or no backward ran in this step)
+                self._reducer.start(self._abstains())
+            self._apply(self._reducer.finish(where, check))
         finally:
             self._clear_step()
 

@@ -23,6 +23,7 @@ from torchmetrics import MeanMetric
 
 import lightning_shardplus  # noqa: F401
 from lightning_shardplus import ShardPlusStrategy
+from lightning_shardplus.callbacks import ScalingReport
 from lightning_shardplus.instrumentation import CollectiveCalls
 from lightning_shardplus.metrics import (
     FusedMetricReducer,
@@ -30,6 +31,7 @@ from lightning_shardplus.metrics import (
     Reduced,
     combined_epoch_state,
     describe_mismatch,
+    logs_only_before_backward,
 )
 
 # ----------------------------------------------------------------------------------------------------------
@@ -634,11 +636,16 @@ class EveryKind(LoggingModule):
             self.log("peak", value(r, i, 2), sync_dist=True, reduce_fx="max")
             self.log("low", value(r, i, 3), sync_dist=True, reduce_fx="min")
 
+
+class EveryKindAndAfterBackward(EveryKind):
+    """Also logs after backward (then the collective starts at the batch end, not when backward starts)."""
+
     def on_before_optimizer_step(self, optimizer):
         self.log("grad_stat", value(self.global_rank, self.batch_idx, 4))
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("module", [EveryKind, EveryKindAndAfterBackward])
 @pytest.mark.parametrize(
     ("extremes", "per_batch"),
     [
@@ -646,11 +653,11 @@ class EveryKind(LoggingModule):
         (True, [1, 0, 0, 0, 0, 0]),  # the first step's max/min outgrow the agreed MAX buffer (none): one read
     ],
 )
-def test_training_steps_read_nothing_on_the_host(tmp_path, count_host_reads, extremes, per_batch):
+def test_training_steps_read_nothing_on_the_host(tmp_path, count_host_reads, module, extremes, per_batch):
     # map-style data: `EvenSteps` (iterable data only) does not run; no logging step inside the epoch (the
     # names are checked on the host at its end)
     callbacks = [Recorder(tmp_path), HostReads(tmp_path)]
-    fit(tmp_path, EveryKind(extremes), 2, log_every_n_steps=50, callbacks=callbacks)
+    fit(tmp_path, module(extremes), 2, log_every_n_steps=50, callbacks=callbacks)
     sizes = [2, 3]
     for rank in range(2):
         assert [row["reads"] for row in read(tmp_path / f"reads{rank}.jsonl")] == per_batch
@@ -660,9 +667,110 @@ def test_training_steps_read_nothing_on_the_host(tmp_path, count_host_reads, ext
             metrics = row["callback"]
             assert metrics["loss_step"] == pytest.approx(weighted_mean([value(0, i), value(1, i)], sizes))
             assert metrics["tokens"] == pytest.approx(value(0, i, 1) + value(1, i, 1))
-            assert metrics["grad_stat"] == pytest.approx(weighted_mean([value(0, i, 4), value(1, i, 4)], sizes))
+            if module is EveryKindAndAfterBackward:
+                assert metrics["grad_stat"] == pytest.approx(weighted_mean([value(0, i, 4), value(1, i, 4)], sizes))
             if extremes:
                 assert metrics["peak"] == value(1, i, 2) and metrics["low"] == value(0, i, 3)
+
+
+class BackwardProbe(LoggingModule):
+    """Logs in ``training_step`` and records, per batch, the Python all_reduce calls made between the end of
+    ``training_step`` and the moment backward reaches the loss (through a tensor hook)."""
+
+    def __init__(self, directory: Path) -> None:
+        super().__init__([2, 3], batches=4)
+        self.directory = directory
+
+    def log_values(self, r, i):
+        self.log("loss", value(r, i))
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        before = COUNTS["all_reduce"]
+
+        def at_backward(grad):
+            row = {"batch": batch_idx, "started": COUNTS["all_reduce"] - before}
+            write(self.directory / f"backward{self.global_rank}.jsonl", row)
+            return grad
+
+        loss.register_hook(at_backward)
+        return loss
+
+
+class BackwardProbeWithOptimizerHook(BackwardProbe):
+    def on_before_optimizer_step(self, optimizer):  # logs nothing, but it could
+        pass
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("module", "started"), [(BackwardProbe, 1), (BackwardProbeWithOptimizerHook, 0)])
+def test_the_collective_starts_when_backward_starts_unless_a_later_hook_could_log(
+    tmp_path, count_collectives, module, started
+):
+    # no hook after backward overridden: the SUM all_reduce is issued before backward and runs during it;
+    # otherwise at the batch end. Either way one collective per step and the same averaged values.
+    fit(tmp_path, module(tmp_path), 2)
+    for rank in range(2):
+        assert [row["started"] for row in read(tmp_path / f"backward{rank}.jsonl")] == [started] * 4
+        rows = read(tmp_path / f"batches{rank}.jsonl")
+        assert [row["all_reduce"] for row in rows] == [1] * 4
+        for i, row in enumerate(rows):
+            assert row["callback"]["loss"] == pytest.approx(weighted_mean([value(0, i), value(1, i)], [2, 3]))
+
+
+class LogsDuringBackward(LoggingModule):
+    """Logs from a tensor hook during backward: a place no Lightning hook override reveals."""
+
+    def __init__(self) -> None:
+        super().__init__([2, 3], batches=3)
+
+    def log_values(self, r, i):
+        self.log("loss", value(r, i))
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        late = torch.tensor(value(self.global_rank, batch_idx, 5))
+        loss.register_hook(lambda grad: self.log("during_backward", late) or grad)
+        return loss
+
+
+@pytest.mark.timeout(120)
+def test_a_value_logged_after_the_early_start_is_the_ranks_own_and_the_rest_still_averaged(tmp_path):
+    fit(tmp_path, LogsDuringBackward(), 2)
+    for rank in range(2):
+        rows = read(tmp_path / f"batches{rank}.jsonl")
+        assert len(rows) == 3
+        for i, row in enumerate(rows):
+            assert row["callback"]["during_backward"] == value(rank, i, 5)
+            assert row["callback"]["loss"] == pytest.approx(weighted_mean([value(0, i), value(1, i)], [2, 3]))
+
+
+def test_logs_only_before_backward_reads_the_overridden_hooks():
+    class Plain(pl.LightningModule):
+        pass
+
+    class Clipping(pl.LightningModule):
+        def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+            pass
+
+    class Manual(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.automatic_optimization = False
+
+    class GradientLogger(Callback):
+        def on_after_backward(self, trainer, pl_module):
+            pass
+
+    def trainer(*callbacks):
+        return pl.Trainer(callbacks=list(callbacks), logger=False, enable_progress_bar=False)
+
+    assert logs_only_before_backward(trainer(), Plain())
+    assert logs_only_before_backward(trainer(Recorder(Path("."))), Plain())  # batch start/end hooks only
+    assert logs_only_before_backward(trainer(ScalingReport()), Plain())  # shardplus's own (logs nothing averaged)
+    assert not logs_only_before_backward(trainer(), Clipping())
+    assert not logs_only_before_backward(trainer(), Manual())
+    assert not logs_only_before_backward(trainer(GradientLogger()), Plain())
 
 
 class Accumulating(LoggingModule):
