@@ -78,6 +78,24 @@ def test_the_rewrap_bench_times_the_construction_with_and_without_the_broadcast(
         bench.parse_args(["--rewrap", "--rewrap-repeats=0"])
 
 
+@pytest.mark.timeout(120)
+def test_the_collective_bench_times_the_step_alone_with_a_blocking_and_with_an_overlapped_all_reduce(capsys):
+    report = bench.main(["--collective", "--steps=3", "--warmup=1", "--input-dim=4", "--hidden-dim=8", "--layers=1"])
+    rows = report["collective_rows"]
+    assert [row["variant"] for row in rows] == [
+        "compute only",
+        "compute, then a blocking all_reduce",
+        "all_reduce started before, waited after",
+    ]
+    assert rows[0]["added_ms"] == 0 and all(row["ms"] > 0 for row in rows)
+    assert all(row["added_ms"] == pytest.approx(row["ms"] - rows[0]["ms"]) for row in rows)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("| iteration (forward + backward") and len(lines) == 2 + 3 + 2
+    assert "2 processes (gloo), all_reduce of 81 float64, 3 iterations of each variant" in lines[-1]
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--collective", "--collective-floats=0"])
+
+
 def test_bench_refuses_unknown_rows():
     with pytest.raises(SystemExit):
         bench.parse_args(["--configs=ddp,agg3"])

@@ -11,6 +11,7 @@ from typing import Any
 
 from lightning.fabric.accelerators.cuda import num_cuda_devices
 
+from lightning_shardplus.bench.collective import format_collective_table, run_collective
 from lightning_shardplus.bench.fusion import FUSION_SHAPES, run_fusion
 from lightning_shardplus.bench.rewrap import REWRAP_HIDDEN, format_rewrap_table, run_rewrap
 from lightning_shardplus.bench.runner import run
@@ -40,6 +41,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     _add_sampler_arguments(parser)
     _add_fusion_arguments(parser)
     _add_rewrap_arguments(parser)
+    _add_collective_arguments(parser)
     args = parser.parse_args(argv)
     _fill_defaults(args)
     _check(parser, args)
@@ -150,6 +152,19 @@ def _add_rewrap_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --rewrap: constructions timed per setting and model; the median (default 7)")
 
 
+def _add_collective_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--collective``: what one small all_reduce per step adds, blocking and overlapped."""
+    parser.add_argument(
+        "--collective", action="store_true",
+        help="time the benchmark MLP's forward and backward alone, with a blocking all_reduce after it, and with the "
+        "all_reduce started before and waited for after (see lightning_shardplus.bench.collective), on --devices "
+        "CPU processes, --steps iterations each",
+    )
+    parser.add_argument("--collective-floats", type=int, default=81,
+                        help="with --collective: float64 values in the all_reduce (default 81: the averaged "
+                        "training metrics' buffer for up to 32 means)")
+
+
 def _fill_defaults(args: argparse.Namespace) -> None:
     """What was not given: ``--quick``'s or the full run's repeats, steps and warmup; the accelerator and devices
     (``auto``: a GPU if there is one; one process per GPU, else 2); ``--torch-max-length`` as one number."""
@@ -171,7 +186,10 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         parser.error("--sampler-indices and --sampler-sizes are not valid: expected integers >= 1")
     if max(args.sampler_sizes) > 2**63 - 1:
         parser.error("--sampler-sizes is not valid: expected lengths <= 2**63 - 1")
-    names = ("devices", "rewrap_repeats", "repeats", "steps", "global_batch_size", "input_dim", "hidden_dim", "layers")
+    names = (
+        "devices", "rewrap_repeats", "collective_floats", "repeats", "steps", "global_batch_size", "input_dim",
+        "hidden_dim", "layers",
+    )
     for name in names:
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')}={getattr(args, name)} is not valid: expected >= 1")
@@ -229,6 +247,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(format_fusion_table(report))
     elif "rewrap_rows" in report:
         print(format_rewrap_table(report))
+    elif "collective_rows" in report:
+        print(format_collective_table(report))
     else:
         _print_matrix(report, args)
     if args.json is not None:
@@ -249,6 +269,10 @@ def _report(args: argparse.Namespace) -> dict[str, Any]:
         if args.accelerator != "cpu":
             raise SystemExit(f"--rewrap with --accelerator={args.accelerator}: only cpu (gloo) is measured")
         return run_rewrap(args)
+    if args.collective:
+        if args.accelerator != "cpu":
+            raise SystemExit(f"--collective with --accelerator={args.accelerator}: only cpu (gloo) is measured")
+        return run_collective(args)
     return run(select_configs(args.configs), args)
 
 
