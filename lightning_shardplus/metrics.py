@@ -321,6 +321,7 @@ class FusedMetricReducer:
         self._history: list[tuple[int, list[tuple[str, str, str]]]] = []  # (step, entries) at each change
         self._layout: _Layout | None = None  # this rank's in the last step
         self._started: _Started | None = None  # the SUM collective `start` began, until `finish`
+        self._constants: tuple[_Plan, Any, Tensor, Tensor] | None = None  # last step's header+weights and coefs
 
     @property
     def pending(self) -> list[str]:
@@ -395,13 +396,18 @@ class FusedMetricReducer:
         layout = plan.layout
         if layout.slots > self.capacity:  # the header alone: the ranks agree on a larger capacity first
             return self._host_numbers(layout.header + [0.0] * self.capacity)
-        numbers = layout.header + [0.0] * self.capacity
-        for slot, weight in zip(plan.weight_slots, window.weights, strict=True):
-            numbers[slot] += weight
+        key = (self.capacity, tuple(window.coefs))  # a step that repeats the last one reuses its constants
+        if self._constants is None or self._constants[0] is not plan or self._constants[1] != key:
+            numbers = layout.header + [0.0] * self.capacity
+            for slot, weight in zip(plan.weight_slots, window.weights, strict=True):
+                numbers[slot] += weight
+            # the buffer's header and weights, then each mean/sum coefficient
+            constants = self._host_numbers(numbers + window.coefs).split((len(numbers), len(window.coefs)))
+            self._constants = (plan, key, *constants)
+        _, _, numbers_tensor, coefs = self._constants
+        buffer = numbers_tensor.clone()
         if not window.coefs:
-            return self._host_numbers(numbers)
-        # the buffer, then each mean/sum coefficient
-        buffer, coefs = self._host_numbers(numbers + window.coefs).split((len(numbers), len(window.coefs)))
+            return buffer
         values = window.stacked()
         if plan.summed is not None:
             values = values.index_select(0, plan.summed)

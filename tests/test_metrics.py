@@ -55,6 +55,18 @@ def make_ranks(world: int, capacity: int = 64, extremes: int = 16) -> list[Fused
     return [FusedMetricReducer(world, rank, unused, unused, capacity, extremes) for rank in range(world)]
 
 
+def test_reducer_steps_with_the_same_names_and_other_weights_or_values_reduce_their_own():
+    # the packed constants (header, weights) are reused while a step repeats the last one: not when weights change
+    ranks = make_ranks(2)
+    steps = [([1.0, 3.0], [2, 2]), ([1.0, 3.0], [1, 3]), ([5.0, -1.0], [1, 3])]
+    for values, weights in steps:
+        for rank, reducer in enumerate(ranks):
+            reducer.observe("training_step.loss", "mean", torch.tensor(values[rank]), weights[rank])
+        result = simulate(ranks)[0]["training_step.loss"]
+        expected = sum(v * w for v, w in zip(values, weights, strict=True)) / sum(weights)
+        assert result.value == pytest.approx(expected, rel=1e-12) and result.weight == sum(weights)
+
+
 def test_reducer_computes_weighted_means_sums_and_extremes():
     ranks = make_ranks(3)
     values = [1.5, -2.0, 4.25]
