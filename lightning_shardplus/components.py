@@ -83,7 +83,9 @@ class RunComponents:
         parts = cls(loaders, exact=exact if exact_across_ranks else None, metrics=metrics)
         if trainer.state.fn == TrainerFn.FITTING:
             abstain = metrics.abstain_this_step if metrics is not None else None
-            parts.even = EvenSteps(config.uneven_inputs, setup.num_replicas, setup.backend, trainer, abstain)
+            parts.even = EvenSteps(
+                config.uneven_inputs, setup.num_replicas, setup.backend, trainer, abstain, carrier=metrics
+            )
             parts.aggregation = GradientAggregation(
                 trainer,
                 config.aggregation_frequency,

@@ -70,6 +70,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from torch import Tensor
 from torchmetrics import Metric
 
@@ -274,6 +275,7 @@ class _Started:
     summed: Tensor
     work: Any
     abstain: bool
+    carried: float
 
 
 class FusedMetricReducer:
@@ -293,6 +295,9 @@ class FusedMetricReducer:
         capacity: SUM body slots (2 per mean, 1 per sum; grows by doubling when a step needs more).
         extremes: MAX slots (2 per max/min name); 0: no MAX collective until a step needs one.
         device: where the buffers live (the values' device).
+        carries: the SUM buffer ends with one more slot, summed with the step: ``start(carried=...)`` puts a
+            number there, :attr:`carried_total` is its sum over ranks after :meth:`finish` (uneven inputs' "how
+            many ranks have a next batch", so that it needs no collective of its own).
     """
 
     def __init__(
@@ -304,8 +309,10 @@ class FusedMetricReducer:
         capacity: int = INITIAL_CAPACITY,
         extremes: int = 0,
         device: torch.device | str = "cpu",
+        carries: bool = False,
     ) -> None:
         self.world_size = world_size
+        self.carry_slots = int(carries)  # a last SUM slot for a number another component sums with the step
         self.rank = rank
         self.capacity = capacity
         self.extremes = extremes
@@ -322,6 +329,7 @@ class FusedMetricReducer:
         self._layout: _Layout | None = None  # this rank's in the last step
         self._started: _Started | None = None  # the SUM collective `start` began, until `finish`
         self._constants: tuple[_Plan, Any, Tensor, Tensor] | None = None  # last step's header+weights and coefs
+        self.carried_total: Tensor | None = None  # the last finished step's carried number, summed over ranks
 
     @property
     def pending(self) -> list[str]:
@@ -386,19 +394,27 @@ class FusedMetricReducer:
             return torch.tensor(numbers, dtype=_F64, pin_memory=True).to(self.device, non_blocking=True)
         return torch.tensor(numbers, dtype=_F64, device=self.device)
 
-    def pack(self, abstain: bool = False) -> Tensor:
-        """This rank's SUM contribution: header (always) and body (when it fits the agreed capacity). ``abstain``:
-        a rank without data in this step contributes nothing (zeros): the reductions are over the other ranks."""
+    def pack(self, abstain: bool = False, carried: float = 0.0) -> Tensor:
+        """This rank's SUM contribution: header (always) and body (when it fits the agreed capacity), then the
+        carried number if the reducer ``carries``. ``abstain``: a rank without data in this step contributes nothing
+        (zeros): the reductions are over the other ranks."""
+        buffer = self._pack(abstain)
+        if self.carry_slots:
+            buffer[-1] = carried
+        return buffer
+
+    def _pack(self, abstain: bool) -> Tensor:
         window = self._window
+        tail = [0.0] * self.carry_slots
         if abstain:
-            return torch.zeros(_HEADER + self.capacity, dtype=_F64, device=self.device)
+            return torch.zeros(_HEADER + self.capacity + self.carry_slots, dtype=_F64, device=self.device)
         plan = self._plan(window)
         layout = plan.layout
         if layout.slots > self.capacity:  # the header alone: the ranks agree on a larger capacity first
-            return self._host_numbers(layout.header + [0.0] * self.capacity)
+            return self._host_numbers(layout.header + [0.0] * self.capacity + tail)
         key = (self.capacity, tuple(window.coefs))  # a step that repeats the last one reuses its constants
         if self._constants is None or self._constants[0] is not plan or self._constants[1] != key:
-            numbers = layout.header + [0.0] * self.capacity
+            numbers = layout.header + [0.0] * self.capacity + tail
             for slot, weight in zip(plan.weight_slots, window.weights, strict=True):
                 numbers[slot] += weight
             # the buffer's header and weights, then each mean/sum coefficient
@@ -436,8 +452,9 @@ class FusedMetricReducer:
     def _values(self, plan: _Plan, summed: Tensor, maxed: Tensor | None) -> dict[str, Reduced]:
         """The step's reductions, computed on the device from the summed (and maxed) buffers."""
         layout = plan.layout
-        if layout.slots > summed.numel() - _HEADER:  # only where the ranks' names differ (they do not fit): `check`
-            summed = torch.full((_HEADER + layout.slots,), float("nan"), dtype=_F64, device=self.device)  # raises
+        # only where the ranks' names differ (they do not fit): `check` raises
+        if layout.slots > summed.numel() - _HEADER - self.carry_slots:
+            summed = torch.full((_HEADER + layout.slots,), float("nan"), dtype=_F64, device=self.device)
         means = 2 * layout.means
         weighted, weights = summed.narrow(0, _HEADER, means).view(-1, 2).unbind(1)
         parts = [torch.div(weighted, weights)] if layout.means else []  # a zero total weight gives NaN
@@ -460,14 +477,15 @@ class FusedMetricReducer:
         self.start(abstain)
         return self.finish(where, check)
 
-    def start(self, abstain: bool = False) -> None:
+    def start(self, abstain: bool = False, carried: float = 0.0) -> None:
         """Start the step's SUM all_reduce without waiting for it, so that it runs while the caller goes on
         (backward); :meth:`finish` completes the step. Every rank calls both at the same step (also with nothing
         observed; ``abstain``: a rank without data, see :meth:`pack`). Nothing may be observed in between."""
         if self._started is not None:
             raise RuntimeError("shardplus: a training-metrics reduction was started twice without `finish`.")
-        summed = self.pack(abstain)
-        self._started = _Started(summed, self._all_reduce(summed, op=dist.ReduceOp.SUM, async_op=True), abstain)
+        summed = self.pack(abstain, carried)
+        work = self._all_reduce(summed, op=dist.ReduceOp.SUM, async_op=True)
+        self._started = _Started(summed, work, abstain, carried)
 
     def finish(self, where: str = "this step", check: bool = False) -> dict[str, Reduced]:
         """Wait for the SUM all_reduce :meth:`start` began and return the step's reductions, on the device; with
@@ -485,7 +503,9 @@ class FusedMetricReducer:
             self._history.append((len(self._unchecked), window.entries()))
             self._layout = layout
         if abstain or layout.slots > self.capacity or layout.extremes > self.extremes:
-            summed = self._agree(summed, abstain)
+            summed = self._agree(summed, abstain, started.carried)
+        if self.carry_slots:
+            self.carried_total = summed[-1]
         self._unchecked.append(summed.narrow(0, 0, _HEADER))
         self._wheres.append(where)
         if check or len(self._unchecked) >= UNCHECKED_STEPS:
@@ -497,7 +517,7 @@ class FusedMetricReducer:
         self.discard()
         return reduced
 
-    def _agree(self, summed: Tensor, abstain: bool) -> Tensor:
+    def _agree(self, summed: Tensor, abstain: bool, carried: float = 0.0) -> Tensor:
         """Read this step's summed header on the host: when all ranks logged the same names (then every one of
         them needs the same sizes and is here, as is every rank without data), adopt the sizes they need,
         reducing again if the body did not fit. A mismatch changes nothing here: :meth:`check` raises it."""
@@ -509,7 +529,7 @@ class FusedMetricReducer:
         if slots <= self.capacity:
             return summed
         self.capacity = _power_of_two(slots)
-        summed = self.pack(abstain)
+        summed = self.pack(abstain, carried)
         self._all_reduce(summed, op=dist.ReduceOp.SUM)
         return summed
 
@@ -634,6 +654,25 @@ class _Pending:
     epoch_state_before: tuple[Tensor, Tensor | None] | None  # at its first observation in the step
 
 
+class CarriedCount:
+    """A number summed over ranks in a training step's metrics collective: see
+    :meth:`AverageTrainingMetrics.carry`."""
+
+    __slots__ = ("count", "_total")
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+        self._total: Tensor | None = None  # a host tensor: set when the step's collective has completed
+
+    def deliver(self, total: Tensor | None) -> None:
+        """The step's collective completed: ``total`` is the sum over ranks (a host tensor)."""
+        self._total = total
+
+    def total(self) -> int | None:
+        """The sum over ranks, or None if no training step's collective has carried it (yet)."""
+        return None if self._total is None else int(self._total.item())  # host memory: no device to wait for
+
+
 @dataclass
 class _BatchWeight:
     batch: Any = None
@@ -672,6 +711,12 @@ def logs_only_before_backward(trainer: pl.Trainer, pl_module: pl.LightningModule
     )
 
 
+def takes_dataloader_iter(pl_module: pl.LightningModule) -> bool:
+    """Whether ``training_step`` fetches its own batches (``dataloader_iter``): then the loop does not fetch one
+    batch per step."""
+    return is_param_in_hook_signature(pl_module.training_step, "dataloader_iter", explicit=True)
+
+
 class AverageTrainingMetrics(Callback):
     """Replaces the training values logged on each rank by their cross-rank reduction, with one collective per
     logged step (two with max/min values), completed at the start of ``on_train_batch_end`` (so every value logged
@@ -697,6 +742,10 @@ class AverageTrainingMetrics(Callback):
         self._weight = _BatchWeight()
         self._without_data = False  # this rank had no data in a micro-batch of this logged step (uneven inputs)
         self._start_early = False  # start the collective when the last backward starts (`logs_only_before_backward`)
+        self._carry_wanted = False  # a training stream's agreement asked to ride on the collective
+        self._trainer: pl.Trainer | None = None  # while training, for `carry`
+        self._to_carry: CarriedCount | None = None  # asked for, to go with the next collective
+        self._carrying: CarriedCount | None = None  # in the collective started and not finished
 
     def abstain_this_step(self) -> None:
         """This rank has no data in the current micro-batch (``uneven_inputs="join"``): in a logged step where it
@@ -712,20 +761,42 @@ class AverageTrainingMetrics(Callback):
         self._stop()
         if trainer.world_size < 2 or not (dist.is_available() and dist.is_initialized()):
             return
+        device = trainer.strategy.root_device
+        # on a GPU the carried sum would have to be read from the device (a synchronization per step): not carried
+        carries = self._carry_wanted and device.type == "cpu" and not takes_dataloader_iter(pl_module)
         self._reducer = FusedMetricReducer(
-            trainer.world_size,
-            trainer.global_rank,
-            _all_reduce,
-            _all_gather_object,
-            device=trainer.strategy.root_device,
+            trainer.world_size, trainer.global_rank, _all_reduce, _all_gather_object, device=device, carries=carries
         )
+        self._trainer = trainer
         self._results = _lightning.training_results(trainer)
         self._restore = _lightning.intercept_training_logs(self._results, self._take, self._observe)
         self._start_early = logs_only_before_backward(trainer, pl_module)
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
         if self._reducer is not None and self._start_early and _lightning.logs_this_step(trainer):
-            self._reducer.start(self._abstains())
+            self._start()
+
+    def _start(self) -> None:
+        assert self._reducer is not None
+        self._carrying, self._to_carry = self._to_carry, None
+        carried = 0.0 if self._carrying is None else float(self._carrying.count)
+        self._reducer.start(self._abstains(), carried)
+
+    def will_carry(self) -> None:
+        """A training stream is to be agreed on (``uneven_inputs``, before the fit's training starts): its counts
+        may then ride on this collective (:meth:`carry`)."""
+        self._carry_wanted = True
+
+    def carry(self, count: int) -> CarriedCount | None:
+        """Sum ``count`` over ranks with the next training step's collective instead of in a collective of its own;
+        the handle's ``total()`` is the sum once that step's ``on_train_batch_end`` has run. None where it cannot
+        ride: no averaging in this fit, values on a GPU, or not every micro-batch is a logged step (gradient
+        accumulation); the same answer on every rank. One count at a time: a newer one replaces one not sent."""
+        trainer, reducer = self._trainer, self._reducer
+        if trainer is None or reducer is None or not reducer.carry_slots or trainer.accumulate_grad_batches != 1:
+            return None
+        self._to_carry = CarriedCount(count)
+        return self._to_carry
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # A batch skipped by `on_train_batch_start` returning -1 ends the epoch before `on_train_batch_end`:
@@ -733,6 +804,7 @@ class AverageTrainingMetrics(Callback):
         if self._reducer is not None:
             self._reducer.discard()
             self._clear_step()
+            self._to_carry = self._carrying = None
 
     def _take(self, log: _lightning.TrainingLog) -> bool:
         if not log.on_step or not log.is_tensor or log.rank_zero_only:
@@ -791,8 +863,11 @@ class AverageTrainingMetrics(Callback):
             where = f"epoch {trainer.current_epoch}, batch {batch_idx}"
             check = _lightning.loggers_read_this_step(trainer)
             if not self._reducer.started:  # not started early (or no backward ran in this step)
-                self._reducer.start(self._abstains())
+                self._start()
             self._apply(self._reducer.finish(where, check))
+            if self._carrying is not None:
+                self._carrying.deliver(self._reducer.carried_total)
+                self._carrying = None
         finally:
             self._clear_step()
 
@@ -830,7 +905,8 @@ class AverageTrainingMetrics(Callback):
     def _stop(self) -> None:
         if self._restore is not None:
             self._restore()
-        self._restore = self._reducer = self._results = None
+        self._restore = self._reducer = self._results = self._trainer = None
+        self._to_carry = self._carrying = None
         self._clear_step()
         self._last.clear()
         self._weight = _BatchWeight()

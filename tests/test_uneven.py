@@ -230,6 +230,89 @@ def test_validation_inside_the_epoch_and_max_steps_keep_every_rank_in_step(tmp_p
     assert [end["global_step"] for end in ends] == [8, 8] and ends[0]["state"] == ends[1]["state"]
 
 
+ALL_REDUCES = {"calls": 0}
+
+
+@pytest.fixture
+def count_all_reduces(monkeypatch):
+    """Count the Python-level all_reduce calls in every process forked from here (undone after the test)."""
+    original = dist.all_reduce
+
+    def counted(*args, **kwargs):
+        ALL_REDUCES["calls"] += 1
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(dist, "all_reduce", counted)
+
+
+class CountingRegression(Regression):
+    def setup(self, stage):  # before the first pass fetches (and agrees on) its first batches
+        self.calls_at_start = ALL_REDUCES["calls"]
+
+    def on_train_end(self):
+        super().on_train_end()
+        self._write("calls", calls=ALL_REDUCES["calls"] - self.calls_at_start, steps=self.global_step)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("lengths", "settings", "per_epoch"),
+    [
+        # the metrics collective of each step carries the agreement on the micro-batch after the next: only the
+        # first two agreements of a pass (fetched before its first step) run on their own
+        ([28, 9], {}, lambda micro_batches, steps: steps + 2),
+        ([5, 16, 30], {}, lambda micro_batches, steps: steps + 2),
+        # without averaged metrics: one agreement per micro-batch, and the last one, that finds no data
+        ([28, 9], {"average_training_metrics": False}, lambda micro_batches, steps: micro_batches + 1),
+        # windows of 2 micro-batches: not every micro-batch has a metrics collective, so none carries
+        ([28, 9], {"aggregation_frequency": 2}, lambda micro_batches, steps: micro_batches + 1 + steps),
+    ],
+)
+def test_the_agreement_rides_on_the_averaged_metrics_collective_where_every_micro_batch_has_one(
+    tmp_path, count_all_reduces, lengths, settings, per_epoch
+):
+    out = tmp_path / "records"
+    model = CountingRegression(out)
+    trainer = cpu_trainer(ShardPlusStrategy(start_method="fork", **settings), len(lengths), max_epochs=2)
+    trainer.fit(model, DataLoader(RankStream(lengths), batch_size=4))
+    micro_batches = max(len(batches_of(lengths, r, 4)) for r in range(len(lengths)))
+    steps = -(-micro_batches // settings.get("aggregation_frequency", 1))
+    for rank in range(len(lengths)):
+        (fit,) = rows(out, rank, "calls")
+        assert fit["steps"] == 2 * steps
+        assert fit["calls"] == 2 * per_epoch(micro_batches, steps)  # Python-level all_reduce calls in the fit
+        trained = sorted(i for row in rows(out, rank, "train") if row["epoch"] == 1 for i in row["ids"])
+        assert trained == sorted(i for ids in batches_of(lengths, rank, 4) for i in ids)  # every sample
+
+
+class _NeverCarried:
+    """A carrier that takes every count but whose step collective never runs."""
+
+    def __init__(self) -> None:
+        self.asked = 0
+
+    def will_carry(self) -> None:
+        pass
+
+    def carry(self, count):
+        self.asked += 1
+        return self
+
+    def total(self):
+        return None
+
+
+def test_a_carried_count_no_step_collective_took_gets_its_own_all_reduce(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        carrier = _NeverCarried()
+        even = EvenSteps("join", world_size=1, carrier=carrier)
+        assert list(even.agreed_batches(iter(range(5)))) == [0, 1, 2, 3, 4]
+        assert carrier.asked == 4 and even.ranks_with_data == [1] * 5  # counted by the fallback all_reduces
+    finally:
+        dist.destroy_process_group()
+
+
 def test_a_bad_policy_is_refused_with_the_valid_ones():
     with pytest.raises(ValueError, match=r"`uneven_inputs`='wait' is not valid: expected one of 'join', 'drop'"):
         ShardPlusStrategy(uneven_inputs="wait")
