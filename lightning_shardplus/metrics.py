@@ -812,24 +812,18 @@ class AverageTrainingMetrics(Callback):
         if log.sync_dist and log.sync_dist_group is not None:
             return False  # a sync over a sub-group: Lightning's
         if log.fx == "on_train_batch_end":
-            if log.key not in self._warned:
-                self._warned.add(log.key)
-                rank_zero_warn(
-                    f"shardplus: `{log.name}` is logged in `on_train_batch_end`, after the training metrics "
-                    "of the batch were averaged across ranks (at the start of that hook, before callbacks "
-                    "read them): it is this rank's own value. Log it from `training_step` to average it."
-                )
-            return False
-        if self._reducer is not None and self._reducer.started:
-            if log.key not in self._warned:
-                self._warned.add(log.key)
-                rank_zero_warn(
-                    f"shardplus: `{log.name}` is logged in `{log.fx}`, after the training metrics of the step "
-                    "started being averaged across ranks (when its last backward started: no hook after it is "
-                    "overridden): it is this rank's own value. Log it from `training_step` to average it."
-                )
-            return False
-        return True
+            when = "were averaged across ranks (at the start of that hook, before callbacks read them)"
+        elif self._reducer is not None and self._reducer.started:
+            when = "started being averaged across ranks (when its last backward started: no later hook is overridden)"
+        else:
+            return True
+        if log.key not in self._warned:
+            self._warned.add(log.key)
+            rank_zero_warn(
+                f"shardplus: `{log.name}` is logged in `{log.fx}`, after the training metrics of the step {when}: "
+                "it is this rank's own value. Log it from `training_step` to average it."
+            )
+        return False
 
     def _observe(self, logged: _lightning.LoggedValue) -> None:
         assert self._reducer is not None

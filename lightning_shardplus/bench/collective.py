@@ -14,19 +14,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from lightning_shardplus.bench.runner import report_settings
+from lightning_shardplus.bench.runner import report_settings, rows_from_workers
 from lightning_shardplus.demo import ClassifierModule
 
 VARIANTS = ("compute only", "compute, then a blocking all_reduce", "all_reduce started before, waited after")
@@ -73,11 +70,7 @@ def _worker(rank: int, world_size: int, store: str, out: str, args: argparse.Nam
 
 def run_collective(args: argparse.Namespace) -> dict[str, Any]:
     """The ``--collective`` rows, measured in ``--devices`` fork processes (this process is not one of them)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        store, out = os.path.join(tmp, "store"), os.path.join(tmp, "rows.json")
-        mp.start_processes(_worker, (args.devices, store, out, args), nprocs=args.devices, start_method="fork")
-        rows = json.loads(Path(out).read_text())
-    return {"settings": report_settings(args), "collective_rows": rows}
+    return {"settings": report_settings(args), "collective_rows": rows_from_workers(_worker, args)}
 
 
 def format_collective_table(report: dict[str, Any]) -> str:

@@ -11,19 +11,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_shardplus.bench.runner import report_settings
+from lightning_shardplus.bench.runner import report_settings, rows_from_workers
 from lightning_shardplus.demo import ClassifierModule
 
 REWRAP_HIDDEN = (256, 1024, 2048)  # default hidden sizes: 0.2M, 2.4M and 8.9M parameters (input 256, 3 layers)
@@ -77,11 +74,7 @@ def _row(hidden: int, parameters: int, module: torch.nn.Module, times: dict[bool
 
 def run_rewrap(args: argparse.Namespace) -> dict[str, Any]:
     """The ``--rewrap`` rows, measured in ``--devices`` fork processes (this process is not one of them)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        store, out = os.path.join(tmp, "store"), os.path.join(tmp, "rows.json")
-        mp.start_processes(_worker, (args.devices, store, out, args), nprocs=args.devices, start_method="fork")
-        rows = json.loads(Path(out).read_text())
-    return {"settings": report_settings(args), "rewrap_rows": rows}
+    return {"settings": report_settings(args), "rewrap_rows": rows_from_workers(_worker, args)}
 
 
 def format_rewrap_table(report: dict[str, Any]) -> str:

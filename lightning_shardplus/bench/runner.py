@@ -12,11 +12,13 @@ import re
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
+import torch.multiprocessing as mp
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import Strategy
 
@@ -221,6 +223,15 @@ def _row(runs: list[dict[str, Any]], baseline: float) -> dict[str, Any]:
         **{key: runs[0][key] for key in ("bytes_per_step", "rounds_per_step", "collectives_per_step")},
         "breakdown_ms_per_micro_batch": _median_breakdown([r["scaling"] for r in runs]),
     }
+
+
+def rows_from_workers(worker: Callable[..., None], args: argparse.Namespace) -> Any:
+    """Run ``worker(rank, world_size, store, out, args)`` in ``--devices`` fork processes (this process is not one
+    of them) and return what rank 0 wrote to ``out`` as JSON."""
+    with tempfile.TemporaryDirectory() as tmp:
+        store, out = os.path.join(tmp, "store"), os.path.join(tmp, "rows.json")
+        mp.start_processes(worker, (args.devices, store, out, args), nprocs=args.devices, start_method="fork")
+        return json.loads(Path(out).read_text())
 
 
 def report_settings(args: argparse.Namespace) -> dict[str, Any]:
