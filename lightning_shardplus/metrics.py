@@ -895,6 +895,7 @@ class AverageTrainingMetrics(Callback):
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._stop()
+        self._carry_wanted = False  # asked again by the next fit's streams, if it has any
 
     def _stop(self) -> None:
         if self._restore is not None:
