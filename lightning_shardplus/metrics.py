@@ -471,12 +471,6 @@ class FusedMetricReducer:
 
     # ---------------------------------------------------------------- the step
 
-    def reduce(self, where: str = "this step", abstain: bool = False, check: bool = False) -> dict[str, Reduced]:
-        """Reduce everything observed since the last call, on all ranks, on the device: :meth:`start` then
-        :meth:`finish`."""
-        self.start(abstain)
-        return self.finish(where, check)
-
     def start(self, abstain: bool = False, carried: float = 0.0) -> None:
         """Start the step's SUM all_reduce without waiting for it, so that it runs while the caller goes on
         (backward); :meth:`finish` completes the step. Every rank calls both at the same step (also with nothing

@@ -94,6 +94,9 @@ def test_the_collective_bench_times_the_step_alone_with_a_blocking_and_with_an_o
     assert "2 processes (gloo), all_reduce of 81 float64, 3 iterations of each variant" in lines[-1]
     with pytest.raises(SystemExit):
         bench.parse_args(["--collective", "--collective-floats=0"])
+    for mode in ("--collective", "--rewrap"):  # gloo on CPU processes only, refused before anything runs
+        with pytest.raises(SystemExit):
+            bench.parse_args([mode, "--accelerator=gpu"])
 
 
 def test_bench_refuses_unknown_rows():

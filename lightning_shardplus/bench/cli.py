@@ -195,6 +195,9 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             parser.error(f"--{name.replace('_', '-')}={getattr(args, name)} is not valid: expected >= 1")
     if args.warmup < 0:
         parser.error(f"--warmup={args.warmup} is not valid: expected >= 0")
+    for mode in ("rewrap", "collective"):
+        if getattr(args, mode) and args.accelerator != "cpu":
+            parser.error(f"--{mode} with --accelerator={args.accelerator} is not valid: only cpu (gloo) is measured")
 
 
 def _chosen_configs(parser: argparse.ArgumentParser, text: str) -> list[str]:
@@ -266,12 +269,8 @@ def _report(args: argparse.Namespace) -> dict[str, Any]:
     if args.fusion:
         return run_fusion(args)
     if args.rewrap:
-        if args.accelerator != "cpu":
-            raise SystemExit(f"--rewrap with --accelerator={args.accelerator}: only cpu (gloo) is measured")
         return run_rewrap(args)
     if args.collective:
-        if args.accelerator != "cpu":
-            raise SystemExit(f"--collective with --accelerator={args.accelerator}: only cpu (gloo) is measured")
         return run_collective(args)
     return run(select_configs(args.configs), args)
 
