@@ -34,6 +34,7 @@ Map-style loaders are not wrapped: shardplus's samplers make them even already, 
 
 from __future__ import annotations
 
+import copy
 import itertools
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -93,20 +94,28 @@ class ResumableAgreedLoader(AgreedLoader):
         self._positions: deque[tuple[int, Any]] = deque(maxlen=8)  # (batches fetched, loader state before the next)
         self._ran_out_at: int | None = None  # batches fetched when the stream ran out, in this pass
         self._resume_exhausted = False  # the checkpoint was saved after this rank's stream had run out
+        self._restored: Any = None  # the state loaded from a checkpoint, until the next pass starts from it
 
     def __iter__(self) -> Iterator[Any]:
         return self._owner.agreed_batches(self._recorded(iter(self.loader)))
 
     def _recorded(self, iterator: Iterator[Any]) -> Iterator[Any]:
         """``iterator``, noting the loader's state before each fetch: Lightning fetches a batch ahead of the one it
-        trains, so the state to save is the one from before the first batch not yet trained."""
+        trains, so the state to save is the one from before the first batch not yet trained.
+
+        Each state is a copy: litdata's ``StreamingDataset.state_dict()`` returns (and updates) the dict it was
+        loaded with, so the states noted after a resume would all be the latest one. Before the first fetch of a
+        resumed pass the state is the one loaded: asking litdata then would overwrite it with the fresh dataset's
+        epoch before the pass starts from it (the resumed pass would replay the previous epoch's order)."""
         self._positions.clear()
         self._ran_out_at, skip, self._resume_exhausted = None, self._resume_exhausted, False
+        restored, self._restored = self._restored, None
         if skip:  # the rest of this pass was empty when the checkpoint was saved
             self._ran_out_at = 0
             return
         for fetched in itertools.count():
-            self._positions.append((fetched, self.loader.state_dict()))
+            state = restored if fetched == 0 and restored is not None else copy.deepcopy(self.loader.state_dict())
+            self._positions.append((fetched, state))
             try:
                 batch = next(iterator)
             except StopIteration:
@@ -141,6 +150,7 @@ class ResumableAgreedLoader(AgreedLoader):
         own = states[dist.get_rank()]
         self.loader.load_state_dict(own["state"])
         self._resume_exhausted = own["ran_out"]
+        self._restored = copy.deepcopy(own["state"])
 
 
 PER_RANK_KEY = "shardplus_per_rank"

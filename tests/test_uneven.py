@@ -367,16 +367,19 @@ class StreamRegression(Regression):
     """:class:`Regression` whose loaders are built on each rank (as a datamodule's would: litdata and ``datasets``
     read the distributed setup when the dataset is made), from dict batches."""
 
-    def __init__(self, out: Path, source: str, data: Path | None, count: int, batch_size: int, workers=0) -> None:
+    def __init__(
+        self, out: Path, source: str, data: Path | None, count: int, batch_size: int, workers=0, shuffle=False
+    ) -> None:
         super().__init__(out, lr=0.01)
         self.source, self.data, self.count, self.batch_size, self.workers = source, data, count, batch_size, workers
+        self.shuffle = shuffle
 
     def _loader(self):
         if self.source == "litdata":
             from litdata import StreamingDataLoader, StreamingDataset
 
             # drop_last=False lets litdata's tail through (it drops it by default when distributed)
-            stream = StreamingDataset(str(self.data), shuffle=False, drop_last=False)
+            stream = StreamingDataset(str(self.data), shuffle=self.shuffle, drop_last=False)
             return StreamingDataLoader(stream, batch_size=self.batch_size, num_workers=self.workers)
         return DataLoader(hf_stream(self.count), batch_size=self.batch_size, num_workers=self.workers)
 
@@ -443,17 +446,23 @@ class SaveAtStep(pl.Callback):
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("saved_at", [20, 51])  # 51: the shorter stream has just run out
-def test_a_litdata_stream_resumes_mid_epoch_with_the_samples_that_were_next_on_every_rank(tmp_path, saved_at):
+@pytest.mark.parametrize(("saved_at", "epochs", "shuffle"), [
+    (20, 1, False),
+    (51, 1, False),  # the shorter stream has just run out
+    (72, 2, True),  # in the second epoch of a shuffled stream: its order is the second epoch's
+])
+def test_a_litdata_stream_resumes_mid_epoch_with_the_samples_that_were_next_on_every_rank(
+    tmp_path, saved_at, epochs, shuffle
+):
     pytest.importorskip("litdata")
     data, count, world = write_litdata(tmp_path / "data", 103), 103, 2
     checkpoint = tmp_path / "mid.ckpt"
 
     def fit(out: Path, **fit_kwargs) -> None:
         torch.manual_seed(0)
-        model = StreamRegression(out, "litdata", data, count, batch_size=1)
+        model = StreamRegression(out, "litdata", data, count, batch_size=1, shuffle=shuffle)
         trainer = cpu_trainer(
-            ShardPlusStrategy(start_method="fork"), world, max_epochs=1, num_sanity_val_steps=0,
+            ShardPlusStrategy(start_method="fork"), world, max_epochs=epochs, num_sanity_val_steps=0,
             limit_val_batches=0, callbacks=[SaveAtStep(saved_at, checkpoint)],
         )
         trainer.fit(model, **fit_kwargs)
@@ -468,4 +477,31 @@ def test_a_litdata_stream_resumes_mid_epoch_with_the_samples_that_were_next_on_e
     assert min(lengths) < max(lengths)  # the streams were uneven (litdata gives the tail to some ranks)
     ends = [rows(tmp_path / d, 0, "end")[0] for d in ("whole", "resumed")]
     assert ends[1]["global_step"] == ends[0]["global_step"]
+    assert_state_close(ends[1]["state"], ends[0]["state"])
+
+
+@pytest.mark.timeout(180)
+def test_a_litdata_stream_resumed_twice_in_one_epoch_goes_on_with_the_samples_that_were_next(tmp_path):
+    """A checkpoint saved after a resume, in the resumed epoch, holds that point's position (litdata hands out the
+    dict it was loaded with and updates it as the stream advances: each noted position must be a copy)."""
+    pytest.importorskip("litdata")
+    data, count, world = write_litdata(tmp_path / "data", 103), 103, 2
+    first, second = tmp_path / "first.ckpt", tmp_path / "second.ckpt"
+
+    def fit(out: Path, save: SaveAtStep | None = None, **fit_kwargs) -> None:
+        torch.manual_seed(0)
+        model = StreamRegression(out, "litdata", data, count, batch_size=1, shuffle=True)
+        trainer = cpu_trainer(
+            ShardPlusStrategy(start_method="fork"), world, max_epochs=2, num_sanity_val_steps=0,
+            limit_val_batches=0, callbacks=[save] if save else [],
+        )
+        trainer.fit(model, **fit_kwargs)
+
+    fit(tmp_path / "whole", SaveAtStep(60, first))
+    fit(tmp_path / "once", SaveAtStep(80, second), ckpt_path=first)
+    fit(tmp_path / "twice", ckpt_path=second)
+    for rank in range(world):
+        whole = [row["ids"] for row in rows(tmp_path / "whole", rank, "train") if row["step"] >= 80]
+        assert [row["ids"] for row in rows(tmp_path / "twice", rank, "train")] == whole
+    ends = [rows(tmp_path / d, 0, "end")[0] for d in ("whole", "twice")]
     assert_state_close(ends[1]["state"], ends[0]["state"])
