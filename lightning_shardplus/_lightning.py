@@ -299,7 +299,7 @@ def intercept_training_logs(
         if not take(call):
             return original(*args, **kwargs)
         existing = results.get(key)
-        before = _epoch_state(existing) if existing is not None and call.on_epoch else None
+        before = epoch_state(existing) if existing is not None and call.on_epoch else None
         arguments["sync_dist"] = True
         arguments["sync_dist_fn"] = _synced_by_shardplus
         original(**arguments)
@@ -331,7 +331,7 @@ def _reduce_name(metric: _ResultMetric) -> str:
     return "min"
 
 
-def _epoch_state(metric: _ResultMetric) -> tuple[torch.Tensor, torch.Tensor | None]:
+def epoch_state(metric: _ResultMetric) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A copy of the epoch accumulation of ``metric``: ``value`` (the running sum of value * batch size for
     ``reduce_fx="mean"``, else the running sum/max/min) and ``cumulated_batch_size`` (mean only)."""
     count = metric.cumulated_batch_size.clone() if metric.meta.is_mean_reduction else None
@@ -351,18 +351,21 @@ def set_step_value(metric: _ResultMetric, value: torch.Tensor | None) -> None:
     """Make ``value`` the step value that loggers, the progress bar and ``callback_metrics`` read (None: the
     metric has no step value to show yet and is left out of them)."""
     metric._forward_cache = value  # private: read by `_ResultCollection._get_cache(on_step=True)`
-    if value is not None and not metric.meta.on_epoch:
-        metric.value = value  # what `update` stores for on_step-only values
+    if value is not None:
+        metric.has_reset = False  # private: as `update_metrics` does; a reset metric is left out of the values
+        if not metric.meta.on_epoch:
+            metric.value = value  # what `update` stores for on_step-only values
 
 
 def set_epoch_state(
     metric: _ResultMetric, value: torch.Tensor, cumulated_batch_size: torch.Tensor | None
 ) -> None:
-    """Replace the epoch accumulation of ``metric`` (see :func:`_epoch_state`)."""
+    """Replace the epoch accumulation of ``metric`` (see :func:`epoch_state`)."""
     metric.value = value
     if cumulated_batch_size is not None:
         metric.cumulated_batch_size = cumulated_batch_size
     metric._computed = None  # torchmetrics' cache of `compute()`
+    metric.has_reset = False  # private: the epoch value includes this state (`_ResultCollection.valid_items`)
 
 
 def current_batch(results: _ResultCollection) -> Any:

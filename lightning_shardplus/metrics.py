@@ -327,6 +327,7 @@ class FusedMetricReducer:
         self._wheres: list[str] = []
         self._history: list[tuple[int, list[tuple[str, str, str]]]] = []  # (step, entries) at each change
         self._layout: _Layout | None = None  # this rank's in the last step
+        self._followed: _Layout | None = None  # this rank's in its last step with values: see `follows`
         self._started: _Started | None = None  # the SUM collective `start` began, until `finish`
         self._constants: tuple[_Plan, Any, Tensor, Tensor] | None = None  # last step's header+weights and coefs
         self.carried_total: Tensor | None = None  # the last finished step's carried number, summed over ranks
@@ -378,14 +379,15 @@ class FusedMetricReducer:
     def _plan(self, window: _Window) -> _Plan:
         order = tuple(window.order)
         plan = self._plans.get(order)
-        if plan is None:
-            signature = window.signature()
-            layout = self._layouts.get(signature)
-            if layout is None:
-                layout = self._layouts[signature] = _Layout.of(signature)
-            if len(self._plans) >= _PLANS:
-                self._plans.clear()
-            plan = self._plans[order] = _Plan.of(order, layout, self.device)
+        return plan if plan is not None else self._new_plan(order, window.signature())
+
+    def _new_plan(self, order: tuple[tuple[str, str], ...], signature: tuple[tuple[str, str], ...]) -> _Plan:
+        layout = self._layouts.get(signature)
+        if layout is None:
+            layout = self._layouts[signature] = _Layout.of(signature)
+        if len(self._plans) >= _PLANS:
+            self._plans.clear()
+        plan = self._plans[order] = _Plan.of(order, layout, self.device)
         return plan
 
     def _host_numbers(self, numbers: list[float]) -> Tensor:
@@ -484,7 +486,11 @@ class FusedMetricReducer:
     def finish(self, where: str = "this step", check: bool = False) -> dict[str, Reduced]:
         """Wait for the SUM all_reduce :meth:`start` began and return the step's reductions, on the device; with
         ``check`` (the same on every rank) :meth:`check` runs first. One SUM all_reduce in all, plus one MAX
-        all_reduce while the agreed layout has max/min values, and one more SUM where the capacity grows."""
+        all_reduce while the agreed layout has max/min values, and one more SUM where the capacity grows.
+
+        A rank that abstained gets the reductions of the names it logged in its last step with values, when the
+        ranks with data logged exactly those names this step (read from the header it reads anyway), so that its
+        step and epoch values stay those of the other ranks; else none."""
         started, self._started = self._started, None
         if started is None:
             raise RuntimeError("shardplus: `finish` without `start`.")
@@ -497,7 +503,12 @@ class FusedMetricReducer:
             self._history.append((len(self._unchecked), window.entries()))
             self._layout = layout
         if abstain or layout.slots > self.capacity or layout.extremes > self.extremes:
-            summed = self._agree(summed, abstain, started.carried)
+            summed, header = self._agree(summed, abstain, started.carried)
+            if abstain and self._followed is not None and self._followed_by(header):
+                signature = self._followed.signature
+                plan = self._plans.get(signature) or self._new_plan(signature, signature)
+        if window.order and not abstain:
+            self._followed = layout
         if self.carry_slots:
             self.carried_total = summed[-1]
         self._unchecked.append(summed.narrow(0, 0, _HEADER))
@@ -511,21 +522,27 @@ class FusedMetricReducer:
         self.discard()
         return reduced
 
-    def _agree(self, summed: Tensor, abstain: bool, carried: float = 0.0) -> Tensor:
+    def _agree(self, summed: Tensor, abstain: bool, carried: float = 0.0) -> tuple[Tensor, list[int]]:
         """Read this step's summed header on the host: when all ranks logged the same names (then every one of
         them needs the same sizes and is here, as is every rank without data), adopt the sizes they need,
-        reducing again if the body did not fit. A mismatch changes nothing here: :meth:`check` raises it."""
+        reducing again if the body did not fit. A mismatch changes nothing here: :meth:`check` raises it.
+        Returns the summed buffer and its header."""
         header = self._parse(summed[:_HEADER].tolist())
         if not _same_everywhere(header):
-            return summed
+            return summed, header
         slots, extremes = header[1] // header[0], header[3] // header[0]
         self.extremes = max(self.extremes, _power_of_two(extremes))
         if slots <= self.capacity:
-            return summed
+            return summed, header
         self.capacity = _power_of_two(slots)
         summed = self.pack(abstain, carried)
         self._all_reduce(summed, op=dist.ReduceOp.SUM)
-        return summed
+        return summed, header
+
+    def _followed_by(self, header: list[int]) -> bool:
+        """Whether every rank that contributed to ``header`` logged the names of :attr:`_followed`."""
+        assert self._followed is not None
+        return header == [header[0] * int(x) for x in self._followed.header]
 
     def check(self) -> None:
         """Read the summed headers of the steps since the last check on the host (one synchronisation) and raise
@@ -731,6 +748,7 @@ class AverageTrainingMetrics(Callback):
         self._restore: Callable[[], None] | None = None
         self._results: Any = None
         self._pending: dict[str, _Pending] = {}  # observed in this step
+        self._followed: dict[str, _Pending] = {}  # observed in this rank's last step with values (see `_apply`)
         self._last: dict[str, Tensor] = {}  # the last reduced step value of each metric
         self._warned: set[str] = set()
         self._weight = _BatchWeight()
@@ -864,8 +882,18 @@ class AverageTrainingMetrics(Callback):
             self._reducer.check()  # the steps since the last logging step, before the epoch values are logged
 
     def _apply(self, reduced: dict[str, Reduced]) -> None:
-        """Write the reduced values as the step values (device tensors), and into the epoch state."""
-        for key, entry in self._pending.items():
+        """Write the reduced values as the step values (device tensors), and into the epoch state.
+
+        A rank without data in the step (``uneven_inputs="join"``) logged nothing: it writes the values of the
+        metrics it logged in its last step with data, which the reducer returns when the other ranks logged the
+        same names, so that its step and epoch values (what its schedulers and callbacks read) stay the other
+        ranks'."""
+        if self._pending:
+            self._followed = dict(self._pending)
+            entries = self._pending
+        else:
+            entries = {key: self._followed[key] for key in reduced}
+        for key, entry in entries.items():
             logged = entry.logged
             local = logged.value
             step = reduced[key].value_as(local.dtype, local.device)
@@ -874,7 +902,9 @@ class AverageTrainingMetrics(Callback):
             _lightning.set_step_value(logged.metric, step)
             self._last[key] = step
             if entry.epoch_state_before is not None:
-                state = combined_epoch_state(logged.reduce_fx, entry.epoch_state_before, reduced[key])
+                # a metric logged in this step: its state before; a followed one: its state now
+                before = entry.epoch_state_before if self._pending else _lightning.epoch_state(logged.metric)
+                state = combined_epoch_state(logged.reduce_fx, before, reduced[key])
                 _lightning.set_epoch_state(logged.metric, *state)
 
     def _clear_step(self) -> None:
@@ -898,6 +928,7 @@ class AverageTrainingMetrics(Callback):
         self._to_carry = self._carrying = None
         self._clear_step()
         self._last.clear()
+        self._followed.clear()
         self._weight = _BatchWeight()
 
 

@@ -167,6 +167,16 @@ def test_intercepted_logs_skip_lightning_sync_and_expose_their_state(reduce_fx):
     _lightning.set_epoch_state(metric, torch.tensor(12.0), torch.tensor(3) if reduce_fx == "mean" else None)
     assert results.metrics(on_step=False)["log"]["x_epoch"].item() == (4.0 if reduce_fx == "mean" else 12.0)
 
+    # after the epoch-end reset, a value written without `self.log` (a rank that follows, without data) counts
+    results.reset()
+    assert "x_epoch" not in results.metrics(on_step=False)["log"]
+    assert _lightning.epoch_state(metric)[0].item() == fresh.value.item()  # the reset state is the fresh one
+    _lightning.set_epoch_state(metric, torch.tensor(12.0), torch.tensor(3) if reduce_fx == "mean" else None)
+    assert results.metrics(on_step=False)["log"]["x_epoch"].item() == (4.0 if reduce_fx == "mean" else 12.0)
+    results.reset()
+    _lightning.set_step_value(metric, torch.tensor(5.0))
+    assert results.metrics(on_step=True)["callback"]["x"].item() == 5.0
+
     with pytest.raises(AssertionError, match="own sync ran"):  # what `take` refuses keeps Lightning's sync
         results.log("training_step", "other", torch.tensor(1.0), **kwargs)
     restore()

@@ -207,6 +207,46 @@ def test_compressed_gradients_pair_up_through_the_ragged_end(tmp_path):
         assert_state_close(rows(out, rank, "end")[0]["state"], reference, atol=1e-3)  # fp16 on the wire
 
 
+class EpochLogged(Regression):
+    """Logs its loss per step and per epoch, and records on every rank what its callbacks would read."""
+
+    def training_step(self, batch, batch_idx):
+        x, y, ids = batch
+        loss = F.mse_loss(self.net(x), y)
+        self.log("loss", loss, on_step=True, on_epoch=True)
+        self._write("train", ids=ids.tolist(), loss=loss.item(), step=self.global_step, epoch=self.current_epoch)
+        return loss
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self._write("batch_end", step=self.global_step, logged=float(self.trainer.callback_metrics["loss_step"]))
+
+    def on_train_epoch_end(self):
+        logged = float(self.trainer.callback_metrics["loss_epoch"])
+        self._write("epoch_end", epoch=self.current_epoch, logged=logged)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("lengths", [[12, 4], [4, 12, 8]])
+def test_a_rank_without_data_shows_the_same_step_and_epoch_values_as_the_ranks_with_data(tmp_path, lengths):
+    """With "join", a rank that ran out logs nothing; its step and epoch values (what its schedulers and
+    callbacks read) are still the other ranks', in this epoch and the next."""
+    world, out = len(lengths), tmp_path / "records"
+    trainer = cpu_trainer(ShardPlusStrategy(start_method="fork"), world, max_epochs=2, log_every_n_steps=1)
+    trainer.fit(EpochLogged(out), DataLoader(RankStream(lengths), batch_size=4))
+    steps_per_epoch = max(len(batches_of(lengths, r, 4)) for r in range(world))
+    trained = [row for r in range(world) for row in rows(out, r, "train")]
+    for step in range(1, 2 * steps_per_epoch + 1):
+        had_data = [row for row in trained if row["step"] == step - 1]
+        expected = sum(row["loss"] * len(row["ids"]) for row in had_data) / sum(len(row["ids"]) for row in had_data)
+        shown = [next(row["logged"] for row in rows(out, r, "batch_end") if row["step"] == step) for r in range(world)]
+        assert shown == pytest.approx([expected] * world, rel=1e-6)
+    for epoch in range(2):
+        in_epoch = [row for row in trained if row["epoch"] == epoch]
+        expected = sum(row["loss"] * len(row["ids"]) for row in in_epoch) / sum(len(row["ids"]) for row in in_epoch)
+        shown = [rows(out, r, "epoch_end")[epoch]["logged"] for r in range(world)]
+        assert shown == pytest.approx([expected] * world, rel=1e-6)
+
+
 @pytest.mark.timeout(120)
 def test_averaged_training_metrics_are_the_mean_over_the_ranks_that_had_data(tmp_path):
     out = fit_streams(tmp_path, [16, 4], trainer_kwargs={"log_every_n_steps": 1})
