@@ -8,7 +8,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
-from torch.utils.data import DataLoader, Dataset, TensorDataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 
 from lightning_shardplus._validation import check_bool, check_int
 
@@ -18,6 +18,21 @@ _STAGE_SPLITS = {
     "test": ("test",),
     "predict": ("predict",),
 }
+
+
+def check_map_style(name: str, dataset: Any) -> None:
+    """Refuse a dataset the samplers cannot shard: a stream (``IterableDataset``) or anything without ``__len__``
+    and ``__getitem__``; the error says where streams go instead."""
+    if dataset is None:
+        return
+    if isinstance(dataset, IterableDataset) or not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
+        kind = "an IterableDataset (a stream)" if isinstance(dataset, IterableDataset) else f"a {type(dataset).__name__}"
+        raise ValueError(
+            f"`{name}` is {kind}: ShardPlusDataModule shards map-style datasets (with __len__ and __getitem__). "
+            "Give a stream to the Trainer as a DataLoader instead (`trainer.fit(model, train_dataloaders=...)` or "
+            "your own datamodule); the strategy's `uneven_inputs` keeps the ranks in step over it "
+            "(docs/uneven-inputs.md)."
+        )
 
 
 def per_device_batch_size(global_batch_size: int, world_size: int) -> int:
@@ -43,7 +58,8 @@ class ShardPlusDataModule(pl.LightningDataModule):
     Args:
         global_batch_size: samples per optimizer micro-step over all processes together.
         train_dataset, val_dataset, test_dataset, predict_dataset: map-style datasets (or None).
-        num_workers, pin_memory, persistent_workers, collate_fn: passed to every DataLoader.
+        num_workers, pin_memory, persistent_workers, collate_fn: passed to every DataLoader
+            (``persistent_workers`` only where ``num_workers > 0``, which torch requires).
         shuffle: shuffle the training set (the strategy reshuffles it globally every epoch); False: every epoch
             in dataset order, index ``i`` on rank ``i % world_size``. (A plain DataLoader's ``shuffle=False`` is
             not seen under Lightning's distributed sampler, which always shuffles training data.)
@@ -67,6 +83,11 @@ class ShardPlusDataModule(pl.LightningDataModule):
         check_bool("pin_memory", pin_memory)
         check_bool("persistent_workers", persistent_workers)
         check_bool("shuffle", shuffle)
+        if collate_fn is not None and not callable(collate_fn):
+            raise ValueError(f"`collate_fn`={collate_fn!r} is not valid: expected a callable or None.")
+        given = {"train": train_dataset, "val": val_dataset, "test": test_dataset, "predict": predict_dataset}
+        for split, dataset in given.items():
+            check_map_style(f"{split}_dataset", dataset)
         self._trainer: pl.Trainer | None = None
         super().__init__()
         self.global_batch_size = global_batch_size
@@ -75,7 +96,7 @@ class ShardPlusDataModule(pl.LightningDataModule):
         self.persistent_workers = persistent_workers and num_workers > 0
         self.collate_fn = collate_fn
         self.shuffle = shuffle
-        self._given = {"train": train_dataset, "val": val_dataset, "test": test_dataset, "predict": predict_dataset}
+        self._given = given
         self.datasets: dict[str, Dataset | None] = {}
         self.world_size = 1
         self._warned_uneven: tuple[int, int] | None = None  # (global batch, world size) warned about
@@ -128,7 +149,9 @@ class ShardPlusDataModule(pl.LightningDataModule):
     def setup(self, stage: str) -> None:
         for split in _STAGE_SPLITS.get(stage, ()):
             if split not in self.datasets:
-                self.datasets[split] = getattr(self, f"build_{split}_dataset")()
+                dataset = getattr(self, f"build_{split}_dataset")()
+                check_map_style(f"build_{split}_dataset()", dataset)
+                self.datasets[split] = dataset
         if stage == "fit":
             train = self.datasets["train"]
             if train is None:
@@ -191,7 +214,12 @@ class SyntheticDataModule(ShardPlusDataModule):
         val_samples = check_int("val_samples", val_samples, minimum=0)
         num_classes = check_int("num_classes", num_classes, minimum=2)
         seed = check_int("seed", seed, minimum=0)
-        if not input_shape or any(isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in input_shape):
+        if (
+            not isinstance(input_shape, Sequence)
+            or isinstance(input_shape, str)
+            or not input_shape
+            or any(isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in input_shape)
+        ):
             raise ValueError(f"`input_shape`={input_shape!r} is not valid: expected a sequence of integers >= 1.")
         super().__init__(global_batch_size, num_workers=num_workers)
         self.num_samples = num_samples

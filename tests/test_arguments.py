@@ -4,6 +4,7 @@ process group starts."""
 import warnings
 
 import pytest
+import torch
 import torch.distributed as dist
 from _models import IndexedDataset, RecordingModule, cpu_trainer
 from lightning.pytorch.strategies import StrategyRegistry
@@ -283,11 +284,19 @@ def test_uneven_global_batch_warns_with_the_effective_batch(tmp_path):
         datamodule.trainer = trainer
 
 
+class _Stream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        return iter(range(3))
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
         ({"num_workers": -1}, r"`num_workers`=-1"),
         ({"shuffle": "no"}, r"`shuffle`='no'"),
+        ({"collate_fn": 5}, r"`collate_fn`=5 is not valid: expected a callable"),
+        ({"train_dataset": _Stream()}, r"`train_dataset` is an IterableDataset \(a stream\).*train_dataloaders"),
+        ({"val_dataset": [[1], [2]].__iter__()}, r"`val_dataset` is a list_iterator: .* map-style"),
     ],
 )
 def test_datamodule_rejects_bad_arguments(kwargs, message):
@@ -300,12 +309,22 @@ def test_datamodule_rejects_bad_arguments(kwargs, message):
     [
         ({"num_samples": 0}, r"`num_samples`=0"),
         ({"input_shape": (0, 3)}, r"`input_shape`=\(0, 3\)"),
+        ({"input_shape": 32}, r"`input_shape`=32 is not valid: expected a sequence"),
         ({"num_classes": 1}, r"`num_classes`=1"),
     ],
 )
 def test_synthetic_datamodule_rejects_bad_arguments(kwargs, message):
     with pytest.raises((ValueError, TypeError), match=message):
         SyntheticDataModule(**kwargs)
+
+
+def test_a_stream_built_by_a_datamodule_subclass_is_refused_in_setup():
+    class Streaming(ShardPlusDataModule):
+        def build_train_dataset(self):
+            return _Stream()
+
+    with pytest.raises(ValueError, match=r"`build_train_dataset\(\)` is an IterableDataset"):
+        Streaming(4).setup("fit")
 
 
 def test_empty_training_set_in_the_datamodule_is_a_clear_error():
