@@ -37,6 +37,17 @@ class ShardPlusCLI(LightningCLI):
         kwargs.setdefault("subclass_mode_data", True)
         super().__init__(*args, trainer_defaults=defaults, **kwargs)
 
+    def instantiate_classes(self) -> None:
+        """Instantiate as Lightning does; a value that a class refuses with one of our named errors (the strategy's,
+        the datamodules') ends as a usage error carrying that message, not as a traceback through jsonargparse."""
+        try:
+            super().instantiate_classes()
+        except (ValueError, TypeError) as error:
+            refused = named_argument_errors(error)
+            if not refused:
+                raise
+            self.parser.error("\n".join(refused))
+
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         """``--help`` states one default for ``trainer.strategy``: Lightning's docstring names ``"auto"``."""
         for action in parser._actions:  # argparse keeps no public list of actions
@@ -47,6 +58,22 @@ class ShardPlusCLI(LightningCLI):
         """Print the final metrics (rank 0): with the progress bar off nothing else says how the fit ended."""
         if self.trainer.is_global_zero:
             print(summary_table(self.trainer.callback_metrics, self.trainer.global_step, self.trainer.current_epoch))
+
+
+_NAMED_ERROR = re.compile(r"`[A-Za-z_][\w.]*`=.*")
+
+
+def named_argument_errors(error: BaseException) -> list[str]:
+    """The lines of ``error`` (and of the errors it was raised from) that are our named argument errors
+    ("`name`=value is not valid: ..."): jsonargparse lists them among the errors of each type it tried."""
+    found: list[str] = []
+    while error is not None:
+        for line in str(error).splitlines():
+            match = _NAMED_ERROR.search(line)
+            if match and match.group(0) not in found:
+                found.append(match.group(0))
+        error = error.__cause__ or error.__context__  # type: ignore[assignment]
+    return found
 
 
 def summary_table(metrics: dict[str, Any], global_step: int, epochs: int) -> str:

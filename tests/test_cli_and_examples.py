@@ -82,6 +82,27 @@ def test_strategy_defaults_to_shardplus_and_strategy_options_parse(tmp_path):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize(("overrides", "message"), [
+    (
+        ["--trainer.strategy=lightning_shardplus.ShardPlusStrategy", "--trainer.strategy.aggregation_frequency=0"],
+        "`aggregation_frequency`=0 is not valid",
+    ),
+    (["--data.init_args.global_batch_size=0"], "`global_batch_size`=0 is not valid"),
+])
+def test_a_value_our_classes_refuse_in_a_config_is_a_usage_error_naming_it(tmp_path, capsys, monkeypatch,
+                                                                        overrides, message):
+    from lightning_shardplus import cli
+
+    monkeypatch.chdir(tmp_path)
+    config = ["fit", "--config", str(ROOT / "configs" / "synthetic.yaml"), *overrides]
+    with pytest.raises(SystemExit) as exited:
+        cli.main(config)
+    assert exited.value.code == 2
+    error = capsys.readouterr().err
+    assert f"error: {message}" in error and "Traceback" not in error and "Union subtypes" not in error
+
+
+@pytest.mark.timeout(120)
 def test_print_config_shows_the_autotune_defaults_the_readme_and_docstring_state(tmp_path, capsys, monkeypatch):
     from lightning_shardplus import ShardPlusStrategy, cli
 
