@@ -122,6 +122,13 @@ class BucketSetting:
         return size if self.first_bucket_mb is None else f"{size} (first bucket {self.first_bucket_mb:g} MB)"
 
 
+def _merged_label(setting: BucketSetting, kept: BucketSetting) -> str:
+    """``setting``'s label beside the one it was merged into: "25 MB (every bucket)" beside "25 MB (first bucket
+    1 MB)", not "25 MB" twice."""
+    same_cap = setting.bucket_cap_mb == kept.bucket_cap_mb and setting.first_bucket_mb is None
+    return f"{setting.label} (every bucket)" if same_cap else setting.label
+
+
 # What DDP builds when no bucket size is given (``strategy="ddp"``, and shardplus without
 # ``tensor_fusion_threshold_mb``): the reference tuning has to beat measurably.
 DDP_DEFAULT = BucketSetting(DEFAULT_BUCKET_CAP_MB, DDP_FIRST_BUCKET_MB)
@@ -1074,7 +1081,7 @@ class TensorFusion:
         tuner.start(self.trainer.global_step)
         raced = tuner.candidates or [self.settings.reference]
         same = "".join(
-            f"; {', '.join(o.label for o in others)}: the same buckets as {kept.label} for this model"
+            f"; {', '.join(_merged_label(o, kept) for o in others)}: the same buckets as {kept.label} for this model"
             for kept, others in tuner.merged.items()
         )
         rank_zero_info(
