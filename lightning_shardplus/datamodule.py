@@ -26,7 +26,8 @@ def check_map_style(name: str, dataset: Any) -> None:
     if dataset is None:
         return
     if isinstance(dataset, IterableDataset) or not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
-        kind = "an IterableDataset (a stream)" if isinstance(dataset, IterableDataset) else f"a {type(dataset).__name__}"
+        stream = isinstance(dataset, IterableDataset)
+        kind = "an IterableDataset (a stream)" if stream else f"a {type(dataset).__name__}"
         raise ValueError(
             f"`{name}` is {kind}: ShardPlusDataModule shards map-style datasets (with __len__ and __getitem__). "
             "Give a stream to the Trainer as a DataLoader instead (`trainer.fit(model, train_dataloaders=...)` or "

@@ -62,7 +62,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import lightning.pytorch as pl
 import torch
@@ -79,10 +79,15 @@ from lightning_shardplus import _lightning
 Reduction = Literal["mean", "sum", "max", "min"]
 REDUCTIONS: tuple[str, ...] = ("mean", "sum", "max", "min")
 
-_DIGEST_BYTES = 6  # 48 bits; small integers (a byte, its square) stay exact when summed in float64
-# header: contributors, (slots, slots^2), (max/min slots, their square), (byte, byte^2) per digest byte
-_HEADER = 5 + 2 * _DIGEST_BYTES
+_DIGEST_BYTES = 6  # 48 bits
+_COUNT_BITS = 16  # slot counts as bits: at most 2**16 - 1 SUM (or MAX) slots per step
+# header, one 0/1 per slot (sums of 0/1 over ranks stay exact through DDP's float32 average, see `_parse`):
+# contributors, then the bits of the SUM slots, of the MAX slots and of a digest of the names and reductions
+_HEADER = 1 + 2 * _COUNT_BITS + 8 * _DIGEST_BYTES
 INITIAL_CAPACITY = 64
+# the SUM buffer's size while the capacity is the initial one (with the slot for a carried count): what a
+# `GradientCarrier` (carrier.py) holds when the buffer rides in DDP's gradient all-reduce
+CARRIED_NUMEL = _HEADER + INITIAL_CAPACITY + 1
 UNCHECKED_STEPS = 128  # at most this many reduced steps between two host checks of the headers
 _PLANS = 256  # cached observation orders, at most
 _F64 = torch.float64
@@ -151,6 +156,10 @@ def _digest(signature: Sequence[tuple[str, str]]) -> bytes:
     return hashlib.blake2b(text.encode(), digest_size=_DIGEST_BYTES).digest()
 
 
+def _bits(n: int, width: int) -> list[int]:
+    return [(n >> i) & 1 for i in range(width)]
+
+
 def _power_of_two(n: int) -> int:
     return 1 << (n - 1).bit_length() if n > 0 else 0
 
@@ -162,7 +171,7 @@ class _Layout:
     value vector."""
 
     signature: tuple[tuple[str, str], ...]
-    header: list[float]  # this rank's header: 1, slots, slots^2, extremes, extremes^2, digest bytes and squares
+    header: list[float]  # this rank's header: 1, the bits of slots, of extremes and of the digest
     means: int
     sums: int
     extremes: int  # MAX slots: 2 per max/min key
@@ -183,8 +192,10 @@ class _Layout:
         signs = tuple(1.0 if kinds[key] == "max" else -1.0 for key in groups["extreme"])
         means, sums, extremes = len(groups["mean"]), len(groups["sum"]), 2 * len(groups["extreme"])
         slots = 2 * means + sums
-        numbers = [1, slots, slots * slots, extremes, extremes * extremes]
-        header = numbers + [x for b in _digest(signature) for x in (b, b * b)]
+        if max(slots, extremes) >= 1 << _COUNT_BITS:
+            raise ValueError(f"shardplus: {len(signature)} training metrics in one step: too many to average.")
+        digest = int.from_bytes(_digest(signature), "little")
+        header = [1, *_bits(slots, _COUNT_BITS), *_bits(extremes, _COUNT_BITS), *_bits(digest, 8 * _DIGEST_BYTES)]
         index = {key: i for i, key in enumerate(ordered)}
         return cls(signature, [float(x) for x in header], means, sums, extremes, index, signs)
 
@@ -268,14 +279,28 @@ class _Window:
         return self._stacked
 
 
+class Carrier(Protocol):
+    """Carries a buffer in DDP's gradient all-reduce (:class:`lightning_shardplus.carrier.GradientCarrier`)."""
+
+    numel: int
+
+    def load(self, buffer: Tensor) -> None: ...
+
+    def unload(self) -> None: ...
+
+    def sum(self, world_size: int) -> Tensor | None: ...
+
+
 @dataclass(frozen=True)
 class _Started:
-    """A step's SUM buffer whose all_reduce is running (``work``: its handle, None when it already completed)."""
+    """A step's SUM buffer whose all_reduce is running (``work``: its handle, None when it already completed), or
+    that rides in the step's gradient all-reduce (``carried_by_ddp``)."""
 
     summed: Tensor
     work: Any
     abstain: bool
     carried: float
+    carried_by_ddp: bool = False
 
 
 class FusedMetricReducer:
@@ -298,6 +323,10 @@ class FusedMetricReducer:
         carries: the SUM buffer ends with one more slot, summed with the step: ``start(carried=...)`` puts a
             number there, :attr:`carried_total` is its sum over ranks after :meth:`finish` (uneven inputs' "how
             many ranks have a next batch", so that it needs no collective of its own).
+        carrier: where given, :meth:`start` hands the SUM buffer to it instead of starting an all_reduce, while
+            the buffer has the carrier's size (:data:`CARRIED_NUMEL`: the initial capacity): DDP then sums it in
+            the gradient all-reduce of the backward that follows. A step with no such backward, or a larger agreed
+            capacity, falls back to the all_reduce (the same on every rank).
     """
 
     def __init__(
@@ -310,9 +339,13 @@ class FusedMetricReducer:
         extremes: int = 0,
         device: torch.device | str = "cpu",
         carries: bool = False,
+        carrier: Carrier | None = None,
     ) -> None:
         self.world_size = world_size
-        self.carry_slots = int(carries)  # a last SUM slot for a number another component sums with the step
+        self.carries = carries
+        # a last SUM slot for a number another component sums with the step (always there with a carrier)
+        self.carry_slots = int(carries or carrier is not None)
+        self._carrier = carrier
         self.rank = rank
         self.capacity = capacity
         self.extremes = extremes
@@ -362,6 +395,8 @@ class FusedMetricReducer:
         point)."""
         if self._started is not None and self._started.work is not None:
             self._started.work.wait()  # every rank issued it: let it complete before its buffer is dropped
+        if self._carrier is not None:
+            self._carrier.unload()
         self._started = None
         self._window = _Window()
 
@@ -401,7 +436,7 @@ class FusedMetricReducer:
         carried number if the reducer ``carries``. ``abstain``: a rank without data in this step contributes nothing
         (zeros): the reductions are over the other ranks."""
         buffer = self._pack(abstain)
-        if self.carry_slots:
+        if self.carries:
             buffer[-1] = carried
         return buffer
 
@@ -480,6 +515,10 @@ class FusedMetricReducer:
         if self._started is not None:
             raise RuntimeError("shardplus: a training-metrics reduction was started twice without `finish`.")
         summed = self.pack(abstain, carried)
+        if self._carrier is not None and summed.numel() == self._carrier.numel:
+            self._carrier.load(summed)
+            self._started = _Started(summed, None, abstain, carried, carried_by_ddp=True)
+            return
         work = self._all_reduce(summed, op=dist.ReduceOp.SUM, async_op=True)
         self._started = _Started(summed, work, abstain, carried)
 
@@ -494,9 +533,17 @@ class FusedMetricReducer:
         started, self._started = self._started, None
         if started is None:
             raise RuntimeError("shardplus: `finish` without `start`.")
-        if started.work is not None:
+        summed = started.summed
+        if started.carried_by_ddp:
+            assert self._carrier is not None
+            carried = self._carrier.sum(self.world_size)
+            if carried is None:  # no backward in this step (on every rank, or DDP would have failed): our own
+                self._all_reduce(summed, op=dist.ReduceOp.SUM)
+            else:
+                summed = carried
+        elif started.work is not None:
             started.work.wait()  # on CUDA (NCCL) the current stream waits, not the host
-        window, summed, abstain = self._window, started.summed, started.abstain
+        window, abstain = self._window, started.abstain
         plan = self._plan(window)
         layout = plan.layout
         if layout is not self._layout:  # this rank's names changed: remembered to name a mismatch
@@ -509,7 +556,7 @@ class FusedMetricReducer:
                 plan = self._plans.get(signature) or self._new_plan(signature, signature)
         if window.order and not abstain:
             self._followed = layout
-        if self.carry_slots:
+        if self.carries:
             self.carried_total = summed[-1]
         self._unchecked.append(summed.narrow(0, 0, _HEADER))
         self._wheres.append(where)
@@ -530,7 +577,7 @@ class FusedMetricReducer:
         header = self._parse(summed[:_HEADER].tolist())
         if not _same_everywhere(header):
             return summed, header
-        slots, extremes = header[1] // header[0], header[3] // header[0]
+        slots, extremes = _counts(header)
         self.extremes = max(self.extremes, _power_of_two(extremes))
         if slots <= self.capacity:
             return summed, header
@@ -560,7 +607,7 @@ class FusedMetricReducer:
             if not _same_everywhere(header):
                 entries = next(entries for first, entries in reversed(history) if first <= step)
                 self._raise_mismatch(where, entries)
-        self.extremes = _power_of_two(header[3] // header[0])
+        self.extremes = _power_of_two(_counts(header)[1])
 
     def unpack(
         self, summed: Tensor, where: str = "this step", extremes: Tensor | None = None
@@ -571,7 +618,7 @@ class FusedMetricReducer:
         header = self._parse(summed[:_HEADER].tolist())
         if not _same_everywhere(header):
             self._raise_mismatch(where, self._window.entries())
-        slots, needed = header[1] // header[0], header[3] // header[0]
+        slots, needed = _counts(header)
         if slots > self.capacity or needed > self.extremes or (needed and extremes is None):
             self.capacity = max(self.capacity, _power_of_two(slots))
             self.extremes = max(self.extremes, _power_of_two(needed))
@@ -581,7 +628,11 @@ class FusedMetricReducer:
         return reduced
 
     def _parse(self, row: list[float]) -> list[int]:
-        header = [int(x) for x in row]  # exact: small integers summed in float64
+        # Sums of 0/1 over at most world_size ranks: exact in float64; through DDP's float32 average (each rank's
+        # value divided by the world size, summed, times the world size here) within far less than 1/2 of one.
+        header = [round(x) for x in row]
+        if any(abs(x - n) > 0.25 for x, n in zip(row, header, strict=True)):
+            raise RuntimeError(f"shardplus: the training-metrics header summed to non-integers: {row}.")
         if not 0 < header[0] <= self.world_size:  # ranks without data in a step do not contribute
             raise RuntimeError(
                 f"shardplus: the training-metrics collective summed {header[0]} contributions, expected 1 to "
@@ -597,10 +648,20 @@ class FusedMetricReducer:
 
 
 def _same_everywhere(header: list[int]) -> bool:
-    """Whether every contributing rank sent the same header: for each (n, n^2) pair, contributors * sum of
-    squares equals the squared sum exactly when all n are equal."""
+    """Whether every contributing rank sent the same header: each bit summed over the contributors is 0 (all
+    sent 0) or the number of contributors (all sent 1)."""
     contributors = header[0]
-    return all(contributors * header[i + 1] == header[i] * header[i] for i in range(1, _HEADER, 2))
+    return all(bit in (0, contributors) for bit in header[1:])
+
+
+def _counts(header: list[int]) -> tuple[int, int]:
+    """The SUM and MAX slot counts of a header every contributor sent alike (:func:`_same_everywhere`)."""
+    contributors = header[0]
+
+    def number(first: int) -> int:
+        return sum(1 << i for i in range(_COUNT_BITS) if header[first + i] == contributors)
+
+    return number(1), number(1 + _COUNT_BITS)
 
 
 def describe_mismatch(per_rank: Sequence[Sequence[tuple[str, str, str]]], where: str) -> str:
@@ -681,7 +742,8 @@ class CarriedCount:
 
     def total(self) -> int | None:
         """The sum over ranks, or None if no training step's collective has carried it (yet)."""
-        return None if self._total is None else int(self._total.item())  # host memory: no device to wait for
+        # host memory: no device to wait for; round: the sum may have come through DDP's float32 average
+        return None if self._total is None else round(self._total.item())
 
 
 @dataclass
@@ -758,6 +820,13 @@ class AverageTrainingMetrics(Callback):
         self._trainer: pl.Trainer | None = None  # while training, for `carry`
         self._to_carry: CarriedCount | None = None  # asked for, to go with the next collective
         self._carrying: CarriedCount | None = None  # in the collective started and not finished
+        self._carrier: Carrier | None = None  # this fit's gradient carrier, if the strategy gave one
+
+    def use_carrier(self, carrier: Carrier | None) -> None:
+        """Let the step's buffer ride in DDP's gradient all-reduce through ``carrier`` (given by the strategy for
+        one fit, where DDP averages the gradients as they are and no value can be logged after backward starts:
+        :func:`logs_only_before_backward`); None: an all_reduce of its own."""
+        self._carrier = carrier
 
     def abstain_this_step(self) -> None:
         """This rank has no data in the current micro-batch (``uneven_inputs="join"``): in a logged step where it
@@ -777,7 +846,13 @@ class AverageTrainingMetrics(Callback):
         # on a GPU the carried sum would have to be read from the device (a synchronization per step): not carried
         carries = self._carry_wanted and device.type == "cpu" and not takes_dataloader_iter(pl_module)
         self._reducer = FusedMetricReducer(
-            trainer.world_size, trainer.global_rank, _all_reduce, _all_gather_object, device=device, carries=carries
+            trainer.world_size,
+            trainer.global_rank,
+            _all_reduce,
+            _all_gather_object,
+            device=device,
+            carries=carries,
+            carrier=self._carrier,
         )
         self._trainer = trainer
         self._results = _lightning.training_results(trainer)
@@ -805,7 +880,7 @@ class AverageTrainingMetrics(Callback):
         ride: no averaging in this fit, values on a GPU, or not every micro-batch is a logged step (gradient
         accumulation); the same answer on every rank. One count at a time: a newer one replaces one not sent."""
         trainer, reducer = self._trainer, self._reducer
-        if trainer is None or reducer is None or not reducer.carry_slots or trainer.accumulate_grad_batches != 1:
+        if trainer is None or reducer is None or not reducer.carries or trainer.accumulate_grad_batches != 1:
             return None
         self._to_carry = CarriedCount(count)
         return self._to_carry
@@ -920,6 +995,7 @@ class AverageTrainingMetrics(Callback):
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._stop()
         self._carry_wanted = False  # asked again by the next fit's streams, if it has any
+        self._carrier = None  # given again by the next fit's strategy setup
 
     def _stop(self) -> None:
         if self._restore is not None:

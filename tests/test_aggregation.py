@@ -318,7 +318,7 @@ def test_effective_batch_is_reported_and_available_to_callbacks(tmp_path):
     assert trainer.accumulate_grad_batches == 1  # the user's Trainer is left as it was
 
 
-def test_the_new_arguments_parse_from_the_cli(monkeypatch):
+def test_the_new_arguments_parse_from_the_cli(monkeypatch, capsys):
     from lightning_shardplus.cli import ShardPlusCLI
 
     monkeypatch.setattr("sys.argv", ["shardplus"])
@@ -337,10 +337,12 @@ def test_the_new_arguments_parse_from_the_cli(monkeypatch):
     strategy = cli.trainer.strategy
     assert (strategy.config.aggregation_frequency, strategy.config.average_aggregated_gradients) == (4, False)
     assert strategy.config.gradient_compression == "fp16"
-    with pytest.raises(ValueError, match=r"`aggregation_frequency`=0 is not valid: expected an integer >= 1"):
+    with pytest.raises(SystemExit) as exit_info:  # a usage error carrying our message (cli.ShardPlusCLI)
         ShardPlusCLI(
             args=["--config", str(config), "--trainer.strategy.init_args.aggregation_frequency=0"], run=False
         )
+    assert exit_info.value.code == 2
+    assert "`aggregation_frequency`=0 is not valid: expected an integer >= 1" in capsys.readouterr().err
 
 
 def test_window_gradients_are_restored_per_rank_or_as_the_mean_on_another_world_size():

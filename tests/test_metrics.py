@@ -14,7 +14,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.distributed as dist
-from _models import cpu_trainer
+from _models import cpu_trainer, uncounted_allreduce_hook
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import Logger
 from torch import nn
@@ -303,6 +303,16 @@ class LoggingModule(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.01)
 
 
+def own_collective() -> ShardPlusStrategy:
+    """A strategy under which the training metrics cannot ride in DDP's gradient all-reduce (a user communication
+    hook might change the gradients): they take an all_reduce of their own."""
+    return ShardPlusStrategy(start_method="fork", ddp_comm_hook=uncounted_allreduce_hook)
+
+
+# The training metrics' SUM rides in DDP's gradient all-reduce (the default) or takes its own all_reduce.
+PATHS = {"carried": lambda: None, "own": own_collective}
+
+
 def fit(tmp_path, module, world_size, strategy=None, **trainer_kwargs):
     trainer = cpu_trainer(
         strategy or ShardPlusStrategy(start_method="fork"),
@@ -398,17 +408,26 @@ class ManyMetrics(LoggingModule):
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
-    ("count", "sync_dist", "per_batch"),
+    ("path", "count", "sync_dist", "per_batch"),
     [
-        (1, False, [1, 1, 1]),
-        (5, False, [1, 1, 1]),
-        (20, False, [1, 1, 1]),
-        (20, True, [1, 1, 1]),  # Lightning's own sync is folded into the one collective
-        (100, False, [2, 1, 1]),  # 200 slots > 64: the first step grows the agreed capacity, once
+        ("own", 1, False, [1, 1, 1]),
+        ("own", 5, False, [1, 1, 1]),
+        ("own", 20, False, [1, 1, 1]),
+        ("own", 20, True, [1, 1, 1]),  # Lightning's own sync is folded into the one collective
+        ("own", 100, False, [2, 1, 1]),  # 200 slots > 64: the first step grows the agreed capacity, once
+        # in DDP's gradient all-reduce: no collective of their own
+        ("carried", 1, False, [0, 0, 0]),
+        ("carried", 20, False, [0, 0, 0]),
+        ("carried", 20, True, [0, 0, 0]),
+        # 200 slots: the first step's header is carried, the larger capacity is agreed from it and the step
+        # reduced again; later steps no longer fit the carrier: their own all_reduce
+        ("carried", 100, False, [1, 1, 1]),
     ],
 )
-def test_one_collective_per_step_for_any_number_of_metrics(tmp_path, count_collectives, count, sync_dist, per_batch):
-    fit(tmp_path, ManyMetrics(count, sync_dist), 2)
+def test_one_collective_per_step_for_any_number_of_metrics(
+    tmp_path, count_collectives, path, count, sync_dist, per_batch
+):
+    fit(tmp_path, ManyMetrics(count, sync_dist), 2, PATHS[path]())
     for rank in range(2):
         rows = read(tmp_path / f"batches{rank}.jsonl")
         assert [row["all_reduce"] for row in rows] == per_batch
@@ -567,11 +586,12 @@ class ExtremesInSomeSteps(LoggingModule):
 
 
 @pytest.mark.timeout(120)
-def test_max_and_min_cost_one_more_collective_only_in_steps_that_log_them(tmp_path, count_collectives):
-    fit(tmp_path, ExtremesInSomeSteps(), 2)
+@pytest.mark.parametrize(("path", "per_batch"), [("own", [1, 1, 2, 2, 1, 1]), ("carried", [0, 0, 1, 1, 0, 0])])
+def test_max_and_min_cost_one_more_collective_only_in_steps_that_log_them(tmp_path, count_collectives, path, per_batch):
+    fit(tmp_path, ExtremesInSomeSteps(), 2, PATHS[path]())
     for rank in range(2):
         rows = read(tmp_path / f"batches{rank}.jsonl")
-        assert [row["all_reduce"] for row in rows] == [1, 1, 2, 2, 1, 1]
+        assert [row["all_reduce"] for row in rows] == per_batch
         for i in (2, 3):
             assert rows[i]["callback"]["peak"] == max(value(r, i, 1) for r in range(2))
             assert rows[i]["callback"]["low"] == min(value(r, i, 2) for r in range(2))
@@ -715,17 +735,26 @@ class BackwardProbeWithOptimizerHook(BackwardProbe):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize(("module", "started"), [(BackwardProbe, 1), (BackwardProbeWithOptimizerHook, 0)])
+@pytest.mark.parametrize(
+    ("module", "path", "started", "per_step"),
+    [
+        (BackwardProbe, "own", 1, 1),
+        (BackwardProbe, "carried", 0, 0),  # in DDP's gradient all-reduce
+        (BackwardProbeWithOptimizerHook, "own", 0, 1),
+        (BackwardProbeWithOptimizerHook, "carried", 0, 1),  # a later hook could log: not carried
+    ],
+)
 def test_the_collective_starts_when_backward_starts_unless_a_later_hook_could_log(
-    tmp_path, count_collectives, module, started
+    tmp_path, count_collectives, module, path, started, per_step
 ):
-    # no hook after backward overridden: the SUM all_reduce is issued before backward and runs during it;
-    # otherwise at the batch end. Either way one collective per step and the same averaged values.
-    fit(tmp_path, module(tmp_path), 2)
+    # no hook after backward overridden: the SUM is packed before backward and reduced during it (carried in
+    # DDP's gradient all-reduce, or its own all_reduce issued before backward); otherwise its own all_reduce at
+    # the batch end. The same averaged values.
+    fit(tmp_path, module(tmp_path), 2, PATHS[path]())
     for rank in range(2):
         assert [row["started"] for row in read(tmp_path / f"backward{rank}.jsonl")] == [started] * 4
         rows = read(tmp_path / f"batches{rank}.jsonl")
-        assert [row["all_reduce"] for row in rows] == [1] * 4
+        assert [row["all_reduce"] for row in rows] == [per_step] * 4
         for i, row in enumerate(rows):
             assert row["callback"]["loss"] == pytest.approx(weighted_mean([value(0, i), value(1, i)], [2, 3]))
 
@@ -791,9 +820,10 @@ class Accumulating(LoggingModule):
 
 
 @pytest.mark.timeout(120)
-def test_with_accumulation_values_are_averaged_per_optimizer_step(tmp_path, count_collectives):
+@pytest.mark.parametrize(("path", "per_batch"), [("own", [0, 0, 1, 0, 0, 1, 1]), ("carried", [0] * 7)])
+def test_with_accumulation_values_are_averaged_per_optimizer_step(tmp_path, count_collectives, path, per_batch):
     sizes, batches, window = [2, 3], 7, 3  # windows of micro-batches: 0-2, 3-5, 6 (the epoch's last, smaller)
-    fit(tmp_path, Accumulating(sizes, batches), 2, accumulate_grad_batches=window)
+    fit(tmp_path, Accumulating(sizes, batches), 2, PATHS[path](), accumulate_grad_batches=window)
     windows = [[0, 1, 2], [3, 4, 5], [6]]
 
     def window_mean(w):
@@ -802,7 +832,7 @@ def test_with_accumulation_values_are_averaged_per_optimizer_step(tmp_path, coun
     everything = weighted_mean([value(r, i) for i in range(batches) for r in range(2)], sizes * batches)
     for rank in range(2):
         rows = read(tmp_path / f"batches{rank}.jsonl")
-        assert [row["all_reduce"] for row in rows] == [0, 0, 1, 0, 0, 1, 1]  # one per optimizer step
+        assert [row["all_reduce"] for row in rows] == per_batch  # own: one per optimizer step
         shown = [row["callback"].get("acc_step") for row in rows]
         # between optimizer steps callback_metrics keep the previous step's value (none before the first)
         means = [window_mean(w) for w in windows]

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _models import cpu_trainer
+from _models import cpu_trainer, uncounted_allreduce_hook
 from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset
@@ -298,14 +298,16 @@ class CountingRegression(Regression):
 @pytest.mark.parametrize(
     ("lengths", "settings", "per_epoch"),
     [
-        # the metrics collective of each step carries the agreement on the micro-batch after the next: only the
-        # first two agreements of a pass (fetched before its first step) run on their own
-        ([28, 9], {}, lambda micro_batches, steps: steps + 2),
-        ([5, 16, 30], {}, lambda micro_batches, steps: steps + 2),
+        # the metrics of each step, carried in DDP's gradient all-reduce, carry the agreement on the micro-batch
+        # after the next: only the first two agreements of a pass (fetched before its first step) run on their own
+        ([28, 9], {}, lambda micro_batches, steps: 2),
+        ([5, 16, 30], {}, lambda micro_batches, steps: 2),
+        # the metrics in an all_reduce of their own (a user hook: not carried by DDP) carry it there
+        ([28, 9], {"ddp_comm_hook": uncounted_allreduce_hook}, lambda micro_batches, steps: steps + 2),
         # without averaged metrics: one agreement per micro-batch, and the last one, that finds no data
         ([28, 9], {"average_training_metrics": False}, lambda micro_batches, steps: micro_batches + 1),
-        # windows of 2 micro-batches: not every micro-batch has a metrics collective, so none carries
-        ([28, 9], {"aggregation_frequency": 2}, lambda micro_batches, steps: micro_batches + 1 + steps),
+        # windows of 2 micro-batches: not every micro-batch has a metrics reduction, so none carries
+        ([28, 9], {"aggregation_frequency": 2}, lambda micro_batches, steps: micro_batches + 1),
     ],
 )
 def test_the_agreement_rides_on_the_averaged_metrics_collective_where_every_micro_batch_has_one(

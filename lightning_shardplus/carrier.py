@@ -1,0 +1,167 @@
+"""Numbers summed over ranks inside DDP's own gradient all-reduce, with no collective of their own.
+
+A :class:`GradientCarrier` is one extra parameter that DDP reduces with the model's gradients. It is registered
+on the module only while DDP is built (DDP takes its parameters once, in its constructor), so the model, its
+optimizers, its checkpoints and ``module.parameters()`` never see it. While the carrier is :meth:`armed`, the
+loss the module's outermost call returns passes through a node whose backward gives the carrier parameter, as
+its gradient, the buffer :meth:`load` put there; DDP then averages it in the same bucket as the model's
+gradients, in C++ (its built-in all-reduce, or an averaging communication hook), and :meth:`sum` returns the
+sum over ranks once the backward has run.
+
+Why: on a host whose cores are busy with the step's compute, one more small collective per step costs about
+0.4 ms even when it overlaps backward (``docs/performance.md``); inside a gradient bucket it costs nothing
+measurable. Only valid where DDP's communication is an average of the gradients as they are (no compression, no
+user hook): the caller decides that.
+
+Example::
+
+    carrier = GradientCarrier(numel=146)
+    with carrier.registered_on(module):        # DDP sees one parameter more
+        ddp = DistributedDataParallel(module)
+    with carrier.armed():
+        loss = ddp(batch)                      # the loss carries the carrier's node
+    carrier.load(buffer)                       # this rank's numbers: the carrier's gradient in this backward
+    loss.backward()                            # DDP averages it with the gradients
+    total = carrier.sum(world_size)            # float64, summed over ranks (None if no backward carried it)
+    carrier.close()                            # removes the forward hooks from the module
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+_PARAMETER_NAME = "_shardplus_gradient_carrier"
+
+
+class _Carry(torch.autograd.Function):
+    """The identity on the loss; its backward gives the carrier parameter the buffer the carrier holds."""
+
+    @staticmethod
+    def forward(ctx: Any, loss: Tensor, parameter: Tensor, carrier: GradientCarrier) -> Tensor:
+        ctx.carrier = carrier
+        return loss.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, None]:
+        return grad, ctx.carrier._take(), None
+
+
+def carrier_dtype(module: nn.Module) -> torch.dtype:
+    """float64 when every trainable parameter is float64, else float32: the carrier shares a bucket with the
+    gradients of its dtype, and float32 holds the carried integers exactly (16-bit types would not)."""
+    dtypes = {p.dtype for p in module.parameters() if p.requires_grad}
+    return torch.float64 if dtypes == {torch.float64} else torch.float32
+
+
+class GradientCarrier:
+    """One parameter of ``numel`` elements that DDP reduces with the gradients, and whose gradient is the buffer
+    loaded before the backward; see the module docstring. One per fit: :meth:`close` ends it."""
+
+    def __init__(self, numel: int) -> None:
+        if numel < 1:
+            raise ValueError(f"`numel`={numel!r} is not valid: expected a positive number of carried elements.")
+        self.numel = numel
+        self.parameter: nn.Parameter | None = None  # made at the first registration, on the module's device
+        self._module: nn.Module | None = None
+        self._hooks: list[Any] = []
+        self._zeros: Tensor | None = None  # the gradient of a backward with nothing loaded
+        self._loaded: Tensor | None = None  # the next backward's gradient
+        self._carried = False  # a backward took the loaded buffer
+        self._armed = False
+        self._depth = 0  # nesting of the module's calls (its forward may call itself)
+
+    @contextmanager
+    def registered_on(self, module: nn.Module) -> Iterator[None]:
+        """Register the carrier parameter on ``module`` for the duration (build DDP inside), and attach to the
+        module's forward."""
+        if self.parameter is None:
+            device = next((p.device for p in module.parameters()), torch.device("cpu"))
+            self.parameter = nn.Parameter(torch.zeros(self.numel, dtype=carrier_dtype(module), device=device))
+            self._zeros = torch.zeros_like(self.parameter)
+        if self._module is not module:
+            self._detach()
+            self._module = module
+            self._hooks = [module.register_forward_pre_hook(self._enter), module.register_forward_hook(self._leave)]
+        if hasattr(module, _PARAMETER_NAME):
+            raise RuntimeError(f"shardplus: the module already has an attribute {_PARAMETER_NAME!r}.")
+        module.register_parameter(_PARAMETER_NAME, self.parameter)
+        try:
+            yield
+        finally:
+            delattr(module, _PARAMETER_NAME)
+
+    @contextmanager
+    def armed(self) -> Iterator[None]:
+        """While armed, the module's outermost call returns its loss (a tensor, or a mapping's ``"loss"``) through
+        the carrier's node."""
+        self._armed, self._depth = True, 0
+        try:
+            yield
+        finally:
+            self._armed = False
+
+    def _enter(self, module: nn.Module, args: Any) -> None:
+        self._depth += 1
+
+    def _leave(self, module: nn.Module, args: Any, output: Any) -> Any:
+        self._depth -= 1
+        if not self._armed or self._depth:
+            return None
+        if isinstance(output, Tensor):
+            return self._carry(output)
+        if isinstance(output, Mapping) and isinstance(output.get("loss"), Tensor):
+            return {**output, "loss": self._carry(output["loss"])}
+        return None
+
+    def _carry(self, loss: Tensor) -> Tensor:
+        if not loss.requires_grad:  # no backward can run through it: leave it alone
+            return loss
+        return _Carry.apply(loss, self.parameter, self)
+
+    def load(self, buffer: Tensor) -> None:
+        """``buffer`` (``numel`` elements) becomes the carrier's gradient in the next backward."""
+        assert self.parameter is not None, "load before the carrier was registered"
+        if buffer.numel() != self.numel:
+            raise ValueError(f"shardplus: a carried buffer has {buffer.numel()} elements, expected {self.numel}.")
+        self._loaded = buffer.to(self.parameter.dtype)
+        self._carried = False
+
+    def unload(self) -> None:
+        """Forget a loaded buffer and a carried result."""
+        self._loaded, self._carried = None, False
+        if self.parameter is not None:
+            self.parameter.grad = None
+
+    def _take(self) -> Tensor:
+        loaded, self._loaded = self._loaded, None
+        if loaded is None:
+            assert self._zeros is not None
+            return self._zeros
+        self._carried = True
+        return loaded
+
+    def sum(self, world_size: int) -> Tensor | None:
+        """The loaded buffers summed over ranks (float64, on the parameter's device), once the backward that took
+        them has run; None if no backward took one since :meth:`load`. DDP averaged them: times ``world_size``."""
+        if not self._carried:
+            return None
+        assert self.parameter is not None and self.parameter.grad is not None
+        total = self.parameter.grad.to(torch.float64) * world_size
+        self.unload()
+        return total
+
+    def _detach(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks, self._module = [], None
+
+    def close(self) -> None:
+        """The fit ends: remove the forward hooks; the parameter goes with the last DDP wrapper."""
+        self._detach()
+        self.unload()
+        self._armed = False
