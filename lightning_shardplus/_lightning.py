@@ -395,12 +395,14 @@ def logs_this_step(trainer: pl.Trainer) -> bool:
     return not (accumulating and trainer.lightning_module.automatic_optimization)
 
 
-def loggers_read_this_step(trainer: pl.Trainer) -> bool:
+def loggers_read_this_step(trainer: pl.Trainer, logs: bool | None = None) -> bool:
     """Whether the logger connector hands the training metrics to the loggers at the end of this batch (then it
     reads them on the host anyway): ``_LoggerConnector.update_train_step_metrics``, which runs after
-    ``on_train_batch_end`` and before the step counter ``should_update_logs`` reads moves on."""
+    ``on_train_batch_end`` and before the step counter ``should_update_logs`` reads moves on. ``logs``: what
+    :func:`logs_this_step` returned for this batch, if the caller has it."""
     connector = trainer._logger_connector  # private: `_LoggerConnector`
-    return logs_this_step(trainer) and bool(connector.should_update_logs or trainer.fast_dev_run)
+    logs = logs_this_step(trainer) if logs is None else logs
+    return logs and bool(connector.should_update_logs or trainer.fast_dev_run)
 
 
 # ==========================================================================================================

@@ -22,7 +22,7 @@ Example::
         loss = ddp(batch)                      # the loss carries the carrier's node
     carrier.load(buffer)                       # this rank's numbers: the carrier's gradient in this backward
     loss.backward()                            # DDP averages it with the gradients
-    total = carrier.sum(world_size)            # float64, summed over ranks (None if no backward carried it)
+    total = carrier.sum(world_size)            # summed over ranks (None if no backward carried it)
     carrier.close()                            # removes the forward hooks from the module
 """
 
@@ -123,12 +123,19 @@ class GradientCarrier:
             return loss
         return _Carry.apply(loss, self.parameter, self)
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The carrier's type (its gradient's): known once it was registered (:func:`carrier_dtype`)."""
+        assert self.parameter is not None, "the carrier is made when it is first registered"
+        return self.parameter.dtype
+
     def load(self, buffer: Tensor) -> None:
-        """``buffer`` (``numel`` elements) becomes the carrier's gradient in the next backward."""
+        """``buffer`` (``numel`` elements, best of :attr:`dtype`) becomes the carrier's gradient in the next
+        backward."""
         assert self.parameter is not None, "load before the carrier was registered"
         if buffer.numel() != self.numel:
             raise ValueError(f"shardplus: a carried buffer has {buffer.numel()} elements, expected {self.numel}.")
-        self._loaded = buffer.to(self.parameter.dtype)
+        self._loaded = buffer if buffer.dtype == self.parameter.dtype else buffer.to(self.parameter.dtype)
         self._carried = False
 
     def unload(self) -> None:
@@ -146,12 +153,13 @@ class GradientCarrier:
         return loaded
 
     def sum(self, world_size: int) -> Tensor | None:
-        """The loaded buffers summed over ranks (float64, on the parameter's device), once the backward that took
-        them has run; None if no backward took one since :meth:`load`. DDP averaged them: times ``world_size``."""
+        """The loaded buffers summed over ranks (of :attr:`dtype`, on the parameter's device), once the backward
+        that took them has run; None if no backward took one since :meth:`load`. DDP averaged them: times
+        ``world_size``."""
         if not self._carried:
             return None
         assert self.parameter is not None and self.parameter.grad is not None
-        total = self.parameter.grad.to(torch.float64) * world_size
+        total = self.parameter.grad.mul(world_size)
         self.unload()
         return total
 

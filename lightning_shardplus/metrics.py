@@ -283,6 +283,7 @@ class Carrier(Protocol):
     """Carries a buffer in DDP's gradient all-reduce (:class:`lightning_shardplus.carrier.GradientCarrier`)."""
 
     numel: int
+    dtype: torch.dtype
 
     def load(self, buffer: Tensor) -> None: ...
 
@@ -346,6 +347,9 @@ class FusedMetricReducer:
         # a last SUM slot for a number another component sums with the step (always there with a carrier)
         self.carry_slots = int(carries or carrier is not None)
         self._carrier = carrier
+        # the SUM buffer's type: float64, or the carrier's (float32 in a float32 model: its sums of 0/1 flags stay
+        # exact, its values get float32's precision, as Lightning's own sync would give them)
+        self.dtype = carrier.dtype if carrier is not None else _F64
         self.rank = rank
         self.capacity = capacity
         self.extremes = extremes
@@ -379,7 +383,10 @@ class FusedMetricReducer:
             window.kinds[key] = (reduction, label or key)
         elif kind[0] != reduction:
             raise ValueError(f"`{key}` was observed as {kind[0]!r} and now as {reduction!r}.")
-        value = value.detach() if value.dim() == 0 else value.detach().reshape(())
+        if value.requires_grad:
+            value = value.detach()
+        if value.dim():
+            value = value.reshape(())
         if value.device != self.device:
             value = value.to(self.device, non_blocking=True)
         window.order.append((key, reduction))
@@ -428,8 +435,8 @@ class FusedMetricReducer:
     def _host_numbers(self, numbers: list[float]) -> Tensor:
         """Host-known numbers on the device without waiting for it (a pinned, non-blocking copy on CUDA)."""
         if self.device.type == "cuda":
-            return torch.tensor(numbers, dtype=_F64, pin_memory=True).to(self.device, non_blocking=True)
-        return torch.tensor(numbers, dtype=_F64, device=self.device)
+            return torch.tensor(numbers, dtype=self.dtype, pin_memory=True).to(self.device, non_blocking=True)
+        return torch.tensor(numbers, dtype=self.dtype, device=self.device)
 
     def pack(self, abstain: bool = False, carried: float = 0.0) -> Tensor:
         """This rank's SUM contribution: header (always) and body (when it fits the agreed capacity), then the
@@ -444,7 +451,7 @@ class FusedMetricReducer:
         window = self._window
         tail = [0.0] * self.carry_slots
         if abstain:
-            return torch.zeros(_HEADER + self.capacity + self.carry_slots, dtype=_F64, device=self.device)
+            return torch.zeros(_HEADER + self.capacity + self.carry_slots, dtype=self.dtype, device=self.device)
         plan = self._plan(window)
         layout = plan.layout
         if layout.slots > self.capacity:  # the header alone: the ranks agree on a larger capacity first
@@ -491,7 +498,7 @@ class FusedMetricReducer:
         layout = plan.layout
         # only where the ranks' names differ (they do not fit): `check` raises
         if layout.slots > summed.numel() - _HEADER - self.carry_slots:
-            summed = torch.full((_HEADER + layout.slots,), float("nan"), dtype=_F64, device=self.device)
+            summed = torch.full((_HEADER + layout.slots,), float("nan"), dtype=self.dtype, device=self.device)
         means = 2 * layout.means
         weighted, weights = summed.narrow(0, _HEADER, means).view(-1, 2).unbind(1)
         parts = [torch.div(weighted, weights)] if layout.means else []  # a zero total weight gives NaN
@@ -558,7 +565,7 @@ class FusedMetricReducer:
             self._followed = layout
         if self.carries:
             self.carried_total = summed[-1]
-        self._unchecked.append(summed.narrow(0, 0, _HEADER))
+        self._unchecked.append(summed)  # its header is narrowed out when checked
         self._wheres.append(where)
         if check or len(self._unchecked) >= UNCHECKED_STEPS:
             self.check()  # before the MAX collective: sized for this step, none if it has no max/min value
@@ -598,16 +605,16 @@ class FusedMetricReducer:
         step (the headers are the same on every rank, so is the outcome)."""
         if not self._unchecked:
             return
-        rows = torch.stack(self._unchecked).tolist()
+        stacked = torch.stack([summed.narrow(0, 0, _HEADER) for summed in self._unchecked]).cpu()  # one sync
         wheres, history = self._wheres, self._history
         self._unchecked, self._wheres = [], []
         self._history = [(0, history[-1][1])] if history else []
-        for step, (row, where) in enumerate(zip(rows, wheres, strict=True)):
-            header = self._parse(row)
-            if not _same_everywhere(header):
-                entries = next(entries for first, entries in reversed(history) if first <= step)
-                self._raise_mismatch(where, entries)
-        self.extremes = _power_of_two(_counts(header)[1])
+        if not _all_well_formed(stacked, self.world_size):  # then find the first bad step, row by row
+            for step, (row, where) in enumerate(zip(stacked.tolist(), wheres, strict=True)):
+                if not _same_everywhere(self._parse(row)):
+                    entries = next(entries for first, entries in reversed(history) if first <= step)
+                    self._raise_mismatch(where, entries)
+        self.extremes = _power_of_two(_counts(self._parse(stacked[-1].tolist()))[1])
 
     def unpack(
         self, summed: Tensor, where: str = "this step", extremes: Tensor | None = None
@@ -652,6 +659,17 @@ def _same_everywhere(header: list[int]) -> bool:
     sent 0) or the number of contributors (all sent 1)."""
     contributors = header[0]
     return all(bit in (0, contributors) for bit in header[1:])
+
+
+def _all_well_formed(headers: Tensor, world_size: int) -> bool:
+    """:func:`_same_everywhere` (and the checks of ``_parse``) for every row of ``headers`` at once, on the host."""
+    rounded = headers.round()
+    contributors = rounded[:, :1]
+    return bool(
+        (headers - rounded).abs().le(0.25).all()
+        and ((contributors > 0) & (contributors <= world_size)).all()
+        and ((rounded[:, 1:] == 0) | (rounded[:, 1:] == contributors)).all()
+    )
 
 
 def _counts(header: list[int]) -> tuple[int, int]:
@@ -942,7 +960,7 @@ class AverageTrainingMetrics(Callback):
             return
         try:
             where = f"epoch {trainer.current_epoch}, batch {batch_idx}"
-            check = _lightning.loggers_read_this_step(trainer)
+            check = _lightning.loggers_read_this_step(trainer, logs=True)
             if not self._reducer.started:  # not started early (or no backward ran in this step)
                 self._start()
             self._apply(self._reducer.finish(where, check))
