@@ -913,3 +913,40 @@ def test_bench_counts_the_collectives_of_the_metric_rows():
         "metrics16-averaged": (1, 0),  # (c)
     }
     assert "| metrics16-averaged |" in bench.format_table(report)
+
+
+class WideManyMetrics(ManyMetrics):
+    """2 MB of parameters more, so that bucket sizes make other buckets (the tuner races them)."""
+
+    def __init__(self, batches: int) -> None:
+        super().__init__(1, False, batches)
+        self.wide = nn.Sequential(*[nn.Linear(256, 256) for _ in range(8)])
+
+    def training_step(self, batch, batch_idx):
+        return super().training_step(batch, batch_idx) + self.wide(torch.zeros(1, 256)).sum() * 0
+
+
+@pytest.mark.timeout(120)
+def test_values_stay_averaged_across_the_ddp_rewraps_of_fusion_tuning(tmp_path, count_collectives):
+    # each re-wrap builds a new DDP: the carrier must be one of its parameters again, or the values would be each
+    # rank's own times the world size
+    log = tmp_path / "autotune.csv"
+    strategy = ShardPlusStrategy(
+        start_method="fork",
+        auto_tune_tensor_fusion=True,
+        autotune_cache=False,
+        autotune_log=str(log),
+        autotune_candidates_mb=[0.3, 25.0],
+        autotune_first_bucket_candidates_mb=[],
+        autotune_steps_per_sample=1,
+        autotune_warmup_steps=1,
+    )
+    batches = 12
+    fit(tmp_path, WideManyMetrics(batches), 2, strategy)
+    samples = [line for line in log.read_text().splitlines()[1:] if line[:1].isdigit()]
+    assert len(samples) >= 2, log.read_text()  # it raced: DDP was re-wrapped
+    for rank in range(2):
+        rows = read(tmp_path / f"batches{rank}.jsonl")
+        assert len(rows) == batches
+        for i, row in enumerate(rows):
+            assert row["callback"]["m000"] == (value(0, i) + value(1, i)) / 2, i
