@@ -348,7 +348,7 @@ class FusedMetricReducer:
         self.carry_slots = int(carries or carrier is not None)
         self._carrier = carrier
         # the SUM buffer's type: float64, or the carrier's (float32 in a float32 model: its sums of 0/1 flags stay
-        # exact, its values get float32's precision, as Lightning's own sync would give them)
+        # exact; its values get float32's precision, a sum after DDP's division by the world size included)
         self.dtype = carrier.dtype if carrier is not None else _F64
         self.rank = rank
         self.capacity = capacity
@@ -471,6 +471,8 @@ class FusedMetricReducer:
         values = window.stacked()
         if plan.summed is not None:
             values = values.index_select(0, plan.summed)
+        if values.dtype != buffer.dtype:  # a float64 value in a float32 (carried) buffer, or a 16-bit one
+            values = values.to(buffer.dtype)
         return buffer.index_add_(0, plan.value_index, torch.mul(coefs, values))
 
     def pack_extremes(self, abstain: bool = False) -> Tensor | None:

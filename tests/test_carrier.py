@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_shardplus import ShardPlusStrategy
 from lightning_shardplus.carrier import GradientCarrier
-from lightning_shardplus.metrics import FusedMetricReducer
+from lightning_shardplus.metrics import CARRIED_NUMEL, FusedMetricReducer
 
 WORLD = 3
 
@@ -139,6 +139,18 @@ def test_bit_headers_survive_ddps_float32_average_at_a_thousand_ranks():
     assert last["loss"].value == first["loss"].value
     with pytest.raises(Exception, match="different training metrics"):
         run(mismatched_rank=7)
+
+
+def test_a_float64_value_packs_into_the_carriers_float32_buffer():
+    carrier = GradientCarrier(CARRIED_NUMEL)
+    with carrier.registered_on(nn.Linear(2, 2)):
+        pass
+    reducer = FusedMetricReducer(2, 0, None, None, carrier=carrier)
+    reducer.observe("a", "mean", torch.tensor(1.5, dtype=torch.float64), weight=2.0)
+    reducer.observe("b", "sum", torch.tensor(2.0), weight=1.0)
+    buffer = reducer.pack()
+    assert (buffer.dtype, buffer.numel()) == (torch.float32, CARRIED_NUMEL)
+    assert sorted(buffer[81:85].tolist()) == [0.0, 2.0, 2.0, 3.0]  # 2 x 1.5 and its weight 2, the sum 2
 
 
 def test_a_carried_buffer_of_another_size_is_refused():
