@@ -163,23 +163,23 @@ def _add_callbacks(config: ShardPlusConfig, trainer: pl.Trainer, exact_across_ra
         callbacks.insert(0, AverageTrainingMetrics())
 
 
+# DDP arguments under which its all-reduce is not the mean over the world of the gradients as they are (another
+# group, a reduced precision)
+_DDP_KWARGS_OTHER_THAN_A_MEAN = ("process_group", "device_mesh", "mixed_precision")
+
+
 def _metrics_carrier(trainer: pl.Trainer, setup: DistributedSetup, hook: CommunicationHook) -> GradientCarrier | None:
     """The carrier of the averaged training metrics in DDP's gradient all-reduce, where it can carry them: more
     than one process, automatic optimization with no hook that could log after backward starts (the buffer is
     packed when it starts), and DDP averaging the gradients as they are over the world (no compression, user hook,
-    other process group or reduced precision). The same
-    answer on every rank (the same code and arguments). Elsewhere the metrics keep an all_reduce of their own."""
+    other process group or reduced precision). The same answer on every rank (the same code and arguments).
+    Elsewhere the metrics keep an all_reduce of their own."""
     module = trainer.lightning_module
     if setup.num_replicas < 2 or not logs_only_before_backward(trainer, module) or not hook.averages_gradients:
         return None
     if any((setup.ddp_kwargs or {}).get(name) is not None for name in _DDP_KWARGS_OTHER_THAN_A_MEAN):
         return None
     return GradientCarrier(CARRIED_NUMEL)
-
-
-# DDP arguments under which its all-reduce is not the mean over the world of the gradients as they are (another
-# group, a reduced precision)
-_DDP_KWARGS_OTHER_THAN_A_MEAN = ("process_group", "device_mesh", "mixed_precision")
 
 
 def _tensor_fusion(

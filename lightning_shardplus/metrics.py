@@ -24,20 +24,20 @@ ranks, at the start of ``on_train_batch_end``:
 - ``sync_dist=True`` values with ``reduce_fx`` ``"sum"``, ``"max"`` or ``"min"``: that reduction over
   ranks, as Lightning's own sync would compute it (Lightning's sync is skipped).
 
-The values stay on the device: they are packed into one float64 buffer (one ``torch.cat`` and one
-``index_add_`` at positions cached per set of logged names), reduced by ONE SUM ``all_reduce``, plus one
-MAX ``all_reduce`` of 2 slots per max/min name in steps whose agreed layout has max/min names (min as the
-max of the negation), and written back as device tensors: nothing is read on the host during the step,
-the loggers and the progress bar convert the values when they read them. Sizes do not grow with the world
-size. Where no hook that runs after backward starts can log (automatic optimization, no such hook overridden:
-:func:`logs_only_before_backward`), the SUM all_reduce starts in the last micro-batch's ``on_before_backward``
-and runs during backward; ``on_train_batch_end`` then waits for it (on gloo the host no longer blocks on it there;
-on NCCL the current stream waits).
+The values stay on the device: they are packed into one buffer (one ``torch.stack`` and one ``index_add_`` at
+positions cached per set of logged names), reduced by ONE SUM, plus one MAX ``all_reduce`` of 2 slots per
+max/min name in steps whose agreed layout has max/min names (min as the max of the negation), and written back
+as device tensors: nothing is read on the host during the step, the loggers and the progress bar convert the
+values when they read them. Sizes do not grow with the world size. Where no hook that runs after backward starts
+can log (automatic optimization, no such hook overridden: :func:`logs_only_before_backward`), the SUM buffer is
+packed in the last micro-batch's ``on_before_backward`` and reduced during backward: inside DDP's gradient
+all-reduce when the strategy gives a carrier (:mod:`lightning_shardplus.carrier`; float32 there), else by an
+all_reduce of its own started there (float64); ``on_train_batch_end`` then reads the result.
 
-Agreement without a host read: the SUM buffer starts with a header of exact small integers (the number of
-contributing ranks, the body's slots and the max/min slots, a 48-bit digest of the sorted names and
-reductions, each with its square): the ranks logged the same names exactly when, for every pair, contributors
-* sum of squares == (sum)^2. The summed headers are kept on the device and read on the host (one
+Agreement without a host read: the SUM buffer starts with a header of 0/1 flags (1 from each contributing rank,
+the bits of the body's slots, of the max/min slots and of a 48-bit digest of the sorted names and reductions):
+the ranks logged the same names exactly when every summed flag is 0 or the number of contributors (sums that
+stay exact through DDP's float32 average). The summed headers are kept on the device and read on the host (one
 synchronisation for all of them) when the loggers read the values anyway (Lightning's logging steps), at
 the end of each training epoch and after 128 unchecked steps: a mismatch raises
 :class:`MetricMismatchError`, naming the first step where the ranks differed, the metrics and ranks, on
@@ -811,16 +811,17 @@ def takes_dataloader_iter(pl_module: pl.LightningModule) -> bool:
 
 
 class AverageTrainingMetrics(Callback):
-    """Replaces the training values logged on each rank by their cross-rank reduction, with one collective per
-    logged step (two with max/min values), completed at the start of ``on_train_batch_end`` (so every value logged
+    """Replaces the training values logged on each rank by their cross-rank reduction, once per logged step (in
+    DDP's gradient all-reduce where :meth:`use_carrier` gave a carrier, else one collective; one more with max/min
+    values), completed at the start of ``on_train_batch_end`` (so every value logged
     before it, in ``training_step`` as in the backward and optimizer hooks, is in it). Added by
     ``ShardPlusStrategy(average_training_metrics=True)`` as the first callback, so that it runs before any other
     callback (progress bar, checkpointing) reads the metrics.
 
     Where no hook after backward can log (:func:`logs_only_before_backward`, decided once per fit), the SUM
-    collective starts in the last micro-batch's ``on_before_backward`` and runs during backward: on gloo it no
-    longer blocks the host at the batch end. A value logged after that point anyway (from a hook this check does
-    not know) is this rank's own, with a warning, like values logged in ``on_train_batch_end``.
+    buffer is packed in the last micro-batch's ``on_before_backward`` and reduced during backward. A value logged
+    after that point anyway (from a hook this check does not know) is this rank's own, with a warning, like values
+    logged in ``on_train_batch_end``.
 
     The reduced values are written back into Lightning's results as device tensors; the names are checked on the
     host at Lightning's logging steps (when the loggers read the values anyway) and at the end of each epoch."""

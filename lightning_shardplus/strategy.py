@@ -25,6 +25,7 @@ from typing_extensions import override
 
 from lightning_shardplus import _lightning
 from lightning_shardplus.aggregation import check_aggregation, effective_batch_size
+from lightning_shardplus.carrier import GradientCarrier
 from lightning_shardplus.components import DistributedSetup, RunComponents, checkpointed_states, remove_checkpoint_files
 from lightning_shardplus.compression import GradientCompression
 from lightning_shardplus.config import ShardPlusConfig, at_ddp_defaults, check_ddp_arguments, registered_names
@@ -63,8 +64,8 @@ class ShardPlusStrategy(DDPStrategy):
         autotune_cache: JSON cache of tuned results: True (``~/.cache/lightning_shardplus/fusion.json``), a path,
             or False. An existing file that is not such a cache is refused, never overwritten; an entry that is not
             valid (edited by hand) is ignored with a warning and the bucket size searched again.
-        average_training_metrics: training values logged with ``on_step=True`` are averaged over all ranks in one
-            fused collective per optimizer step; False: Lightning's behaviour.
+        average_training_metrics: training values logged with ``on_step=True`` are averaged over all ranks once per
+            optimizer step, inside DDP's gradient all-reduce where it can be; False: Lightning's behaviour.
         uneven_inputs: training streams (iterable datasets) of different lengths per rank: ``"join"`` (every sample
             once; ranks that ran out take part without data) or ``"drop"`` (every rank stops at the shortest).
         find_unused_parameters, static_graph, gradient_as_bucket_view, broadcast_buffers: passed to
@@ -301,7 +302,7 @@ class ShardPlusStrategy(DDPStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         # the loss carries the averaged training metrics into DDP's gradient all-reduce (`carrier.GradientCarrier`)
-        with self._components.carrier.armed() if self._components and self._components.carrier else nullcontext():
+        with carrier.armed() if (carrier := self._metrics_carrier) else nullcontext():
             if args and args[0] is NO_BATCH:  # this rank's stream ran out: DDP's step without running the model
                 with self.precision_plugin.train_step_context():
                     return self._components.even.train_without_data(self.model, self.lightning_module)  # type: ignore
@@ -335,9 +336,13 @@ class ShardPlusStrategy(DDPStrategy):
         with self._carrier_registered():
             super().configure_ddp()
 
+    @property
+    def _metrics_carrier(self) -> GradientCarrier | None:
+        return self._components.carrier if self._components is not None else None
+
     def _carrier_registered(self) -> AbstractContextManager[None]:
         """While DDP is built, the metrics carrier is one of the module's parameters (none without a carrier)."""
-        carrier = self._components and self._components.carrier
+        carrier = self._metrics_carrier
         return carrier.registered_on(self.lightning_module) if carrier else nullcontext()
 
     @override

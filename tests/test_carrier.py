@@ -7,6 +7,7 @@ import json
 import multiprocessing
 import os
 import traceback
+from contextlib import nullcontext
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -52,8 +53,8 @@ def _worker(rank: int, store: str, flags: dict, out: Path) -> None:
             # from the second step on, a micro-batch under no_sync, then the synced one (static_graph refuses
             # no_sync in its first iteration, as torch documents)
             for micro, sync in enumerate((False, True) if step else (True,)):
-                context = ddp.no_sync() if not sync else _null()
-                reference_context = reference.no_sync() if not sync else _null()
+                context = ddp.no_sync() if not sync else nullcontext()
+                reference_context = reference.no_sync() if not sync else nullcontext()
                 with reference_context:
                     reference(inputs + micro).square().mean().backward()
                 with context:
@@ -81,14 +82,6 @@ def _worker(rank: int, store: str, flags: dict, out: Path) -> None:
         os._exit(1)
     # exit at once: tearing the DDP wrappers down with the process group hung now and then in these raw workers
     os._exit(0)
-
-
-class _null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 @pytest.mark.timeout(120)
