@@ -199,7 +199,7 @@ def set_computed(result_metric: Any, value: Any) -> None:
 
 import inspect  # noqa: E402
 from collections.abc import Callable  # noqa: E402
-from dataclasses import dataclass  # noqa: E402
+from typing import NamedTuple  # noqa: E402
 
 import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
@@ -211,8 +211,7 @@ from lightning.pytorch.utilities.data import extract_batch_size  # noqa: E402
 from lightning.pytorch.utilities.exceptions import MisconfigurationException  # noqa: E402
 
 
-@dataclass(frozen=True)
-class TrainingLog:
+class TrainingLog(NamedTuple):
     """One ``self.log`` call into the training results, with the arguments as ``LightningModule.log`` resolved
     them (``on_step``/``on_epoch`` defaults applied; ``sync_dist`` already False outside distributed runs)."""
 
@@ -228,14 +227,14 @@ class TrainingLog:
     batch_size: int | None
 
 
-@dataclass(frozen=True)
-class LoggedValue:
+class LoggedValue(NamedTuple):
     """A training value taken over by the caller of :func:`intercept_training_logs`, once Lightning stored
     it."""
 
     log: TrainingLog
     metric: _ResultMetric
-    value: torch.Tensor  # this rank's value, as Lightning stored it for the step (floating point, detached)
+    value: torch.Tensor  # this rank's value, as Lightning stored it for the step (floating point; detached unless
+    # logged with enable_graph=True)
     reduce_fx: str  # "mean", "sum", "max" or "min": the epoch reduction (and Lightning's cross-rank op)
     # The metric's epoch accumulation (value, cumulated batch size or None) before this call; None unless
     # on_epoch.
@@ -307,7 +306,8 @@ def intercept_training_logs(
         if call.on_epoch and before is None:
             before = _default_epoch_state(metric)
         value = metric._forward_cache  # private: the step value `_ResultMetric.update` stored (float, synced)
-        taken(LoggedValue(call, metric, value.detach(), _reduce_name(metric), before))
+        # detached by `_ResultCollection.log` unless `enable_graph=True` (then the taker detaches it)
+        taken(LoggedValue(call, metric, value, _reduce_name(metric), before))
 
     # like `_ResultCollection.log` itself: a compiled `training_step` breaks the graph here
     log = torch.compiler.disable(log)
@@ -379,10 +379,15 @@ def batch_size_of_current_batch(results: _ResultCollection) -> int | None:
     tensor."""
     if results.batch_size is not None:  # private: cached by `_ResultCollection._extract_batch_size`
         return int(results.batch_size)
-    if results.batch is None:  # private: set by the logger connector's `on_batch_start`
+    batch = results.batch  # private: set by the logger connector's `on_batch_start`
+    if batch is None:
         return None
+    # the first tensor `extract_batch_size` finds, where it is the batch or its first element (the common case)
+    first = batch[0] if type(batch) in (tuple, list) and batch else batch
+    if isinstance(first, torch.Tensor):
+        return first.size(0) if first.ndim else 1
     try:
-        return int(extract_batch_size(results.batch))
+        return int(extract_batch_size(batch))
     except (MisconfigurationException, RecursionError):
         return None
 
@@ -391,6 +396,8 @@ def logs_this_step(trainer: pl.Trainer) -> bool:
     """Whether the logger connector logs the training metrics at the end of this batch: the rule of
     ``_LoggerConnector.update_train_step_metrics`` (not between the micro-batches of an accumulation window in
     automatic optimization; every batch in manual optimization)."""
+    if trainer.accumulate_grad_batches == 1:  # no accumulation window: every batch is logged
+        return True
     accumulating = trainer.fit_loop._should_accumulate()  # private: `_FitLoop._should_accumulate`
     return not (accumulating and trainer.lightning_module.automatic_optimization)
 
@@ -400,9 +407,13 @@ def loggers_read_this_step(trainer: pl.Trainer, logs: bool | None = None) -> boo
     reads them on the host anyway): ``_LoggerConnector.update_train_step_metrics``, which runs after
     ``on_train_batch_end`` and before the step counter ``should_update_logs`` reads moves on. ``logs``: what
     :func:`logs_this_step` returned for this batch, if the caller has it."""
-    connector = trainer._logger_connector  # private: `_LoggerConnector`
-    logs = logs_this_step(trainer) if logs is None else logs
-    return logs and bool(connector.should_update_logs or trainer.fast_dev_run)
+    if not (logs_this_step(trainer) if logs is None else logs):
+        return False
+    if trainer.fast_dev_run or trainer.should_stop:
+        return True
+    # `_LoggerConnector.should_update_logs` while the fit loop runs, without its loop lookups (read every step)
+    every = trainer.log_every_n_steps
+    return bool(every) and (trainer.fit_loop.epoch_loop._batches_that_stepped + 1) % every == 0  # private
 
 
 # ==========================================================================================================

@@ -3,10 +3,11 @@
 A :class:`GradientCarrier` is one extra parameter that DDP reduces with the model's gradients. It is registered
 on the module only while DDP is built (DDP takes its parameters once, in its constructor), so the model, its
 optimizers, its checkpoints and ``module.parameters()`` never see it. While the carrier is :meth:`armed`, the
-loss the module's outermost call returns passes through a node whose backward gives the carrier parameter, as
-its gradient, the buffer :meth:`load` put there; DDP then averages it in the same bucket as the model's
-gradients, in C++ (its built-in all-reduce, or an averaging communication hook), and :meth:`sum` returns the
-sum over ranks once the backward has run.
+loss the module's outermost call returns becomes ``loss + 0 * p[0]`` (the same value and type, and the carrier
+parameter ``p`` in the graph), and a hook on ``p`` makes its gradient in that backward the buffer :meth:`load`
+put there; DDP then averages it in the same bucket as the model's
+gradients, in C++ (its built-in all-reduce, or an averaging communication hook), and :meth:`average` returns the
+average over ranks once the backward has run (a caller that wants sums loads its numbers times the world size).
 
 Why: on a host whose cores are busy with the step's compute, one more small collective per step costs about
 0.4 ms even when it overlaps backward (``docs/performance.md``); inside a gradient bucket it costs nothing
@@ -19,10 +20,10 @@ Example::
     with carrier.registered_on(module):        # DDP sees one parameter more
         ddp = DistributedDataParallel(module)
     with carrier.armed():
-        loss = ddp(batch)                      # the loss carries the carrier's node
-    carrier.load(buffer)                       # this rank's numbers: the carrier's gradient in this backward
+        loss = ddp(batch)                      # the loss is joined to the carrier parameter
+    carrier.load(buffer * world_size)          # this rank's numbers: the carrier's gradient in this backward
     loss.backward()                            # DDP averages it with the gradients
-    total = carrier.sum(world_size)            # summed over ranks (None if no backward carried it)
+    total = carrier.average()                  # the numbers summed over ranks (None if no backward carried them)
     carrier.close()                            # removes the forward hooks from the module
 """
 
@@ -36,19 +37,6 @@ import torch
 from torch import Tensor, nn
 
 _PARAMETER_NAME = "_shardplus_gradient_carrier"
-
-
-class _Carry(torch.autograd.Function):
-    """The identity on the loss; its backward gives the carrier parameter the buffer the carrier holds."""
-
-    @staticmethod
-    def forward(ctx: Any, loss: Tensor, parameter: Tensor, carrier: GradientCarrier) -> Tensor:
-        ctx.carrier = carrier
-        return loss.clone()
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, None]:
-        return grad, ctx.carrier._take(), None
 
 
 def carrier_dtype(module: nn.Module) -> torch.dtype:
@@ -70,6 +58,7 @@ class GradientCarrier:
         self._module: nn.Module | None = None
         self._hooks: list[Any] = []
         self._zeros: Tensor | None = None  # the gradient of a backward with nothing loaded
+        self._links: dict[torch.dtype, Tensor] = {}  # per loss type: one element of the parameter, in the graph
         self._loaded: Tensor | None = None  # the next backward's gradient
         self._carried = False  # a backward took the loaded buffer
         self._armed = False
@@ -83,6 +72,9 @@ class GradientCarrier:
             device = next((p.device for p in module.parameters()), torch.device("cpu"))
             self.parameter = nn.Parameter(torch.zeros(self.numel, dtype=carrier_dtype(module), device=device))
             self._zeros = torch.zeros_like(self.parameter)
+            # in a backward through the parameter, its gradient is what was loaded (replacing the zeros the graph
+            # gives it); runs before DDP's hook reads the gradient
+            self.parameter.register_hook(lambda zeros: self._take())
         if self._module is not module:
             self._detach()
             self._module = module
@@ -97,8 +89,8 @@ class GradientCarrier:
 
     @contextmanager
     def armed(self) -> Iterator[None]:
-        """While armed, the module's outermost call returns its loss (a tensor, or a mapping's ``"loss"``) through
-        the carrier's node."""
+        """While armed, the loss the module's outermost call returns (a tensor, or a mapping's ``"loss"``) is joined
+        to the carrier parameter."""
         self._armed, self._depth = True, 0
         try:
             yield
@@ -121,7 +113,13 @@ class GradientCarrier:
     def _carry(self, loss: Tensor) -> Tensor:
         if not loss.requires_grad:  # no backward can run through it: leave it alone
             return loss
-        return _Carry.apply(loss, self.parameter, self)
+        # `loss + 0 * p[0]`: the loss's value and type, one native operation, and the parameter in the graph. The
+        # element view (and its cast) is made once and reused by every step's graph (its backward saves nothing).
+        link = self._links.get(loss.dtype)
+        if link is None:
+            assert self.parameter is not None
+            link = self._links[loss.dtype] = self.parameter[0].to(loss.dtype)
+        return torch.add(loss, link, alpha=0)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -152,16 +150,17 @@ class GradientCarrier:
         self._carried = True
         return loaded
 
-    def sum(self, world_size: int) -> Tensor | None:
-        """The loaded buffers summed over ranks (of :attr:`dtype`, on the parameter's device), once the backward
-        that took them has run; None if no backward took one since :meth:`load`. DDP averaged them: times
-        ``world_size``."""
+    def average(self) -> Tensor | None:
+        """The loaded buffers averaged over ranks by DDP (of :attr:`dtype`, on the parameter's device), once the
+        backward that took them has run; None if no backward took one since :meth:`load`. A tensor of its own:
+        the gradient itself, or a copy where it is a view of DDP's bucket (``gradient_as_bucket_view``), which the
+        next backward overwrites."""
         if not self._carried:
             return None
         assert self.parameter is not None and self.parameter.grad is not None
-        total = self.parameter.grad.mul(world_size)
+        grad = self.parameter.grad
         self.unload()
-        return total
+        return grad if grad._base is None else grad.clone()
 
     def _detach(self) -> None:
         for handle in self._hooks:

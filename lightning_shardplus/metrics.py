@@ -98,17 +98,29 @@ class MetricMismatchError(RuntimeError):
 
 
 class _Values:
-    """The reduced values of one step: one float64 device tensor (means, sums, then max/min values, in layout
-    order) converted once per dtype and device, which each metric's step value is a view of; for means also the
-    global weighted sums and weights."""
+    """The reduced values of one step: one device tensor (means, sums, then max/min values, in layout order)
+    converted once per dtype and device, which each metric's step value is a view of; for means also the global
+    weighted sums and weights: (weighted sum, weight) per mean in ``sums[start:stop]``, sliced only when asked for
+    (epoch means)."""
 
-    __slots__ = ("vector", "weighted", "weights", "_tensors")
+    __slots__ = ("vector", "_sums", "_start", "_stop", "_tensors")
 
-    def __init__(self, vector: Tensor, weighted: Tensor | None = None, weights: Tensor | None = None) -> None:
-        self.vector, self.weighted, self.weights = vector, weighted, weights
+    def __init__(self, vector: Tensor, sums: Tensor | None = None, start: int = 0, stop: int = 0) -> None:
+        self.vector, self._sums, self._start, self._stop = vector, sums, start, stop
         self._tensors: dict[tuple[torch.dtype, torch.device | str], Tensor] = {}
 
+    @property
+    def weighted(self) -> Tensor | None:
+        return None if self._sums is None else self._sums[self._start : self._stop : 2]
+
+    @property
+    def weights(self) -> Tensor | None:
+        return None if self._sums is None else self._sums[self._start + 1 : self._stop : 2]
+
     def tensor(self, dtype: torch.dtype, device: torch.device | str) -> Tensor:
+        vector = self.vector
+        if dtype == vector.dtype and device == vector.device:
+            return vector
         tensor = self._tensors.get((dtype, device))
         if tensor is None:
             tensor = self._tensors[(dtype, device)] = self.vector.to(dtype=dtype, device=device)
@@ -128,24 +140,28 @@ class Reduced:
     def of(cls, value: float, weighted_sum: float | None = None, weight: float | None = None) -> Reduced:
         means = weighted_sum is not None and weight is not None
         sums = torch.tensor([weighted_sum, weight], dtype=_F64) if means else None
-        return cls(_Values(torch.tensor([value], dtype=_F64), *((sums[:1], sums[1:]) if means else ())), 0)
+        return cls(_Values(torch.tensor([value], dtype=_F64), sums, 0, 2), 0)
 
     @property
     def weighted_sum(self) -> Tensor | None:
-        return None if self._values.weighted is None else self._values.weighted[self._index]
+        weighted = self._values.weighted
+        return None if weighted is None else weighted[self._index]
 
     @property
     def weight(self) -> Tensor | None:
-        return None if self._values.weights is None else self._values.weights[self._index]
+        weights = self._values.weights
+        return None if weights is None else weights[self._index]
 
     @property
     def value(self) -> float:
         """The step value as a Python float: a host read (for callers outside the training step)."""
-        return self._values.vector[self._index].item()
+        vector = self._values.vector
+        return (vector[self._index] if vector.dim() else vector).item()
 
     def value_as(self, dtype: torch.dtype, device: torch.device | str = "cpu") -> Tensor:
         """The step value as a 0-dim tensor (a view of one tensor shared by the step's metrics)."""
-        return self._values.tensor(dtype, device)[self._index]
+        values = self._values.tensor(dtype, device)
+        return values[self._index] if values.dim() else values
 
     def __repr__(self) -> str:
         return f"Reduced(value={self.value!r})"
@@ -274,8 +290,9 @@ class _Window:
         return [(key, *self.kinds[key]) for key in sorted(self.kinds)]
 
     def stacked(self) -> Tensor:
-        if self._stacked is None:
-            self._stacked = torch.stack(self.values)  # one copy, on the device
+        if self._stacked is None:  # one copy on the device; none for one value
+            values = self.values
+            self._stacked = values[0].reshape(1) if len(values) == 1 else torch.stack(values)
         return self._stacked
 
 
@@ -366,7 +383,8 @@ class FusedMetricReducer:
         self._layout: _Layout | None = None  # this rank's in the last step
         self._followed: _Layout | None = None  # this rank's in its last step with values: see `follows`
         self._started: _Started | None = None  # the SUM collective `start` began, until `finish`
-        self._constants: tuple[_Plan, Any, Tensor, Tensor] | None = None  # last step's header+weights and coefs
+        # the last step's plan, key, header and weights, and coefficients (a tensor, or one number for all)
+        self._constants: tuple[_Plan, Any, Tensor, Tensor | float] | None = None
         self.carried_total: Tensor | None = None  # the last finished step's carried number, summed over ranks
 
     @property
@@ -442,38 +460,50 @@ class FusedMetricReducer:
         """This rank's SUM contribution: header (always) and body (when it fits the agreed capacity), then the
         carried number if the reducer ``carries``. ``abstain``: a rank without data in this step contributes nothing
         (zeros): the reductions are over the other ranks."""
-        buffer = self._pack(abstain)
+        scale = self._scale()
+        buffer = self._pack(abstain, scale)
         if self.carries:
-            buffer[-1] = carried
+            buffer[-1] = carried * scale
         return buffer
 
-    def _pack(self, abstain: bool) -> Tensor:
+    def _scale(self) -> float:
+        """What this step's buffer is multiplied by: the world size where it rides in DDP's gradient all-reduce,
+        which averages (the average of the scaled buffers is the sum), else 1."""
+        carrier = self._carrier
+        if carrier is not None and _HEADER + self.capacity + self.carry_slots == carrier.numel:
+            return float(self.world_size)
+        return 1.0
+
+    def _pack(self, abstain: bool, scale: float) -> Tensor:
         window = self._window
-        tail = [0.0] * self.carry_slots
         if abstain:
             return torch.zeros(_HEADER + self.capacity + self.carry_slots, dtype=self.dtype, device=self.device)
         plan = self._plan(window)
         layout = plan.layout
+        tail = [0.0] * self.carry_slots
         if layout.slots > self.capacity:  # the header alone: the ranks agree on a larger capacity first
-            return self._host_numbers(layout.header + [0.0] * self.capacity + tail)
-        key = (self.capacity, tuple(window.coefs))  # a step that repeats the last one reuses its constants
+            return self._host_numbers([x * scale for x in layout.header] + [0.0] * self.capacity + tail)
+        # a step that repeats the last one (same names, order and weights) reuses its constants
+        key = (self.capacity, scale, tuple(window.coefs))
         if self._constants is None or self._constants[0] is not plan or self._constants[1] != key:
             numbers = layout.header + [0.0] * self.capacity + tail
             for slot, weight in zip(plan.weight_slots, window.weights, strict=True):
                 numbers[slot] += weight
-            # the buffer's header and weights, then each mean/sum coefficient
-            constants = self._host_numbers(numbers + window.coefs).split((len(numbers), len(window.coefs)))
-            self._constants = (plan, key, *constants)
-        _, _, numbers_tensor, coefs = self._constants
-        buffer = numbers_tensor.clone()
+            coefs = [c * scale for c in window.coefs]
+            # the buffer's header and weights; each mean/sum coefficient, as one number where they are equal
+            factor = coefs[0] if len(set(coefs)) == 1 else self._host_numbers(coefs)
+            self._constants = (plan, key, self._host_numbers([x * scale for x in numbers]), factor)
+        _, _, constants, factor = self._constants
         if not window.coefs:
-            return buffer
+            return constants.clone()
         values = window.stacked()
         if plan.summed is not None:
             values = values.index_select(0, plan.summed)
-        if values.dtype != buffer.dtype:  # a float64 value in a float32 (carried) buffer, or a 16-bit one
-            values = values.to(buffer.dtype)
-        return buffer.index_add_(0, plan.value_index, torch.mul(coefs, values))
+        if values.dtype != constants.dtype:  # a float64 value in a float32 (carried) buffer, or a 16-bit one
+            values = values.to(constants.dtype)
+        if isinstance(factor, Tensor):
+            return torch.index_add(constants, 0, plan.value_index, values * factor)
+        return torch.index_add(constants, 0, plan.value_index, values, alpha=factor)
 
     def pack_extremes(self, abstain: bool = False) -> Tensor | None:
         """This rank's MAX contribution at the agreed size (None when it is 0): per max/min name the value (negated
@@ -502,8 +532,13 @@ class FusedMetricReducer:
         if layout.slots > summed.numel() - _HEADER - self.carry_slots:
             summed = torch.full((_HEADER + layout.slots,), float("nan"), dtype=self.dtype, device=self.device)
         means = 2 * layout.means
-        weighted, weights = summed.narrow(0, _HEADER, means).view(-1, 2).unbind(1)
-        parts = [torch.div(weighted, weights)] if layout.means else []  # a zero total weight gives NaN
+        pairs = (summed, _HEADER, _HEADER + means) if means else ()  # (weighted sum, weight) per mean
+        if layout.means == 1 and not layout.sums and not layout.extremes:  # one value: a 0-dim tensor of it
+            value = torch.div(summed[_HEADER], summed[_HEADER + 1])
+            return {key: Reduced(_Values(value, *pairs), 0) for key in layout.index}
+        parts = []
+        if means:  # a zero total weight gives NaN
+            parts.append(torch.div(summed[_HEADER : _HEADER + means : 2], summed[_HEADER + 1 : _HEADER + means : 2]))
         if layout.sums:
             parts.append(summed.narrow(0, _HEADER + means, layout.sums))
         if layout.extremes:
@@ -511,8 +546,8 @@ class FusedMetricReducer:
                 maxed = torch.full((layout.extremes,), float("nan"), dtype=_F64, device=self.device)
             values = maxed[0 : layout.extremes : 2] * plan.key_sign
             parts.append(torch.where(maxed[1 : layout.extremes : 2] > 0, float("nan"), values))
-        vector = parts[0] if len(parts) == 1 else torch.cat(parts) if parts else weights
-        shared = _Values(vector, weighted, weights)
+        vector = parts[0] if len(parts) == 1 else torch.cat(parts) if parts else summed.narrow(0, _HEADER, 0)
+        shared = _Values(vector, *pairs)
         return {key: Reduced(shared, i) for key, i in layout.index.items()}
 
     # ---------------------------------------------------------------- the step
@@ -545,9 +580,9 @@ class FusedMetricReducer:
         summed = started.summed
         if started.carried_by_ddp:
             assert self._carrier is not None
-            carried = self._carrier.sum(self.world_size)
+            carried = self._carrier.average()  # of buffers scaled by the world size: the sum
             if carried is None:  # no backward in this step (on every rank, or DDP would have failed): our own
-                self._all_reduce(summed, op=dist.ReduceOp.SUM)
+                self._all_reduce(summed.div_(self.world_size), op=dist.ReduceOp.SUM)
             else:
                 summed = carried
         elif started.work is not None:
@@ -607,7 +642,11 @@ class FusedMetricReducer:
         step (the headers are the same on every rank, so is the outcome)."""
         if not self._unchecked:
             return
-        stacked = torch.stack([summed.narrow(0, 0, _HEADER) for summed in self._unchecked]).cpu()  # one sync
+        unchecked = self._unchecked
+        if len({summed.numel() for summed in unchecked}) == 1:  # no capacity change: one stack, one narrow
+            stacked = torch.stack(unchecked).narrow(1, 0, _HEADER).cpu()  # one sync
+        else:
+            stacked = torch.stack([summed.narrow(0, 0, _HEADER) for summed in unchecked]).cpu()
         wheres, history = self._wheres, self._history
         self._unchecked, self._wheres = [], []
         self._history = [(0, history[-1][1])] if history else []
@@ -664,13 +703,16 @@ def _same_everywhere(header: list[int]) -> bool:
 
 
 def _all_well_formed(headers: Tensor, world_size: int) -> bool:
-    """:func:`_same_everywhere` (and the checks of ``_parse``) for every row of ``headers`` at once, on the host."""
-    rounded = headers.round()
+    """:func:`_same_everywhere` (and the checks of ``_parse``) for every row of ``headers`` (a host tensor) at once,
+    in numpy (a few microseconds where torch's small operations take tens)."""
+    values = headers.numpy()
+    rounded = values.round()
     contributors = rounded[:, :1]
+    bits = rounded[:, 1:]
     return bool(
-        (headers - rounded).abs().le(0.25).all()
+        (abs(values - rounded) <= 0.25).all()
         and ((contributors > 0) & (contributors <= world_size)).all()
-        and ((rounded[:, 1:] == 0) | (rounded[:, 1:] == contributors)).all()
+        and ((bits == 0) | (bits == contributors)).all()
     )
 
 
@@ -842,6 +884,7 @@ class AverageTrainingMetrics(Callback):
         self._to_carry: CarriedCount | None = None  # asked for, to go with the next collective
         self._carrying: CarriedCount | None = None  # in the collective started and not finished
         self._carrier: Carrier | None = None  # this fit's gradient carrier, if the strategy gave one
+        self._epoch = 0  # the current training epoch (Lightning's `current_epoch`, read once per epoch)
 
     def use_carrier(self, carrier: Carrier | None) -> None:
         """Let the step's buffer ride in DDP's gradient all-reduce through ``carrier`` (given by the strategy for
@@ -909,6 +952,7 @@ class AverageTrainingMetrics(Callback):
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # A batch skipped by `on_train_batch_start` returning -1 ends the epoch before `on_train_batch_end`:
         # what it logged is not carried into the next epoch's first step.
+        self._epoch = trainer.current_epoch
         if self._reducer is not None:
             self._reducer.discard()
             self._clear_step()
@@ -962,7 +1006,7 @@ class AverageTrainingMetrics(Callback):
                 _lightning.set_step_value(pending.logged.metric, self._last.get(key))
             return
         try:
-            where = f"epoch {trainer.current_epoch}, batch {batch_idx}"
+            where = f"epoch {self._epoch}, batch {batch_idx}"
             check = _lightning.loggers_read_this_step(trainer, logs=True)
             if not self._reducer.started:  # not started early (or no backward ran in this step)
                 self._start()

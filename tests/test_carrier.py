@@ -48,7 +48,7 @@ def _worker(rank: int, store: str, flags: dict, out: Path) -> None:
         carrier = GradientCarrier(numel=10)
         with carrier.registered_on(carried_module):
             ddp = DistributedDataParallel(carried_module, **flags)
-        rows = []
+        rows, kept = [], []
         for step in range(3):  # the second step runs in the buckets DDP rebuilt after the first
             # from the second step on, a micro-batch under no_sync, then the synced one (static_graph refuses
             # no_sync in its first iteration, as torch documents)
@@ -60,10 +60,11 @@ def _worker(rank: int, store: str, flags: dict, out: Path) -> None:
                 with context:
                     with carrier.armed():
                         loss = ddp(inputs + micro).square().mean()
-                    if sync:
-                        carrier.load(loaded(rank, step))
+                    if sync:  # DDP averages: numbers times the world size come out summed
+                        carrier.load(loaded(rank, step) * WORLD)
                     loss.backward()
-            total = carrier.sum(WORLD)
+            total = carrier.average()
+            kept.append((total, total.tolist()))
             # equal up to the order of the float32 additions (the ring all-reduce cuts a longer bucket elsewhere)
             grads_equal = all(
                 torch.allclose(a.grad, b.grad, rtol=1e-6, atol=1e-7)
@@ -71,7 +72,10 @@ def _worker(rank: int, store: str, flags: dict, out: Path) -> None:
             )
             for module in (plain, carried_module):
                 module.zero_grad()
-            rows.append({"total": total.tolist(), "grads_equal": grads_equal, "again": carrier.sum(WORLD)})
+            rows.append({"total": total.tolist(), "grads_equal": grads_equal, "again": carrier.average()})
+        # a result stays as it was read through the later backwards (under gradient_as_bucket_view too, where
+        # the carrier's gradient is a view of DDP's bucket)
+        rows.append({"kept_intact": [tensor.tolist() == values for tensor, values in kept]})
         names = [name for name, _ in carried_module.named_parameters()] + list(carried_module.state_dict())
         rows.append({"carrier_seen": any("carrier" in name for name in names)})
         carrier.close()
@@ -101,7 +105,8 @@ def test_ddp_sums_the_carried_buffers_and_leaves_the_gradients_alone(tmp_path, f
     assert [worker.exitcode for worker in workers] == [0] * WORLD
     for rank in range(WORLD):
         rows = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        for step, row in enumerate(rows[:-1]):
+        assert rows[-2] == {"kept_intact": [True] * 3}
+        for step, row in enumerate(rows[:-2]):
             expected = sum(loaded(r, step) for r in range(WORLD))
             assert row["total"] == pytest.approx(expected.tolist(), rel=1e-6, abs=1e-6)
             assert [round(x) for x in row["total"][:4]] == expected[:4].tolist()  # the 0/1 sums: integers
@@ -143,7 +148,61 @@ def test_a_float64_value_packs_into_the_carriers_float32_buffer():
     reducer.observe("b", "sum", torch.tensor(2.0), weight=1.0)
     buffer = reducer.pack()
     assert (buffer.dtype, buffer.numel()) == (torch.float32, CARRIED_NUMEL)
-    assert sorted(buffer[81:85].tolist()) == [0.0, 2.0, 2.0, 3.0]  # 2 x 1.5 and its weight 2, the sum 2
+    # 2 x 1.5 and its weight 2, the sum 2, times the world size 2 (DDP averages the carried buffers)
+    assert sorted((buffer[81:85] / 2).tolist()) == [0.0, 2.0, 2.0, 3.0]
+
+
+class _LossModule(nn.Module):
+    """A model whose forward returns its loss: a linear layer's output sum, plus a fixed number (NaN, inf...)."""
+
+    def __init__(self, dtype: torch.dtype, added: float) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.linear, self.added = nn.Linear(3, 1).to(dtype), added
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        return self.linear(inputs).sum() + self.added
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("added", [2.5, float("nan"), float("inf")])
+def test_the_carried_loss_keeps_its_value_and_type_and_the_gradients_theirs(dtype, added):
+    """One process, no DDP: the loss the armed module returns is the module's (value, type), its backward gives
+    the model the gradients it gives without the carrier, and the carrier the loaded buffer, step after step."""
+    module, reference = _LossModule(dtype, added), _LossModule(dtype, added)
+    carrier = GradientCarrier(numel=4)
+    with carrier.registered_on(module):
+        pass
+    inputs = torch.ones(2, 3, dtype=dtype)
+    for step in range(3):
+        with carrier.armed():
+            loss = module(inputs)
+        plain = reference(inputs)
+        assert loss.dtype == plain.dtype == dtype
+        assert torch.equal(loss, plain) or (loss.isnan().item() and plain.isnan().item())
+        buffer = torch.arange(4.0) + step
+        carrier.load(buffer)
+        loss.backward()
+        plain.backward()
+        assert carrier.average().tolist() == buffer.tolist()  # one process: the "average" is what was loaded
+        for a, b in zip(module.parameters(), reference.parameters(), strict=True):
+            assert torch.equal(a.grad, b.grad)
+        module.zero_grad(), reference.zero_grad()
+    carrier.close()
+
+
+def test_a_nan_carried_number_does_not_trip_anomaly_detection():
+    """A NaN training metric is carried as a number, not computed by autograd: `detect_anomaly` lets it pass."""
+    module = _LossModule(torch.float32, 1.0)
+    carrier = GradientCarrier(numel=2)
+    with carrier.registered_on(module):
+        pass
+    with pytest.warns(UserWarning, match="Anomaly Detection"), torch.autograd.detect_anomaly():
+        with carrier.armed():
+            loss = module(torch.ones(2, 3))
+        carrier.load(torch.tensor([1.0, float("nan")]))
+        loss.backward()
+    assert carrier.average()[1].isnan()
 
 
 def test_a_carried_buffer_of_another_size_is_refused():

@@ -124,6 +124,10 @@ def test_the_training_results_and_the_logging_rule_are_where_the_metrics_glue_lo
     assert "fit_loop._should_accumulate() and self.trainer.lightning_module.automatic_optimization" in rule
     assert "if self.should_update_logs or self.trainer.fast_dev_run:" in rule
     assert isinstance(_LoggerConnector.should_update_logs, property)
+    # what `loggers_read_this_step` restates of it while the fit loop runs
+    should_update = inspect.getsource(_LoggerConnector.should_update_logs.fget)
+    for part in ("trainer.log_every_n_steps == 0", "loop.epoch_loop._batches_that_stepped + 1", "trainer.should_stop"):
+        assert part in should_update
     assert isinstance(trainer._logger_connector, _LoggerConnector)
     # `loggers_read_this_step` asks in `on_train_batch_end`: the loggers are updated after it, before the counter
     # `should_update_logs` reads moves on
@@ -381,3 +385,23 @@ def test_lightning_destroys_the_process_group_at_exit_for_nccl_only_and_shardplu
     _lightning.destroy_process_group_at_exit()
     _lightning.destroy_process_group_at_exit()
     assert registered == [distributed._destroy_dist_connection]  # once, Lightning's own teardown
+
+
+@pytest.mark.parametrize("log_every_n_steps", [1, 3, 0])
+def test_loggers_read_this_step_is_lightnings_own_rule_in_every_training_batch(log_every_n_steps):
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    seen = []
+
+    class Compare(pl.Callback):
+        def on_train_batch_end(self, trainer, *args):
+            lightning = trainer._logger_connector.should_update_logs and _lightning.logs_this_step(trainer)
+            seen.append((_lightning.loggers_read_this_step(trainer), bool(lightning)))
+
+    trainer = pl.Trainer(
+        max_steps=7, accumulate_grad_batches=2, log_every_n_steps=log_every_n_steps, logger=False,
+        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, callbacks=[Compare()],
+    )
+    trainer.fit(BoringModel())
+    assert len(seen) == 14 and all(ours == theirs for ours, theirs in seen)
+    assert any(ours for ours, _ in seen) == (log_every_n_steps > 0)
