@@ -357,6 +357,12 @@ def set_step_value(metric: _ResultMetric, value: torch.Tensor | None) -> None:
             metric.value = value  # what `update` stores for on_step-only values
 
 
+def owns_step_value(metric: _ResultMetric, value: torch.Tensor) -> bool:
+    """Whether ``value`` is the step value ``metric`` holds (and, for on_step-only values, its state too), as
+    ``_ResultMetric.update`` stored it: then writing into ``value`` in place writes the step value."""
+    return metric._forward_cache is value and (metric.meta.on_epoch or metric.value is value)
+
+
 def set_epoch_state(
     metric: _ResultMetric, value: torch.Tensor, cumulated_batch_size: torch.Tensor | None
 ) -> None:

@@ -3,11 +3,11 @@
 A :class:`GradientCarrier` is one extra parameter that DDP reduces with the model's gradients. It is registered
 on the module only while DDP is built (DDP takes its parameters once, in its constructor), so the model, its
 optimizers, its checkpoints and ``module.parameters()`` never see it. While the carrier is :meth:`armed`, the
-loss the module's outermost call returns becomes ``loss + 0 * p[0]`` (the same value and type, and the carrier
-parameter ``p`` in the graph), and a hook on ``p`` makes its gradient in that backward the buffer :meth:`load`
-put there; DDP then averages it in the same bucket as the model's
-gradients, in C++ (its built-in all-reduce, or an averaging communication hook), and :meth:`average` returns the
-average over ranks once the backward has run (a caller that wants sums loads its numbers times the world size).
+loss the module's outermost call returns becomes ``loss + p.sum()`` (``p``, the carrier parameter, is all zeros:
+the same value and type, and ``p`` in the graph), and a hook on ``p`` makes its gradient in that backward the
+buffer :meth:`load` put there; DDP then averages it in the same bucket as the model's gradients, in C++ (its
+built-in all-reduce, or an averaging communication hook), and :meth:`average` returns the average over ranks
+once the backward has run (a caller that wants sums loads its numbers times the world size).
 
 Why: on a host whose cores are busy with the step's compute, one more small collective per step costs about
 0.4 ms even when it overlaps backward (``docs/performance.md``); inside a gradient bucket it costs nothing
@@ -58,7 +58,7 @@ class GradientCarrier:
         self._module: nn.Module | None = None
         self._hooks: list[Any] = []
         self._zeros: Tensor | None = None  # the gradient of a backward with nothing loaded
-        self._links: dict[torch.dtype, Tensor] = {}  # per loss type: one element of the parameter, in the graph
+        self._links: dict[torch.dtype, Tensor] = {}  # per loss type: the parameter's sum (0), in the graph
         self._loaded: Tensor | None = None  # the next backward's gradient
         self._carried = False  # a backward took the loaded buffer
         self._armed = False
@@ -72,9 +72,9 @@ class GradientCarrier:
             device = next((p.device for p in module.parameters()), torch.device("cpu"))
             self.parameter = nn.Parameter(torch.zeros(self.numel, dtype=carrier_dtype(module), device=device))
             self._zeros = torch.zeros_like(self.parameter)
-            # in a backward through the parameter, its gradient is what was loaded (replacing the zeros the graph
+            # in a backward through the parameter, its gradient is what was loaded (replacing the one the graph
             # gives it); runs before DDP's hook reads the gradient
-            self.parameter.register_hook(lambda zeros: self._take())
+            self.parameter.register_hook(lambda graphs: self._take())
         if self._module is not module:
             self._detach()
             self._module = module
@@ -113,13 +113,14 @@ class GradientCarrier:
     def _carry(self, loss: Tensor) -> Tensor:
         if not loss.requires_grad:  # no backward can run through it: leave it alone
             return loss
-        # `loss + 0 * p[0]`: the loss's value and type, one native operation, and the parameter in the graph. The
-        # element view (and its cast) is made once and reused by every step's graph (its backward saves nothing).
+        # `loss + p.sum()`, p all zeros: the loss's value and type, one native operation, and the parameter in the
+        # graph. The sum (and its cast) is made once and reused by every step's graph: its backward saves nothing
+        # and expands the gradient without a copy; the hook on p then hands the loaded buffer instead.
         link = self._links.get(loss.dtype)
         if link is None:
             assert self.parameter is not None
-            link = self._links[loss.dtype] = self.parameter[0].to(loss.dtype)
-        return torch.add(loss, link, alpha=0)
+            link = self._links[loss.dtype] = self.parameter.sum().to(loss.dtype)
+        return torch.add(loss, link)
 
     @property
     def dtype(self) -> torch.dtype:

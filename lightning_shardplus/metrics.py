@@ -103,11 +103,28 @@ class _Values:
     weighted sums and weights: (weighted sum, weight) per mean in ``sums[start:stop]``, sliced only when asked for
     (epoch means)."""
 
-    __slots__ = ("vector", "_sums", "_start", "_stop", "_tensors")
+    __slots__ = ("_vector", "_sums", "_start", "_stop", "_tensors")
 
-    def __init__(self, vector: Tensor, sums: Tensor | None = None, start: int = 0, stop: int = 0) -> None:
-        self.vector, self._sums, self._start, self._stop = vector, sums, start, stop
+    def __init__(self, vector: Tensor | None, sums: Tensor | None = None, start: int = 0, stop: int = 0) -> None:
+        self._vector, self._sums, self._start, self._stop = vector, sums, start, stop
         self._tensors: dict[tuple[torch.dtype, torch.device | str], Tensor] = {}
+
+    @property
+    def vector(self) -> Tensor:
+        """The values; None given at construction: a single mean, divided out when first asked for."""
+        if self._vector is None:
+            assert self._sums is not None
+            self._vector = torch.div(self._sums[self._start], self._sums[self._start + 1])
+        return self._vector
+
+    def write_into(self, out: Tensor) -> bool:
+        """Divide a single mean out into ``out`` (0-dim, floating, on the device, not requiring grad) instead of
+        into a new tensor; False where the values are not that (then :attr:`vector` gives them)."""
+        sums = self._sums
+        if self._vector is not None or sums is None or out.dim() or out.requires_grad or out.device != sums.device:
+            return False
+        self._vector = torch.div(sums[self._start], sums[self._start + 1], out=out)
+        return True
 
     @property
     def weighted(self) -> Tensor | None:
@@ -157,6 +174,11 @@ class Reduced:
         """The step value as a Python float: a host read (for callers outside the training step)."""
         vector = self._values.vector
         return (vector[self._index] if vector.dim() else vector).item()
+
+    def write_into(self, out: Tensor) -> bool:
+        """Write the step value into ``out`` in place where it is a single mean's (one division, no new tensor);
+        False where not (then :meth:`value_as`)."""
+        return self._values.write_into(out)
 
     def value_as(self, dtype: torch.dtype, device: torch.device | str = "cpu") -> Tensor:
         """The step value as a 0-dim tensor (a view of one tensor shared by the step's metrics)."""
@@ -533,9 +555,8 @@ class FusedMetricReducer:
             summed = torch.full((_HEADER + layout.slots,), float("nan"), dtype=self.dtype, device=self.device)
         means = 2 * layout.means
         pairs = (summed, _HEADER, _HEADER + means) if means else ()  # (weighted sum, weight) per mean
-        if layout.means == 1 and not layout.sums and not layout.extremes:  # one value: a 0-dim tensor of it
-            value = torch.div(summed[_HEADER], summed[_HEADER + 1])
-            return {key: Reduced(_Values(value, *pairs), 0) for key in layout.index}
+        if layout.means == 1 and not layout.sums and not layout.extremes:  # one value: divided out when written
+            return {key: Reduced(_Values(None, *pairs), 0) for key in layout.index}
         parts = []
         if means:  # a zero total weight gives NaN
             parts.append(torch.div(summed[_HEADER : _HEADER + means : 2], summed[_HEADER + 1 : _HEADER + means : 2]))
@@ -1034,12 +1055,14 @@ class AverageTrainingMetrics(Callback):
         else:
             entries = {key: self._followed[key] for key in reduced}
         for key, entry in entries.items():
-            logged = entry.logged
-            local = logged.value
-            step = reduced[key].value_as(local.dtype, local.device)
-            if local.dim():
-                step = step.reshape(local.shape)
-            _lightning.set_step_value(logged.metric, step)
+            logged, result = entry.logged, reduced[key]
+            step = logged.value
+            # Lightning's own step tensor of this step, overwritten in place where it can be (a single mean)
+            if not (self._pending and _lightning.owns_step_value(logged.metric, step) and result.write_into(step)):
+                local, step = step, result.value_as(step.dtype, step.device)
+                if local.dim():
+                    step = step.reshape(local.shape)
+                _lightning.set_step_value(logged.metric, step)
             self._last[key] = step
             if entry.epoch_state_before is not None:
                 # a metric logged in this step: its state before; a followed one: its state now

@@ -156,6 +156,11 @@ def test_quick_bench_writes_json_plots_and_markdown_and_renders_them_again(tmp_p
     assert report["settings"]["quick"] and report["settings"]["repeats"] == bench.QUICK["repeats"]
     rows = report["results"]
     assert all(len(row["runs"]) == bench.QUICK["repeats"] for row in rows.values())
+    # each run over the ddp run of its round: the baseline's own are all 1
+    assert rows["ddp"]["paired_ratio_to_baseline"] == 1.0
+    for row, ddp_runs in ((row, rows["ddp"]["runs"]) for row in rows.values()):
+        paired = sorted(a / b for a, b in zip(row["runs"], ddp_runs, strict=True))
+        assert paired[0] <= row["paired_ratio_to_baseline"] <= paired[-1]
     assert rows["ddp"]["breakdown_ms_per_micro_batch"] is None  # the rows compared with ddp run no report
     assert rows["shardplus"]["breakdown_ms_per_micro_batch"] is None
     for name in ("shardplus-report", "agg4", "fp16"):
@@ -168,6 +173,7 @@ def test_quick_bench_writes_json_plots_and_markdown_and_renders_them_again(tmp_p
         assert _png_size(plots / name) == bench.PLOT_SIZE
     out = capsys.readouterr().out
     assert "### Benchmark matrix" in out and "| shardplus-report |" in out and "`ScalingReport` overhead" in out
+    assert "| paired ratio (median) |" in out
     assert json.loads(json_path.read_text())["results"].keys() == rows.keys()
 
     rendered = bench.main([f"--from-json={json_path}", "--markdown"])  # the README section, without running

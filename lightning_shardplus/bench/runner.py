@@ -182,8 +182,9 @@ def run(configs: list[BenchConfig], args: argparse.Namespace) -> dict[str, Any]:
     """Run every config ``args.repeats`` times, alternating; return per-config samples/s, ratios to the first
     config (ddp) and counted communication per optimizer step."""
     results = _alternating_runs(configs, args)
-    baseline = statistics.median(r["samples_per_s"] for r in results[configs[0].name])
-    rows = {name: _row(runs, baseline) for name, runs in results.items()}
+    baseline_runs = results[configs[0].name]
+    baseline = statistics.median(r["samples_per_s"] for r in baseline_runs)
+    rows = {name: _row(runs, baseline, baseline_runs) for name, runs in results.items()}
     report = {"settings": report_settings(args), "machine": machine(args), "baseline": configs[0].name, "results": rows}
     if "shardplus-report" in rows:
         report["scaling_report_cost_us_per_micro_batch"] = measure_report_cost()
@@ -208,15 +209,19 @@ def _alternating_runs(configs: list[BenchConfig], args: argparse.Namespace) -> d
     return results
 
 
-def _row(runs: list[dict[str, Any]], baseline: float) -> dict[str, Any]:
-    """One config's row of the report: samples/s over its runs, its ratio to ``baseline``, its counts."""
+def _row(runs: list[dict[str, Any]], baseline: float, baseline_runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One config's row of the report: samples/s over its runs, its ratio to ``baseline`` (the baseline's median),
+    the median of its paired ratios (each run over the baseline's run of the same round, run next to it: the
+    machine's slow drift cancels), its counts."""
     values = [r["samples_per_s"] for r in runs]
+    paired = [r["samples_per_s"] / b["samples_per_s"] for r, b in zip(runs, baseline_runs, strict=True)]
     return {
         "median_samples_per_s": statistics.median(values),
         "min_samples_per_s": min(values),
         "max_samples_per_s": max(values),
         "median_ms_per_step": 1000 * statistics.median(r["s_per_step"] for r in runs),
         "ratio_to_baseline": statistics.median(values) / baseline,
+        "paired_ratio_to_baseline": statistics.median(paired),
         **{f"{c}_per_step": _median_per_run([r[f"{c}_per_step"] for r in runs]) for c in _COLLECTIVES},
         "runs": values,
         # the same in every run of a config (the counts do not depend on timing); the first run's
