@@ -433,6 +433,18 @@ def loggers_read_this_step(trainer: pl.Trainer, logs: bool | None = None) -> boo
 TRAIN_DATALOADER_NEXT = "[_TrainingEpochLoop].train_dataloader_next"
 
 
+
+
+def call_when_backward_ends(callback: Callable[[], None]) -> None:
+    """Run ``callback`` when the running backward pass has computed every gradient, before the end-of-pass
+    callbacks queued after it: call it from a hook at the start of the pass (a hook on the loss), and it runs before
+    DDP's own, queued when its last bucket is ready, which waits for the all-reduces.
+
+    torch's autograd engine's ``queue_callback`` (private to torch, as ``Variable._execution_engine``; DDP's Python
+    side and FSDP use it the same way); `tests/test_lightning_private.py` fails if it moves."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)  # type: ignore[attr-defined]
+
+
 # ---------------------------------------------------------------- DDP re-wrap (fusion autotuning)
 
 

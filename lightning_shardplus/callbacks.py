@@ -23,10 +23,9 @@ from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
 from lightning_shardplus import aggregation
-from lightning_shardplus._lightning import TRAIN_DATALOADER_NEXT
+from lightning_shardplus._lightning import TRAIN_DATALOADER_NEXT, call_when_backward_ends
 from lightning_shardplus._validation import check_bool, check_choice, check_int
 from lightning_shardplus.aggregation import effective_batch_size, micro_batch_size
-from lightning_shardplus.instrumentation import CommunicationHookWrapper
 from lightning_shardplus.sharding import (
     DIGEST_WIDTH,
     PaddedShardSampler,
@@ -393,7 +392,7 @@ STEP_PHASES: tuple[str, ...] = ("data", "between_steps", "forward", "backward", 
 _TOTALS = (*STEP_PHASES, "samples", "micro_batches")
 
 
-class ScalingReport(CommunicationHookWrapper):
+class ScalingReport(Callback):
     """Where each training step's time goes, summed over the fit and aggregated across ranks, with a verdict.
 
     Each training micro-batch is cut into six phases by the wall clock of this process, at Lightning's hooks:
@@ -406,15 +405,15 @@ class ScalingReport(CommunicationHookWrapper):
       device, Lightning's per-step broadcast of the SIGTERM flag (a collective: waiting for a slower rank shows
       here), logging, checkpointing, callbacks. Validation is not counted;
     - ``forward``: ``on_train_batch_start`` to ``on_before_backward`` (``training_step``, the loss);
-    - ``backward``: ``on_before_backward`` to the moment DDP hands its *last* gradient bucket to the
-      communication hook, i.e. the end of the backward computation (to ``on_after_backward`` when nothing is
-      communicated: 1 rank, aggregated micro-batches, no ``ShardPlusStrategy``);
+    - ``backward``: ``on_before_backward`` to the end of the backward computation: the moment the autograd
+      engine has computed every gradient (DDP has handed its last bucket to its all-reduce or communication
+      hook), marked by a callback the engine runs at the end of the pass, queued when backward starts (from a
+      hook on the loss) so that it runs before DDP's own, which waits for the all-reduces;
     - ``communication``: exposed gradient communication, from that moment to ``on_after_backward``, when
       ``backward()`` has returned: DDP has waited for every bucket's all-reduce and written the gradients back.
-      What overlapped the backward computation is not in it. Zero with 1 rank (nothing to exchange). Needs
-      ``ShardPlusStrategy``, which passes its communication hook through :meth:`wrap` (with
-      ``gradient_compression="none"`` it then runs torch's ``allreduce_hook`` instead of DDP's built-in one);
-      under another strategy it stays in ``backward`` and the report says it was not measured;
+      What overlapped the backward computation is not in it. Zero with 1 rank (nothing to exchange); a few
+      microseconds in micro-batches that do not communicate (aggregation). DDP keeps its built-in all-reduce
+      (no Python communication hook is needed), under ``ShardPlusStrategy`` or any other;
     - ``optimizer``: ``on_after_backward`` to ``on_train_batch_end`` (gradient clipping, ``optimizer.step``,
       ``zero_grad``, Lightning's step logging).
 
@@ -500,41 +499,34 @@ class ScalingReport(CommunicationHookWrapper):
         self._fetches: list[tuple[Any, Any]] = []
         self._fetch_started: Any = None
         self._profiler: _FetchTimingProfiler | None = None
-        self._hook_wrapped = False  # the strategy passed its communication hook through `wrap` for this fit
 
     def __getstate__(self) -> dict[str, Any]:  # the spawn launcher pickles the Trainer's callbacks
         # device events cannot be pickled; `setup` picks the clock again in the new process
         fresh = {"_clock": HostClock(), "_on_host": True, "_fetches": [], "_pending": deque()}
-        marks = dict.fromkeys(("_start", "_before_backward", "_last_bucket", "_after_backward"))
+        marks = dict.fromkeys(("_start", "_before_backward", "_computed", "_after_backward"))
         return self.__dict__ | fresh | marks | {"_profiler": None, "_fetch_started": None, "_previous_end": None}
 
     def _reset_marks(self) -> None:
         """Forget the micro-batch's marks of `_clock` (None: not reached) and the host times of the three that
-        decide whether the last bucket was handed over during the backward pass."""
-        self._start = self._before_backward = self._last_bucket = self._after_backward = None
-        self._host_before_backward = self._host_last_bucket = self._host_after_backward = math.nan
+        decide whether the backward computation ended during the backward pass."""
+        self._start = self._before_backward = self._computed = self._after_backward = None
+        self._host_before_backward = self._host_computed = self._host_after_backward = math.nan
 
-    # ------------------------------------------------------------------ the hook wrapper
+    # ------------------------------------------------------------------ the end of the backward computation
 
-    def wrap(self, hook: Callable) -> Callable:
-        """``hook``, noting when DDP hands it the last bucket of a backward pass (its computation is done)."""
-        report = self
-        self._hook_wrapped = True
+    def _backward_started(self, grad: torch.Tensor) -> None:
+        """A hook on the loss: backward has started; the mark is queued to run when its computation ends."""
+        call_when_backward_ends(self._mark_computed)
 
-        def timed_hook(state, bucket):  # no annotations: DDP checks them against its types
-            if bucket.is_last():
-                report._host_last_bucket = now = time.perf_counter()
-                report._last_bucket = now if report._on_host else report._clock.mark()
-            return hook(state, bucket)
-
-        timed_hook.__qualname__ = f"timed({getattr(hook, '__qualname__', repr(hook))})"
-        return timed_hook
+    def _mark_computed(self) -> None:
+        """Every gradient of the pass is computed (what is left of ``backward()`` is DDP's wait)."""
+        self._host_computed = now = time.perf_counter()
+        self._computed = now if self._on_host else self._clock.mark()
 
     # ------------------------------------------------------------------ Lightning hooks
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
-            self._hook_wrapped = False  # the strategy wraps its hook after this, in its own setup
             self._clock = step_clock(trainer.strategy.root_device, self.device_timing)
             self._on_host = isinstance(self._clock, HostClock)
 
@@ -595,6 +587,8 @@ class ScalingReport(CommunicationHookWrapper):
         if self._before_backward is None:
             self._host_before_backward = now = time.perf_counter()
             self._before_backward = now if self._on_host else self._clock.mark()
+        if self._world_size > 1 and loss.requires_grad:  # with one rank there is nothing to exchange
+            loss.register_hook(self._backward_started)
 
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._host_after_backward = now = time.perf_counter()
@@ -618,7 +612,7 @@ class ScalingReport(CommunicationHookWrapper):
             fetches,
             self._start,
             self._before_backward,
-            self._last_bucket if self._world_size > 1 and self._last_bucket_in_backward() else None,
+            self._computed if self._world_size > 1 and self._computed_in_backward() else None,
             self._after_backward,
             end,
             self.batch_size_fn(batch) if self.batch_size_fn is not None else (self._batch_size or 0),
@@ -628,11 +622,11 @@ class ScalingReport(CommunicationHookWrapper):
         self._pending.append(step)
         self._count_finished(wait=False)
 
-    def _last_bucket_in_backward(self) -> bool:
-        """Whether DDP handed over the last bucket during this backward pass, by the host's clock (NaN: a mark
+    def _computed_in_backward(self) -> bool:
+        """Whether the backward computation ended during this backward pass, by the host's clock (NaN: a mark
         that was not made; before_backward may be missing: no ``on_before_backward`` call)."""
         before = self._host_before_backward
-        return (before <= self._host_last_bucket or before != before) and self._host_last_bucket <= (
+        return (before <= self._host_computed or before != before) and self._host_computed <= (
             self._host_after_backward
         )
 
@@ -671,7 +665,6 @@ class ScalingReport(CommunicationHookWrapper):
             threshold=self.threshold,
             single_device_samples_per_second=self.single_device_samples_per_second,
             micro_batches_per_step=_aggregation(trainer),
-            communication_measured=self._world_size < 2 or self._hook_wrapped,
             timing=self._clock.name,
             gradient_compression=getattr(getattr(trainer.strategy, "config", None), "gradient_compression", None),
         )
@@ -692,20 +685,20 @@ class ScalingReport(CommunicationHookWrapper):
 @dataclass
 class _CountedStep:
     """A counted micro-batch: its clock marks (the previous micro-batch's end, the (start, stop) pairs of ``next()``
-    on the loader before it, start, before_backward, the last bucket when it was handed over during this backward,
-    after_backward, end; None: not reached) and its samples."""
+    on the loader before it, start, before_backward, the end of the backward computation when it ended during this
+    backward, after_backward, end; None: not reached) and its samples."""
 
     previous_end: Any
     fetches: list[tuple[Any, Any]]
     start: Any
     before_backward: Any
-    last_bucket: Any
+    computed: Any
     after_backward: Any
     end: Any
     samples: int
 
     def all_marks(self) -> list[Any]:
-        marks = [self.previous_end, self.start, self.before_backward, self.last_bucket, self.after_backward, self.end]
+        marks = [self.previous_end, self.start, self.before_backward, self.computed, self.after_backward, self.end]
         return [mark for mark in marks if mark is not None] + [mark for pair in self.fetches for mark in pair]
 
     def phases(self, clock: StepClock, fetch_seconds: float) -> tuple[float, ...]:
@@ -715,15 +708,15 @@ class _CountedStep:
         end = self.end
         before_backward = end if self.before_backward is None else self.before_backward
         after_backward = before_backward if self.after_backward is None else self.after_backward
-        last_bucket = after_backward if self.last_bucket is None else self.last_bucket
+        computed = after_backward if self.computed is None else self.computed
         gap = clock.seconds(self.previous_end, self.start)
         fetch = min(fetch_seconds, gap if gap > 0.0 else 0.0)
         return (
             fetch,
             gap - fetch,
             clock.seconds(self.start, before_backward),
-            clock.seconds(before_backward, last_bucket),
-            clock.seconds(last_bucket, after_backward),
+            clock.seconds(before_backward, computed),
+            clock.seconds(computed, after_backward),
             clock.seconds(after_backward, end),
         )
 

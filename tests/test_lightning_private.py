@@ -422,3 +422,20 @@ def test_loggers_read_this_step_is_lightnings_own_rule_in_every_training_batch(l
     trainer.fit(BoringModel())
     assert len(seen) == 14 and all(ours == theirs for ours, theirs in seen)
     assert any(ours for ours, _ in seen) == (log_every_n_steps > 0)
+
+
+def test_a_callback_queued_when_backward_starts_runs_after_every_gradient_before_later_ones():
+    """`call_when_backward_ends` (torch's private engine queue): queued from a hook on the loss, the callback runs
+    once every gradient is computed, and before a callback queued later in the pass (as DDP's is)."""
+    weight = torch.nn.Parameter(torch.ones(3))
+    order = []
+
+    def last_gradient(grad):  # the last gradient of the pass: queues the "later" callback, as DDP does
+        order.append("gradient")
+        _lightning.call_when_backward_ends(lambda: order.append("later"))
+
+    weight.register_hook(last_gradient)
+    loss = (weight * 2).sum()
+    loss.register_hook(lambda grad: _lightning.call_when_backward_ends(lambda: order.append("queued first")))
+    loss.backward()
+    assert order == ["gradient", "queued first", "later"]

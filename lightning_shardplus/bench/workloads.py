@@ -87,7 +87,7 @@ def default_configs() -> list[BenchConfig]:
         # benchmark); the timed runs start from its result, as a user's second run would
         *if_accepted("autotune", auto_tune_tensor_fusion=True, autotune_cache=str(_AUTOTUNE_CACHE)),
         # 16 scalars logged per step: (a) no sync, (b) Lightning's sync_dist=True, (c) shardplus averaging
-        # (no ScalingReport: its all-reduce hook would be counted among the Python all_reduce calls)
+        # (no ScalingReport: the rows compare the metrics alone)
         BenchConfig("metrics16-nosync", shardplus(average_training_metrics=False), 16, scaling_report=False),
         BenchConfig(
             "metrics16-sync_dist", shardplus(average_training_metrics=False), 16, sync_dist=True, scaling_report=False
