@@ -233,8 +233,7 @@ class LoggedValue(NamedTuple):
 
     log: TrainingLog
     metric: _ResultMetric
-    value: torch.Tensor  # this rank's value, as Lightning stored it for the step (floating point; detached unless
-    # logged with enable_graph=True)
+    value: torch.Tensor  # this rank's value, as Lightning stored it for the step (floating point, not in a graph)
     reduce_fx: str  # "mean", "sum", "max" or "min": the epoch reduction (and Lightning's cross-rank op)
     # The metric's epoch accumulation (value, cumulated batch size or None) before this call; None unless
     # on_epoch.
@@ -357,12 +356,6 @@ def set_step_value(metric: _ResultMetric, value: torch.Tensor | None) -> None:
             metric.value = value  # what `update` stores for on_step-only values
 
 
-def owns_step_value(metric: _ResultMetric, value: torch.Tensor) -> bool:
-    """Whether ``value`` is the step value ``metric`` holds (and, for on_step-only values, its state too), as
-    ``_ResultMetric.update`` stored it: then writing into ``value`` in place writes the step value."""
-    return metric._forward_cache is value and (metric.meta.on_epoch or metric.value is value)
-
-
 def set_epoch_state(
     metric: _ResultMetric, value: torch.Tensor, cumulated_batch_size: torch.Tensor | None
 ) -> None:
@@ -415,11 +408,13 @@ def loggers_read_this_step(trainer: pl.Trainer, logs: bool | None = None) -> boo
     :func:`logs_this_step` returned for this batch, if the caller has it."""
     if not (logs_this_step(trainer) if logs is None else logs):
         return False
-    if trainer.fast_dev_run or trainer.should_stop:
+    if trainer.fast_dev_run:
         return True
     # `_LoggerConnector.should_update_logs` while the fit loop runs, without its loop lookups (read every step)
     every = trainer.log_every_n_steps
-    return bool(every) and (trainer.fit_loop.epoch_loop._batches_that_stepped + 1) % every == 0  # private
+    if not every:
+        return False
+    return (trainer.fit_loop.epoch_loop._batches_that_stepped + 1) % every == 0 or trainer.should_stop  # private
 
 
 # ==========================================================================================================
@@ -431,8 +426,6 @@ def loggers_read_this_step(trainer: pl.Trainer, logs: bool | None = None) -> boo
 # ==========================================================================================================
 
 TRAIN_DATALOADER_NEXT = "[_TrainingEpochLoop].train_dataloader_next"
-
-
 
 
 def call_when_backward_ends(callback: Callable[[], None]) -> None:

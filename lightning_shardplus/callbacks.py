@@ -428,9 +428,9 @@ class ScalingReport(Callback):
     On the CPU the marks are the host's wall clock. On an accelerator with timing events (CUDA, ROCm, XPU), where
     kernels run asynchronously and the host runs ahead, each mark is also an event recorded on the device's
     current stream and the phases are the *device's* time between them (``device_timing``): forward, backward and
-    the optimizer are the device's work; exposed communication is the device waiting, after the last bucket was
-    handed over, for the all-reduces still running and the hook's follow-up work (e.g. decompression, the last
-    bucket's compression) and copying the gradients back; data is the device's time across each ``next()`` on the
+    the optimizer are the device's work; exposed communication is the device waiting, after the backward
+    computation ended, for the all-reduces still running and a communication hook's follow-up work (e.g.
+    decompression) and copying the gradients back; data is the device's time across each ``next()`` on the
     loader (idle, if it ran out of work while the host waited for data), the rest of the gap between two
     micro-batches is between steps. Events are read once the device has passed them (``query``), a few steps
     later, so the report never makes the host wait for the device during training.

@@ -7,7 +7,8 @@ loss the module's outermost call returns becomes ``loss + p.sum()`` (``p``, the 
 the same value and type, and ``p`` in the graph), and a hook on ``p`` makes its gradient in that backward the
 buffer :meth:`load` put there; DDP then averages it in the same bucket as the model's gradients, in C++ (its
 built-in all-reduce, or an averaging communication hook), and :meth:`average` returns the average over ranks
-once the backward has run (a caller that wants sums loads its numbers times the world size).
+once the backward has run (a caller that wants sums loads its numbers times the world size). The join is made in
+every step, so the carrier's gradient is ready at the start of each backward: it does not hold back DDP's buckets.
 
 Why: on a host whose cores are busy with the step's compute, one more small collective per step costs about
 0.4 ms even when it overlaps backward (``docs/performance.md``); inside a gradient bucket it costs nothing
@@ -58,7 +59,6 @@ class GradientCarrier:
         self._module: nn.Module | None = None
         self._hooks: list[Any] = []
         self._zeros: Tensor | None = None  # the gradient of a backward with nothing loaded
-        self._links: dict[torch.dtype, Tensor] = {}  # per loss type: the parameter's sum (0), in the graph
         self._loaded: Tensor | None = None  # the next backward's gradient
         self._carried = False  # a backward took the loaded buffer
         self._armed = False
@@ -113,14 +113,14 @@ class GradientCarrier:
     def _carry(self, loss: Tensor) -> Tensor:
         if not loss.requires_grad:  # no backward can run through it: leave it alone
             return loss
-        # `loss + p.sum()`, p all zeros: the loss's value and type, one native operation, and the parameter in the
-        # graph. The sum (and its cast) is made once and reused by every step's graph: its backward saves nothing
-        # and expands the gradient without a copy; the hook on p then hands the loaded buffer instead.
-        link = self._links.get(loss.dtype)
-        if link is None:
-            assert self.parameter is not None
-            link = self._links[loss.dtype] = self.parameter.sum().to(loss.dtype)
-        return torch.add(loss, link)
+        # `loss + p.sum()`, p all zeros: the loss's value and type, and the parameter in the graph; the sum's
+        # backward expands the gradient without a copy, and the hook on p then hands the loaded buffer instead.
+        # Made anew in every step: the autograd engine runs the newest nodes first, so p's gradient is ready at the
+        # start of backward (a node kept from an earlier step would run last, and hold back DDP's first bucket,
+        # where p sits, and with it every all-reduce, until backward ends).
+        assert self.parameter is not None
+        link = self.parameter.sum()
+        return torch.add(loss, link if link.dtype == loss.dtype else link.to(loss.dtype))
 
     @property
     def dtype(self) -> torch.dtype:

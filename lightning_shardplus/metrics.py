@@ -117,15 +117,6 @@ class _Values:
             self._vector = torch.div(self._sums[self._start], self._sums[self._start + 1])
         return self._vector
 
-    def write_into(self, out: Tensor) -> bool:
-        """Divide a single mean out into ``out`` (0-dim, floating, on the device, not requiring grad) instead of
-        into a new tensor; False where the values are not that (then :attr:`vector` gives them)."""
-        sums = self._sums
-        if self._vector is not None or sums is None or out.dim() or out.requires_grad or out.device != sums.device:
-            return False
-        self._vector = torch.div(sums[self._start], sums[self._start + 1], out=out)
-        return True
-
     @property
     def weighted(self) -> Tensor | None:
         return None if self._sums is None else self._sums[self._start : self._stop : 2]
@@ -174,11 +165,6 @@ class Reduced:
         """The step value as a Python float: a host read (for callers outside the training step)."""
         vector = self._values.vector
         return (vector[self._index] if vector.dim() else vector).item()
-
-    def write_into(self, out: Tensor) -> bool:
-        """Write the step value into ``out`` in place where it is a single mean's (one division, no new tensor);
-        False where not (then :meth:`value_as`)."""
-        return self._values.write_into(out)
 
     def value_as(self, dtype: torch.dtype, device: torch.device | str = "cpu") -> Tensor:
         """The step value as a 0-dim tensor (a view of one tensor shared by the step's metrics)."""
@@ -555,7 +541,7 @@ class FusedMetricReducer:
             summed = torch.full((_HEADER + layout.slots,), float("nan"), dtype=self.dtype, device=self.device)
         means = 2 * layout.means
         pairs = (summed, _HEADER, _HEADER + means) if means else ()  # (weighted sum, weight) per mean
-        if layout.means == 1 and not layout.sums and not layout.extremes:  # one value: divided out when written
+        if layout.means == 1 and not layout.sums and not layout.extremes:  # one value: a 0-dim division, when read
             return {key: Reduced(_Values(None, *pairs), 0) for key in layout.index}
         parts = []
         if means:  # a zero total weight gives NaN
@@ -698,7 +684,7 @@ class FusedMetricReducer:
 
     def _parse(self, row: list[float]) -> list[int]:
         # Sums of 0/1 over at most world_size ranks: exact in float64; through DDP's float32 average (each rank's
-        # value divided by the world size, summed, times the world size here) within far less than 1/2 of one.
+        # flag packed times the world size, divided by it, summed) within far less than 1/2 of one.
         header = [round(x) for x in row]
         if any(abs(x - n) > 0.25 for x, n in zip(row, header, strict=True)):
             raise RuntimeError(f"shardplus: the training-metrics header summed to non-integers: {row}.")
@@ -1055,14 +1041,13 @@ class AverageTrainingMetrics(Callback):
         else:
             entries = {key: self._followed[key] for key in reduced}
         for key, entry in entries.items():
-            logged, result = entry.logged, reduced[key]
-            step = logged.value
-            # Lightning's own step tensor of this step, overwritten in place where it can be (a single mean)
-            if not (self._pending and _lightning.owns_step_value(logged.metric, step) and result.write_into(step)):
-                local, step = step, result.value_as(step.dtype, step.device)
-                if local.dim():
-                    step = step.reshape(local.shape)
-                _lightning.set_step_value(logged.metric, step)
+            logged = entry.logged
+            local = logged.value
+            # a new tensor: one a callback read earlier in the step (`callback_metrics`) keeps this rank's value
+            step = reduced[key].value_as(local.dtype, local.device)
+            if local.dim():
+                step = step.reshape(local.shape)
+            _lightning.set_step_value(logged.metric, step)
             self._last[key] = step
             if entry.epoch_state_before is not None:
                 # a metric logged in this step: its state before; a followed one: its state now

@@ -191,6 +191,27 @@ def test_the_carried_loss_keeps_its_value_and_type_and_the_gradients_theirs(dtyp
     carrier.close()
 
 
+def test_the_carriers_gradient_is_ready_first_in_every_backward():
+    """DDP launches its buckets in order and the carrier sits in the first one after the bucket rebuild: its
+    gradient must be ready at the start of each backward, not the end, or no all-reduce overlaps the backward."""
+    module = nn.Sequential(nn.Linear(3, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+    carrier = GradientCarrier(numel=2)
+    with carrier.registered_on(module):
+        pass
+    order: list[str] = []
+    for name, parameter in [*module.named_parameters(), ("carrier", carrier.parameter)]:
+        parameter.register_post_accumulate_grad_hook(lambda _, name=name: order.append(name))
+    for step in range(3):
+        order.clear()
+        with carrier.armed():
+            loss = module(torch.ones(2, 3)).sum()
+        carrier.load(torch.ones(2))
+        loss.backward()
+        assert order[0] == "carrier" and len(order) == 7, (step, order)
+        carrier.average()
+    carrier.close()
+
+
 def test_a_nan_carried_number_does_not_trip_anomaly_detection():
     """A NaN training metric is carried as a number, not computed by autograd: `detect_anomaly` lets it pass."""
     module = _LossModule(torch.float32, 1.0)

@@ -137,18 +137,6 @@ def test_the_training_results_and_the_logging_rule_are_where_the_metrics_glue_lo
     assert "_batches_that_stepped += 1" in inspect.getsource(_TrainingEpochLoop.on_advance_end)
 
 
-def test_an_on_step_only_value_is_its_own_state_so_writing_it_in_place_writes_both():
-    results = _ResultCollection(training=True)
-    taken = []
-    restore = _lightning.intercept_training_logs(results, lambda log: True, taken.append)
-    results.log("training_step", "x", torch.tensor(2.0), on_step=True, on_epoch=False, batch_size=1)
-    (logged,) = taken
-    assert _lightning.owns_step_value(logged.metric, logged.value)
-    logged.value.fill_(3.0)
-    assert logged.metric.value.item() == 3.0 and results.metrics(on_step=True)["callback"]["x"].item() == 3.0
-    restore()
-
-
 def never_called(*args, **kwargs):
     raise AssertionError("Lightning's own sync ran")
 
@@ -175,11 +163,6 @@ def test_intercepted_logs_skip_lightning_sync_and_expose_their_state(reduce_fx):
     assert results["training_step.x"].meta.sync.should  # no "use sync_dist=True" warning at epoch end
 
     metric = second.metric
-    # the value handed over is the step value Lightning holds: written in place, it is what the loggers read
-    assert _lightning.owns_step_value(metric, second.value)
-    assert not _lightning.owns_step_value(metric, second.value.clone())
-    second.value.fill_(5.0)
-    assert results.metrics(on_step=True)["callback"]["x"].item() == 5.0
     _lightning.set_step_value(metric, torch.tensor(7.0))
     on_step = results.metrics(on_step=True)
     assert on_step["log"]["x_step"].item() == 7.0 and on_step["callback"]["x"].item() == 7.0
@@ -411,16 +394,19 @@ def test_loggers_read_this_step_is_lightnings_own_rule_in_every_training_batch(l
     seen = []
 
     class Compare(pl.Callback):
-        def on_train_batch_end(self, trainer, *args):
-            lightning = trainer._logger_connector.should_update_logs and _lightning.logs_this_step(trainer)
-            seen.append((_lightning.loggers_read_this_step(trainer), bool(lightning)))
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            for stopping in (False, True):  # a stop asked for (EarlyStopping, SIGTERM) logs at once, if logging
+                trainer.should_stop = stopping
+                lightning = trainer._logger_connector.should_update_logs and _lightning.logs_this_step(trainer)
+                seen.append((_lightning.loggers_read_this_step(trainer), bool(lightning)))
+            trainer.should_stop = False
 
     trainer = pl.Trainer(
         max_steps=7, accumulate_grad_batches=2, log_every_n_steps=log_every_n_steps, logger=False,
         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, callbacks=[Compare()],
     )
     trainer.fit(BoringModel())
-    assert len(seen) == 14 and all(ours == theirs for ours, theirs in seen)
+    assert len(seen) == 28 and all(ours == theirs for ours, theirs in seen)
     assert any(ours for ours, _ in seen) == (log_every_n_steps > 0)
 
 

@@ -211,8 +211,8 @@ def _alternating_runs(configs: list[BenchConfig], args: argparse.Namespace) -> d
 
 def _row(runs: list[dict[str, Any]], baseline: float, baseline_runs: list[dict[str, Any]]) -> dict[str, Any]:
     """One config's row of the report: samples/s over its runs, its ratio to ``baseline`` (the baseline's median),
-    the median of its paired ratios (each run over the baseline's run of the same round, run next to it: the
-    machine's slow drift cancels), its counts."""
+    the median of its paired ratios (each run over the baseline's run of the same round, run close to it: the
+    machine's slow drift mostly cancels), its counts."""
     values = [r["samples_per_s"] for r in runs]
     paired = [r["samples_per_s"] / b["samples_per_s"] for r, b in zip(runs, baseline_runs, strict=True)]
     return {
