@@ -24,7 +24,7 @@ ranks, at the start of ``on_train_batch_end``:
 - ``sync_dist=True`` values with ``reduce_fx`` ``"sum"``, ``"max"`` or ``"min"``: that reduction over
   ranks, as Lightning's own sync would compute it (Lightning's sync is skipped).
 
-The values stay on the device: they are packed into one buffer (one ``torch.stack`` and one ``index_add_`` at
+The values stay on the device: they are packed into one buffer (one ``index_add`` onto a cached constant, at
 positions cached per set of logged names), reduced by ONE SUM, plus one MAX ``all_reduce`` of 2 slots per
 max/min name in steps whose agreed layout has max/min names (min as the max of the negation), and written back
 as device tensors: nothing is read on the host during the step, the loggers and the progress bar convert the
@@ -98,24 +98,16 @@ class MetricMismatchError(RuntimeError):
 
 
 class _Values:
-    """The reduced values of one step: one device tensor (means, sums, then max/min values, in layout order)
-    converted once per dtype and device, which each metric's step value is a view of; for means also the global
-    weighted sums and weights: (weighted sum, weight) per mean in ``sums[start:stop]``, sliced only when asked for
-    (epoch means)."""
+    """The reduced values of one step: one device tensor (means, sums, then max/min values, in layout order; 0-dim
+    for a step of a single mean) converted once per dtype and device, which each metric's step value is a view of;
+    for means also the global weighted sums and weights: (weighted sum, weight) per mean in ``sums[start:stop]``,
+    sliced only when asked for (epoch means)."""
 
-    __slots__ = ("_vector", "_sums", "_start", "_stop", "_tensors")
+    __slots__ = ("vector", "_sums", "_start", "_stop", "_tensors")
 
-    def __init__(self, vector: Tensor | None, sums: Tensor | None = None, start: int = 0, stop: int = 0) -> None:
-        self._vector, self._sums, self._start, self._stop = vector, sums, start, stop
+    def __init__(self, vector: Tensor, sums: Tensor | None = None, start: int = 0, stop: int = 0) -> None:
+        self.vector, self._sums, self._start, self._stop = vector, sums, start, stop
         self._tensors: dict[tuple[torch.dtype, torch.device | str], Tensor] = {}
-
-    @property
-    def vector(self) -> Tensor:
-        """The values; None given at construction: a single mean, divided out when first asked for."""
-        if self._vector is None:
-            assert self._sums is not None
-            self._vector = torch.div(self._sums[self._start], self._sums[self._start + 1])
-        return self._vector
 
     @property
     def weighted(self) -> Tensor | None:
@@ -314,7 +306,7 @@ class Carrier(Protocol):
 
     def unload(self) -> None: ...
 
-    def sum(self, world_size: int) -> Tensor | None: ...
+    def average(self) -> Tensor | None: ...
 
 
 @dataclass(frozen=True)
@@ -474,13 +466,16 @@ class FusedMetricReducer:
             buffer[-1] = carried * scale
         return buffer
 
+    def _rides_in_ddp(self) -> bool:
+        """Whether this step's SUM buffer goes to the carrier: there is one, and the buffer has its size (the
+        initial capacity; a larger agreed capacity takes an all_reduce of its own)."""
+        carrier = self._carrier
+        return carrier is not None and _HEADER + self.capacity + self.carry_slots == carrier.numel
+
     def _scale(self) -> float:
         """What this step's buffer is multiplied by: the world size where it rides in DDP's gradient all-reduce,
         which averages (the average of the scaled buffers is the sum), else 1."""
-        carrier = self._carrier
-        if carrier is not None and _HEADER + self.capacity + self.carry_slots == carrier.numel:
-            return float(self.world_size)
-        return 1.0
+        return float(self.world_size) if self._rides_in_ddp() else 1.0
 
     def _pack(self, abstain: bool, scale: float) -> Tensor:
         window = self._window
@@ -541,8 +536,9 @@ class FusedMetricReducer:
             summed = torch.full((_HEADER + layout.slots,), float("nan"), dtype=self.dtype, device=self.device)
         means = 2 * layout.means
         pairs = (summed, _HEADER, _HEADER + means) if means else ()  # (weighted sum, weight) per mean
-        if layout.means == 1 and not layout.sums and not layout.extremes:  # one value: a 0-dim division, when read
-            return {key: Reduced(_Values(None, *pairs), 0) for key in layout.index}
+        if layout.means == 1 and not layout.sums and not layout.extremes:  # one value: one 0-dim division
+            value = torch.div(summed[_HEADER], summed[_HEADER + 1])
+            return {key: Reduced(_Values(value, *pairs), 0) for key in layout.index}
         parts = []
         if means:  # a zero total weight gives NaN
             parts.append(torch.div(summed[_HEADER : _HEADER + means : 2], summed[_HEADER + 1 : _HEADER + means : 2]))
@@ -566,7 +562,8 @@ class FusedMetricReducer:
         if self._started is not None:
             raise RuntimeError("shardplus: a training-metrics reduction was started twice without `finish`.")
         summed = self.pack(abstain, carried)
-        if self._carrier is not None and summed.numel() == self._carrier.numel:
+        if self._rides_in_ddp():
+            assert self._carrier is not None
             self._carrier.load(summed)
             self._started = _Started(summed, None, abstain, carried, carried_by_ddp=True)
             return
