@@ -2,11 +2,23 @@
 measurement)."""
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import traceback
+import warnings
+from pathlib import Path
 
+import lightning.pytorch as pl
 import pytest
+import torch
+from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning.pytorch.strategies import DDPStrategy
 
+import lightning_shardplus
 from lightning_shardplus import ShardPlusStrategy, bench
+from lightning_shardplus.bench import host_syncs
 from lightning_shardplus.metrics import CARRIED_NUMEL
 from lightning_shardplus.sharding import DIGEST_WIDTH
 
@@ -260,3 +272,67 @@ def test_scale_bench_counts_what_shardplus_adds_over_ddp_at_two_processes(tmp_pa
     assert row["checkpoint_bytes"] > row["powersgd_rank_file_bytes"] > 0
     assert "| 2 |" in capsys.readouterr().out
     assert json.loads((tmp_path / "scale.json").read_text())["world_sizes"]["2"]["added"] == added
+
+
+@pytest.mark.timeout(150)
+def test_one_process_fits_after_the_first_do_not_hang_in_a_forked_worker():
+    # One process per fit (--devices 1, as on a machine with one GPU) gets all the cores: after a first fit, the
+    # second one's first parallel op hung in libgomp when the benchmark process had run one itself. A fresh
+    # interpreter without this suite's OMP_NUM_THREADS=1, as a user runs it.
+    env = {key: value for key, value in os.environ.items() if key != "OMP_NUM_THREADS"}
+    tiny = ["--repeats=1", "--steps=4", "--warmup=1", "--global-batch-size=256", "--input-dim=256", "--devices=1"]
+    command = [sys.executable, "-m", "lightning_shardplus.bench", *tiny, "--configs=ddp,shardplus,shardplus-plain"]
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True)
+    try:
+        out, err = process.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)  # the benchmark and its forked fit
+        out, err = process.communicate()
+    assert process.returncode == 0, err[-2000:]
+    assert [line.split(":")[0] for line in out.splitlines() if line.startswith("run ")] == [
+        "run 1/3 ddp", "run 2/3 shardplus", "run 3/3 shardplus-plain"
+    ]
+
+
+def test_host_sync_counts_are_per_batch_after_warmup_and_name_who_synchronized(tmp_path):
+    # torch raises the warning on CUDA only; on CPU the training step raises it by hand, twice per batch
+    class Synchronizing(BoringModel):
+        def training_step(self, batch, batch_idx):
+            for _ in range(2):
+                warnings.warn(f"Warning: {host_syncs.SYNC_WARNING} (function warn_or_error_on_sync)", stacklevel=1)
+            return super().training_step(batch, batch_idx)
+
+    out = tmp_path / "syncs.json"
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=5, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[host_syncs.SyncCounter(warmup=2, out=out)])
+    showwarning = warnings.showwarning
+    trainer.fit(Synchronizing())
+    assert warnings.showwarning is showwarning  # restored
+    row = json.loads(out.read_text())
+    assert row["batches"] == 3
+    assert row["other"] == {"per_batch_mean": 2.0, "per_batch_median": 2, "batches_with_any": 3}
+    assert row["shardplus"]["batches_with_any"] == row["lightning"]["batches_with_any"] == 0
+    [(site, count)] = row["sites"].items()
+    assert count == 6 and site.startswith("other: test_bench.py:") and site.endswith(" training_step")
+
+
+def test_host_sync_origin_is_the_first_frame_outside_torch_from_the_innermost():
+    def frame(path, name):
+        return traceback.FrameSummary(path, 7, name)
+
+    package = Path(lightning_shardplus.__file__).parent
+    lightning = Path(pl.__file__).parent
+    torch_file = str(Path(torch.__file__).parent / "_tensor.py")
+    stack = [frame(str(lightning / "trainer/trainer.py"), "fit"), frame(str(package / "metrics.py"), "pack"),
+             frame(torch_file, "item")]
+    assert host_syncs.origin(stack) == ("shardplus", "metrics.py:7 pack")
+    assert host_syncs.origin(stack[:1] + stack[2:]) == ("lightning", "trainer.py:7 fit")
+    assert host_syncs.origin([frame(str(package / "bench/runner.py"), "run_once")])[0] == "other"
+    assert host_syncs.origin([frame(torch_file, "item")]) == ("other", "?")
+
+
+def test_host_syncs_need_a_gpu():
+    with pytest.raises(SystemExit):
+        bench.main(["--host-syncs", "--accelerator=cpu"])

@@ -13,8 +13,9 @@ from lightning.fabric.accelerators.cuda import num_cuda_devices
 
 from lightning_shardplus.bench.collective import format_collective_table, run_collective
 from lightning_shardplus.bench.fusion import FUSION_SHAPES, run_fusion
+from lightning_shardplus.bench.host_syncs import HOST_SYNC_CONFIGS, format_host_sync_table, run_host_syncs
 from lightning_shardplus.bench.rewrap import REWRAP_HIDDEN, format_rewrap_table, run_rewrap
-from lightning_shardplus.bench.runner import run
+from lightning_shardplus.bench.runner import keep_parent_single_threaded, run
 from lightning_shardplus.bench.sampler import SAMPLER_SIZES, run_sampler
 from lightning_shardplus.bench.tables import (
     format_breakdown_table,
@@ -42,6 +43,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     _add_fusion_arguments(parser)
     _add_rewrap_arguments(parser)
     _add_collective_arguments(parser)
+    _add_host_sync_arguments(parser)
     args = parser.parse_args(argv)
     _fill_defaults(args)
     _check(parser, args)
@@ -165,6 +167,18 @@ def _add_collective_arguments(parser: argparse.ArgumentParser) -> None:
                         "training metrics' buffer for up to 32 means)")
 
 
+def _add_host_sync_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--host-syncs``: the device synchronizations per training batch on a GPU, and the logging interval."""
+    parser.add_argument(
+        "--host-syncs", action="store_true",
+        help="count the device synchronizations per training batch instead, as torch reports them "
+        "(torch.cuda.set_sync_debug_mode), one fit per --configs row (default: "
+        f"{','.join(HOST_SYNC_CONFIGS)}); needs --accelerator gpu (see lightning_shardplus.bench.host_syncs)",
+    )
+    parser.add_argument("--log-every-n-steps", type=int, default=50,
+                        help="with --host-syncs: the CSV logger's interval (default 50)")
+
+
 def _fill_defaults(args: argparse.Namespace) -> None:
     """What was not given: ``--quick``'s or the full run's repeats, steps and warmup; the accelerator and devices
     (``auto``: a GPU if there is one; one process per GPU, else 2); ``--torch-max-length`` as one number."""
@@ -188,13 +202,16 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         parser.error("--sampler-sizes is not valid: expected lengths <= 2**63 - 1")
     names = (
         "devices", "rewrap_repeats", "collective_floats", "repeats", "steps", "global_batch_size", "input_dim",
-        "hidden_dim", "layers",
+        "hidden_dim", "layers", "log_every_n_steps",
     )
     for name in names:
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')}={getattr(args, name)} is not valid: expected >= 1")
     if args.warmup < 0:
         parser.error(f"--warmup={args.warmup} is not valid: expected >= 0")
+    if args.host_syncs and args.accelerator != "gpu":
+        parser.error(f"--host-syncs with --accelerator={args.accelerator} is not valid: expected gpu (torch counts "
+                     "device synchronizations on CUDA only)")
     for mode in ("rewrap", "collective"):
         if getattr(args, mode) and args.accelerator != "cpu":
             parser.error(f"--{mode} with --accelerator={args.accelerator} is not valid: only cpu (gloo) is measured")
@@ -252,6 +269,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(format_rewrap_table(report))
     elif "collective_rows" in report:
         print(format_collective_table(report))
+    elif "host_sync_rows" in report:
+        print(format_host_sync_table(report))
     else:
         _print_matrix(report, args)
     if args.json is not None:
@@ -266,12 +285,15 @@ def _report(args: argparse.Namespace) -> dict[str, Any]:
         return json.loads(args.from_json.read_text())
     if args.sampler:
         return run_sampler(args)
-    if args.fusion:
-        return run_fusion(args)
     if args.rewrap:
         return run_rewrap(args)
     if args.collective:
         return run_collective(args)
+    keep_parent_single_threaded()  # the modes below fork Lightning fits from this process
+    if args.fusion:
+        return run_fusion(args)
+    if args.host_syncs:
+        return run_host_syncs(select_configs(args.configs or list(HOST_SYNC_CONFIGS)), args)
     return run(select_configs(args.configs), args)
 
 

@@ -230,6 +230,14 @@ def _row(runs: list[dict[str, Any]], baseline: float, baseline_runs: list[dict[s
     }
 
 
+def keep_parent_single_threaded() -> None:
+    """One intra-op thread in this process, which forks the fits and times nothing itself. libgomp's thread pool
+    does not survive a fork: once this process had run a parallel op, a fit's first parallel op hung in the child
+    whenever the child had several threads (one process per machine of several cores: ``--devices 1``, or one
+    GPU). Each fit's own threads stay Lightning's choice (cores / processes) or ``--threads``."""
+    torch.set_num_threads(1)
+
+
 def rows_from_workers(worker: Callable[..., None], args: argparse.Namespace) -> Any:
     """Run ``worker(rank, world_size, store, out, args)`` in ``--devices`` fork processes (this process is not one
     of them) and return what rank 0 wrote to ``out`` as JSON."""
