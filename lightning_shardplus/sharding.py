@@ -4,9 +4,15 @@ Both samplers draw their order from one global permutation per epoch that every 
 from ``(seed, epoch)``; a rank then takes its share of that order. The permutation is a keyed bijection
 (:mod:`lightning_shardplus.permutation`) evaluated on the rank's positions chunk by chunk, so a sampler's memory
 does not depend on the dataset's length and its first index comes at once; :func:`epoch_permutation` is the
-same order as one tensor. Iterating hands out each chunk's ``tolist()`` through ``itertools.chain``: the per-index
-work is C code, as in iterating torch's materialized list. Nothing here communicates or imports Lightning, so
-every property can be checked in one process.
+same order as one tensor. Nothing here communicates or imports Lightning, so every property can be checked in one
+process.
+
+Iterating yields Python ints in one of two ways, both C code per index. A shard of up to :data:`UP_FRONT_SIZE`
+indices becomes one list before its first index, as torch's ``DistributedSampler`` builds its list: creating the
+ints (about 27 ns each on a 2-core VM, four times the permutation) is then paid once, before the first index, and
+the walk after it costs what torch's does; at most about 40 MB and a few tens of ms. A larger shard is chained
+chunk by chunk through ``memoryview`` (O(1) memory, first index in about a ms): each int is made as it is read
+and freed before the next, into warm memory, about 20% faster than each chunk's ``tolist()``.
 """
 
 from __future__ import annotations
@@ -29,6 +35,9 @@ PADDING_MODES: tuple[str, ...] = ("first", "wrap")
 CHUNK_SIZE = 65_536
 """Positions permuted at a time while iterating; the first chunks are smaller so the first index comes fast."""
 _FIRST_CHUNK_SIZE = 1_024
+UP_FRONT_SIZE = 1 << 20
+"""A shard of at most this many indices is built as one list of ints before its first index (about 40 bytes per
+index); a larger one is yielded chunk by chunk."""
 
 
 def epoch_permutation(length: int, *, seed: int, epoch: int, shuffle: bool = True) -> torch.Tensor:
@@ -101,14 +110,24 @@ class _ShardSampler(Sampler[int]):
         """This rank's indices for the current epoch, chunk by chunk (int64 arrays)."""
         raise NotImplementedError
 
+    def _shard_size(self) -> int:
+        """How many indices :meth:`_index_chunks` yields in all."""
+        raise NotImplementedError
+
+    def _shard_array(self) -> np.ndarray:
+        chunks = list(self._index_chunks())
+        return np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.int64)
+
     def shard_indices(self) -> torch.Tensor:
         """This rank's indices for the current epoch as one tensor (for small datasets and tests)."""
-        chunks = list(self._index_chunks())
-        return torch.from_numpy(np.concatenate(chunks)) if chunks else torch.zeros(0, dtype=torch.int64)
+        return torch.from_numpy(self._shard_array())
 
     def _iterate(self) -> Iterator[int]:
-        """The indices as Python ints: each chunk's ``tolist()``, chained in C."""
-        return itertools.chain.from_iterable(map(np.ndarray.tolist, self._index_chunks()))
+        """The indices as Python ints: one list made before the first index for a shard of at most
+        :data:`UP_FRONT_SIZE`, else each chunk's ``memoryview`` (which makes each int as it is read), chained in C."""
+        if self._shard_size() <= UP_FRONT_SIZE:
+            return iter(self._shard_array().tolist())
+        return itertools.chain.from_iterable(map(memoryview, self._index_chunks()))
 
 
 class PaddedShardSampler(_ShardSampler):
@@ -234,6 +253,9 @@ class PaddedShardSampler(_ShardSampler):
     def __iter__(self) -> Iterator[int]:
         return self._recorded() if self.record_indices else self._iterate()
 
+    def _shard_size(self) -> int:
+        return self.num_samples
+
     def _recorded(self) -> Iterator[int]:
         """The indices, noting each in ``yielded_indices`` and whether the epoch ran to its end."""
         self.yielded_indices, self.completed_epoch = [], False
@@ -275,6 +297,9 @@ class ExactShardSampler(_ShardSampler):
 
     def __iter__(self) -> Iterator[int]:
         return self._iterate()
+
+    def _shard_size(self) -> int:
+        return self.stop - self.start
 
     def __len__(self) -> int:
         return self.stop - self.start

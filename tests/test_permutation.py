@@ -86,10 +86,13 @@ def test_neighbouring_positions_are_not_correlated():
     assert abs(indices.mean().item() / n - 0.5) < 0.01
 
 
-def test_small_chunks_give_the_same_shards(monkeypatch):
-    """The samplers permute their positions chunk by chunk; the chunk size does not change what they yield."""
+@pytest.mark.parametrize("up_front_size", [0, sharding.UP_FRONT_SIZE], ids=["chunk_by_chunk", "list_up_front"])
+def test_small_chunks_give_the_same_shards(monkeypatch, up_front_size):
+    """The samplers permute their positions chunk by chunk; the chunk size does not change what they yield, nor
+    does yielding the shard chunk by chunk or as one list made up front (Python ints either way)."""
     monkeypatch.setattr(sharding, "_FIRST_CHUNK_SIZE", 2)
     monkeypatch.setattr(sharding, "CHUNK_SIZE", 5)
+    monkeypatch.setattr(sharding, "UP_FRONT_SIZE", up_front_size)
     for n, w in [(0, 1), (1, 3), (37, 4), (100, 7), (64, 8), (10, 16)]:
         order = epoch_permutation(n, seed=3, epoch=2).tolist()
         for padding in ("first", "wrap"):
@@ -99,7 +102,9 @@ def test_small_chunks_give_the_same_shards(monkeypatch):
             for rank in range(w):
                 sampler = PaddedShardSampler(n, w, rank, seed=3, padding=padding, record_indices=True)
                 sampler.set_epoch(2)
-                assert list(sampler) == full[rank::w] == sampler.shard_indices().tolist()
+                indices = list(sampler)
+                assert indices == full[rank::w] == sampler.shard_indices().tolist()
+                assert all(type(index) is int for index in indices)
                 assert sampler.yielded_indices == full[rank::w] and sampler.completed_epoch
             exact = []
             for rank in range(w):
