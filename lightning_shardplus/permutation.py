@@ -2,7 +2,7 @@
 
 The epoch order is a keyed bijection rather than a materialized ``randperm``: ``permuted(positions, N, seed,
 epoch)`` maps any chunk of positions to their indices, so a sampler needs memory for one chunk whatever N is,
-yields its first index at once, and ranks reading different positions read different indices by construction.
+can yield its first index at once, and ranks reading different positions read different indices by construction.
 
 Construction (format-preserving encryption, as in Black & Rogaway's "Ciphers with arbitrary finite domains"):
 
