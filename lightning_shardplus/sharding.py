@@ -4,15 +4,15 @@ Both samplers draw their order from one global permutation per epoch that every 
 from ``(seed, epoch)``; a rank then takes its share of that order. The permutation is a keyed bijection
 (:mod:`lightning_shardplus.permutation`) evaluated on the rank's positions chunk by chunk, so a sampler's memory
 is bounded whatever the dataset's length and a large shard's first index comes at once; :func:`epoch_permutation`
-is the same order as one tensor. Nothing here communicates or imports Lightning, so every property can be checked in one
-process.
+is the same order as one tensor. Nothing here communicates or imports Lightning, so every property can be checked
+in one process.
 
 Iterating yields Python ints in one of two ways, both C code per index. A shard of up to :data:`UP_FRONT_SIZE`
 indices becomes one list before its first index, as torch's ``DistributedSampler`` builds its list: the ints
 (about 27 ns each on a 2-core VM, more than the permutation's 16) are then made before the first index, and the
 walk after it is torch's, a list iterator (at most ~50 MB and ~65 ms there, at 2**20 indices). A larger shard
 is chained chunk by chunk through ``memoryview`` (O(1) memory, first index in under a ms), which makes each int
-as it is read, into memory freed by the previous one: 10-25% more indices/s than each chunk's ``tolist()``.
+as it is read, into memory freed by the previous one: 5-25% more indices/s than each chunk's ``tolist()``.
 """
 
 from __future__ import annotations
@@ -115,6 +115,7 @@ class _ShardSampler(Sampler[int]):
         raise NotImplementedError
 
     def _shard_array(self) -> np.ndarray:
+        """This rank's indices for the current epoch as one int64 array."""
         chunks = list(self._index_chunks())
         return np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.int64)
 
