@@ -303,13 +303,25 @@ def test_host_sync_counts_are_per_batch_after_warmup_and_name_who_synchronized(t
                 warnings.warn(f"Warning: {host_syncs.SYNC_WARNING} (function warn_or_error_on_sync)", stacklevel=1)
             return super().training_step(batch, batch_idx)
 
+    def fit(model, out):
+        trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=5, logger=False, enable_checkpointing=False,
+                             enable_progress_bar=False, enable_model_summary=False,
+                             callbacks=[host_syncs.SyncCounter(warmup=2, out=out)])
+        trainer.fit(model)
+
+    class Failing(Synchronizing):
+        def training_step(self, batch, batch_idx):
+            if batch_idx == 3:
+                raise ValueError("a failing step")
+            return super().training_step(batch, batch_idx)
+
+    showwarning, filters = warnings.showwarning, list(warnings.filters)
+    with pytest.raises(ValueError, match="a failing step"):
+        fit(Failing(), tmp_path / "failed.json")
+    assert warnings.showwarning is showwarning and warnings.filters == filters  # restored after a failure too
     out = tmp_path / "syncs.json"
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=5, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False,
-                         callbacks=[host_syncs.SyncCounter(warmup=2, out=out)])
-    showwarning = warnings.showwarning
-    trainer.fit(Synchronizing())
-    assert warnings.showwarning is showwarning  # restored
+    fit(Synchronizing(), out)
+    assert warnings.showwarning is showwarning and warnings.filters == filters
     row = json.loads(out.read_text())
     assert row["batches"] == 3
     assert row["other"] == {"per_batch_mean": 2.0, "per_batch_median": 2, "batches_with_any": 3}
@@ -325,6 +337,9 @@ def test_host_sync_origin_is_the_first_frame_outside_torch_from_the_innermost():
     package = Path(lightning_shardplus.__file__).parent
     lightning = Path(pl.__file__).parent
     torch_file = str(Path(torch.__file__).parent / "_tensor.py")
+    # a package whose name starts with torch's is not torch
+    torchmetrics_file = str(Path(torch.__file__).parent.parent / "torchmetrics" / "metric.py")
+    assert host_syncs.origin([frame(torchmetrics_file, "compute")]) == ("other", "metric.py:7 compute")
     stack = [frame(str(lightning / "trainer/trainer.py"), "fit"), frame(str(package / "metrics.py"), "pack"),
              frame(torch_file, "item")]
     assert host_syncs.origin(stack) == ("shardplus", "metrics.py:7 pack")

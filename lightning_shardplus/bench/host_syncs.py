@@ -9,13 +9,15 @@ counts those warnings per batch (from one ``on_train_batch_start`` to the next, 
 its optimizer step are in it) and attributes each to the first frame of the Python stack outside torch: the
 package (``lightning_shardplus``), Lightning, or anything else (the workload's model, the benchmark). Warnings
 raised in autograd's device threads are replayed by torch at the end of ``backward`` and land in Lightning's
-``backward`` call. Synchronizations that torch does not route through its check (inside NCCL, say) are not seen.
+``backward`` call. Synchronizations that torch does not route through its check are not seen: an event's
+``synchronize()``, or waits inside NCCL.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import tempfile
 import traceback
@@ -32,18 +34,23 @@ from lightning.pytorch.loggers import CSVLogger
 
 import lightning_shardplus
 from lightning_shardplus.bench.quiet import quiet_run
-from lightning_shardplus.bench.runner import machine, report_settings, thread_callbacks
-from lightning_shardplus.bench.workloads import BenchConfig, RankStream, bench_model
-from lightning_shardplus.datamodule import SyntheticDataModule
+from lightning_shardplus.bench.runner import Workload, bench_trainer, machine, report_settings, thread_callbacks
+from lightning_shardplus.bench.workloads import BenchConfig
 
 SYNC_WARNING = "called a synchronizing CUDA operation"
 HOST_SYNC_CONFIGS = ("ddp", "shardplus", "shardplus-plain", "shardplus-report", "ddp-stream", "shardplus-stream")
 ORIGINS = ("shardplus", "lightning", "other")
 
-_PACKAGE = str(Path(lightning_shardplus.__file__).parent)
-_BENCH = str(Path(__file__).parent)
-_TORCH = str(Path(torch.__file__).parent)
-_LIGHTNING = str(Path(pl.__file__).parent.parent)  # lightning/ (pytorch and fabric)
+def _folder(module: Any) -> str:
+    """The folder of ``module``'s package, with a trailing separator (``torch/`` is not ``torchmetrics/``)."""
+    return str(Path(module.__file__).parent) + os.sep
+
+
+_PACKAGE = _folder(lightning_shardplus)
+_BENCH = str(Path(__file__).parent) + os.sep
+_TORCH = _folder(torch)
+_LIGHTNING = str(Path(pl.__file__).parent.parent) + os.sep  # lightning/ (pytorch and fabric)
+_SKIPPED = {warnings.__file__, __file__}  # the warnings module and this one: the stack above the sync
 
 
 def origin(stack: list[traceback.FrameSummary]) -> tuple[str, str]:
@@ -52,7 +59,7 @@ def origin(stack: list[traceback.FrameSummary]) -> tuple[str, str]:
     this benchmark), ``"lightning"`` or ``"other"``; and that frame as ``file:line function``."""
     for frame in reversed(stack):
         name = frame.filename
-        if name.startswith(_TORCH) or name.endswith(("warnings.py", "host_syncs.py")):
+        if name.startswith(_TORCH) or name in _SKIPPED:
             continue
         where = f"{Path(name).name}:{frame.lineno} {frame.name}"
         if name.startswith(_PACKAGE) and not name.startswith(_BENCH):
@@ -66,31 +73,32 @@ def origin(stack: list[traceback.FrameSummary]) -> tuple[str, str]:
 class SyncCounter(Callback):
     """Counts torch's synchronization warnings per training batch after ``warmup`` batches, by :func:`origin`,
     and writes them to ``out`` (rank 0) when training ends. torch raises these warnings on CUDA devices only (on
-    others the counter sees only warnings of that text raised by hand)."""
+    others the counter sees only warnings of that text raised by hand). The warning filters, ``showwarning`` and
+    CUDA's debug mode are as before once training ends or fails."""
 
     def __init__(self, warmup: int, out: Path) -> None:
         self.warmup, self.out = warmup, out
         self.batches: list[Counter[str]] = []
         self.sites: Counter[str] = Counter()
         self._counting = False
-        self._restore: tuple[Any, Any] | None = None  # warnings.showwarning and CUDA's debug mode, while counting
-        self._filter: Any = None
+        self._warnings: Any = None  # the catch_warnings context while training: it restores filters and showwarning
+        self._show_other: Any = None  # showwarning as it was, for every other warning
+        self._debug_mode: Any = None  # CUDA's sync debug mode before training (None: not on CUDA)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        cuda = trainer.strategy.root_device.type == "cuda"
-        self._restore = (warnings.showwarning, torch.cuda.get_sync_debug_mode() if cuda else None)
+        self._warnings = warnings.catch_warnings()
+        self._warnings.__enter__()
         warnings.filterwarnings("always", message=f".*{SYNC_WARNING}")
-        self._filter = warnings.filters[0]
-        warnings.showwarning = self._show
-        if cuda:
+        self._show_other, warnings.showwarning = warnings.showwarning, self._show
+        if trainer.strategy.root_device.type == "cuda":
+            self._debug_mode = torch.cuda.get_sync_debug_mode()
             torch.cuda.set_sync_debug_mode("warn")
 
     def _show(
         self, message: Any, category: Any, filename: str, lineno: int, file: Any = None, line: Any = None
     ) -> None:
         if SYNC_WARNING not in str(message):
-            assert self._restore is not None
-            self._restore[0](message, category, filename, lineno, file, line)
+            self._show_other(message, category, filename, lineno, file, line)
             return
         if not self._counting:
             return
@@ -104,15 +112,21 @@ class SyncCounter(Callback):
             self.batches.append(Counter())
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._counting = False
-        if self._restore is not None:
-            warnings.showwarning, mode = self._restore
-            if mode is not None:  # CUDA's
-                torch.cuda.set_sync_debug_mode(mode)
-            if self._filter in warnings.filters:
-                warnings.filters.remove(self._filter)
+        self._stop()
         if trainer.is_global_zero:
             self.out.write_text(json.dumps(summarize(self.batches, self.sites)))
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._stop()
+
+    def _stop(self) -> None:
+        self._counting = False
+        if self._debug_mode is not None:
+            torch.cuda.set_sync_debug_mode(self._debug_mode)
+            self._debug_mode = None
+        if self._warnings is not None:
+            self._warnings.__exit__(None, None, None)
+            self._warnings = None
 
 
 def summarize(batches: list[Counter[str]], sites: Counter[str]) -> dict[str, Any]:
@@ -131,40 +145,23 @@ def summarize(batches: list[Counter[str]], sites: Counter[str]) -> dict[str, Any
 
 
 def count_once(config: BenchConfig, args: argparse.Namespace) -> dict[str, Any]:
-    """One ``fit`` of the workload under ``config`` with a :class:`SyncCounter`; rank 0's counts."""
+    """One ``fit`` of the workload under ``config`` (with its ``ScalingReport`` where the row has one) and a
+    :class:`SyncCounter`, a CSV logger writing every ``--log-every-n-steps``; rank 0's counts."""
     with tempfile.TemporaryDirectory() as tmp:
         directory = Path(tmp)
-        pl.seed_everything(0, verbose=False)
-        strategy = config.make_strategy()
-        steps = args.warmup + args.steps
-        datamodule = SyntheticDataModule(
-            global_batch_size=args.global_batch_size,
-            num_samples=args.global_batch_size * steps,
-            val_samples=0,
-            input_shape=(args.input_dim,),
-        )
-        callbacks = [SyncCounter(args.warmup, directory / "syncs.json"), *thread_callbacks(args)]
+        workload = Workload.of(config, args)
+        callbacks = [
+            SyncCounter(workload.warmup_steps, directory / "syncs.json"),
+            *workload.scaling_report(directory / "scaling.json"),
+            *thread_callbacks(args),
+        ]
+        steps = workload.warmup_steps + workload.timed_steps
         with quiet_run():
-            trainer = pl.Trainer(
-                accelerator=args.accelerator,
-                devices=args.devices,
-                strategy=strategy,
-                max_steps=steps,
-                logger=CSVLogger(directory),
-                log_every_n_steps=args.log_every_n_steps,
-                enable_checkpointing=False,
-                enable_progress_bar=False,
-                enable_model_summary=False,
-                limit_val_batches=0,
-                callbacks=callbacks,
-            )
-            model = bench_model(config, args)
-            if config.stream:
-                stream = RankStream(datamodule.build_train_dataset())
-                loader = torch.utils.data.DataLoader(stream, batch_size=args.global_batch_size // args.devices)
-                trainer.fit(model, loader)
-            else:
-                trainer.fit(model, datamodule)
+            trainer = bench_trainer(
+                args.accelerator, args.devices, workload.strategy, steps, callbacks,
+                logger=CSVLogger(directory), log_every_n_steps=args.log_every_n_steps,
+            )  # fmt: skip
+            workload.fit(trainer, args)
         return json.loads((directory / "syncs.json").read_text())
 
 
@@ -190,4 +187,3 @@ def format_host_sync_table(report: dict[str, Any]) -> str:
         for site, count in row["sites"].items():
             lines.append(f"{name}: {count} x {site}")
     return "\n".join(lines)
-

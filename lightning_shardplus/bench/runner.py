@@ -13,6 +13,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ import lightning.pytorch as pl
 import torch
 import torch.multiprocessing as mp
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers import Logger
 from lightning.pytorch.strategies import Strategy
 
 from lightning_shardplus.aggregation import effective_batch_size
@@ -101,15 +103,23 @@ def _median_per_run(values: list[float | None]) -> float | None:
 
 
 def bench_trainer(
-    accelerator: str, devices: int, strategy: Strategy, max_steps: int, callbacks: list[Callback]
+    accelerator: str,
+    devices: int,
+    strategy: Strategy,
+    max_steps: int,
+    callbacks: list[Callback],
+    logger: Logger | bool = False,
+    log_every_n_steps: int | None = None,
 ) -> pl.Trainer:
-    """A Trainer that trains ``max_steps`` and nothing else: no logger, checkpoints, progress bar or validation."""
+    """A Trainer that trains ``max_steps`` and nothing else: no checkpoints, progress bar or validation, and no
+    logger unless one is given."""
     return pl.Trainer(
         accelerator=accelerator,
         devices=devices,
         strategy=strategy,
         max_steps=max_steps,
-        logger=False,
+        logger=logger,
+        log_every_n_steps=log_every_n_steps,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -118,11 +128,21 @@ def bench_trainer(
     )
 
 
-def run_once(config: BenchConfig, args: argparse.Namespace) -> dict[str, Any]:
-    """One ``fit`` of the workload under ``config``; returns rank 0's samples/s and, for shardplus rows, the
-    counted communication per timed optimizer step."""
-    with tempfile.TemporaryDirectory() as tmp:
-        directory = Path(tmp)
+@dataclass
+class Workload:
+    """One row's fit as every benchmark mode sets it up (seeded): its strategy, model and data, and its untimed
+    and timed optimizer steps (micro-batches: times ``frequency``, the strategy's aggregation)."""
+
+    config: BenchConfig
+    strategy: Strategy
+    model: pl.LightningModule
+    datamodule: SyntheticDataModule
+    frequency: int
+    warmup_steps: int
+    timed_steps: int
+
+    @classmethod
+    def of(cls, config: BenchConfig, args: argparse.Namespace) -> Workload:
         pl.seed_everything(0, verbose=False)
         strategy = config.make_strategy()
         frequency = getattr(strategy, "aggregation_frequency", 1)
@@ -135,28 +155,43 @@ def run_once(config: BenchConfig, args: argparse.Namespace) -> dict[str, Any]:
             input_shape=(args.input_dim,),
         )
         model = bench_model(config, args)
-        counted = _counts_gradients(config, strategy)
-        scaling = directory / "scaling.json"
-        report = (
-            ScalingReport(skip_first_steps=warmup_steps * frequency, output_file=scaling, verbose=False)
-            if config.scaling_report
-            else None
-        )
+        return cls(config, strategy, model, datamodule, frequency, warmup_steps, timed_steps)
+
+    def scaling_report(self, output_file: Path) -> list[Callback]:
+        """The row's ``ScalingReport`` (timing the steps after the warmup) in a list, or none."""
+        if not self.config.scaling_report:
+            return []
+        return [ScalingReport(skip_first_steps=self.warmup_steps * self.frequency, output_file=output_file,
+                              verbose=False)]
+
+    def fit(self, trainer: pl.Trainer, args: argparse.Namespace) -> None:
+        """Train on the datamodule, or on the same samples as one stream per rank (``config.stream``)."""
+        if self.config.stream:
+            stream = RankStream(self.datamodule.build_train_dataset())
+            batch = args.global_batch_size // args.devices
+            trainer.fit(self.model, torch.utils.data.DataLoader(stream, batch_size=batch))
+        else:
+            trainer.fit(self.model, self.datamodule)
+
+
+def run_once(config: BenchConfig, args: argparse.Namespace) -> dict[str, Any]:
+    """One ``fit`` of the workload under ``config``; returns rank 0's samples/s and, for shardplus rows, the
+    counted communication per timed optimizer step."""
+    with tempfile.TemporaryDirectory() as tmp:
+        directory = Path(tmp)
+        workload = Workload.of(config, args)
+        counted = _counts_gradients(config, workload.strategy)
+        report = workload.scaling_report(directory / "scaling.json")
         callbacks = [
-            _Throughput(warmup_steps, directory / "result.json"),
+            _Throughput(workload.warmup_steps, directory / "result.json"),
             *([CommunicationCounter(directory / "counts")] if counted else []),
-            *([report] if report else []),
+            *report,
             *thread_callbacks(args),
         ]
+        steps = workload.timed_steps + workload.warmup_steps
         with quiet_run():
-            trainer = bench_trainer(args.accelerator, args.devices, strategy, timed_steps + warmup_steps, callbacks)
-            if config.stream:  # the same samples, as one stream per rank
-                stream = RankStream(datamodule.build_train_dataset())
-                batch = args.global_batch_size // args.devices
-                trainer.fit(model, torch.utils.data.DataLoader(stream, batch_size=batch))
-            else:
-                trainer.fit(model, datamodule)
-        return _run_result(directory, counted, warmup_steps, report is not None)
+            workload.fit(bench_trainer(args.accelerator, args.devices, workload.strategy, steps, callbacks), args)
+        return _run_result(directory, counted, workload.warmup_steps, bool(report))
 
 
 def _counts_gradients(config: BenchConfig, strategy: Strategy) -> bool:
