@@ -12,7 +12,9 @@ indices becomes one list before its first index, as torch's ``DistributedSampler
 (about 27 ns each on a 2-core VM, more than the permutation's 16) are then made before the first index, and the
 walk after it is torch's, a list iterator (at most ~50 MB and ~65 ms there, at 2**20 indices). A larger shard
 is chained chunk by chunk through ``memoryview`` (O(1) memory, first index in under a ms), which makes each int
-as it is read, into memory freed by the previous one: 5-25% more indices/s than each chunk's ``tolist()``.
+as it is read, into memory freed by the previous one: 4-17% more indices/s than each chunk's ``tolist()`` at
+N = 10^9. Over a whole pass the lazy path is the faster one; the list is there to match torch's rate after the first
+index (docs/sharding.md, "The trade-off").
 """
 
 from __future__ import annotations

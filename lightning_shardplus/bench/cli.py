@@ -280,7 +280,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 def _report(args: argparse.Namespace) -> dict[str, Any]:
-    """The report ``args`` ask for: read from ``--from-json``, or run (sampler, fusion, or the matrix)."""
+    """The report ``args`` ask for: read from ``--from-json``, or run (sampler, re-wrap, collective, fusion, host
+    synchronizations, or the matrix)."""
     if args.from_json is not None:
         return json.loads(args.from_json.read_text())
     if args.sampler:
