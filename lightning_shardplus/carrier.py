@@ -1,31 +1,32 @@
-"""Numbers summed over ranks inside DDP's own gradient all-reduce, with no collective of their own.
+"""Numbers summed over ranks inside DDP's gradient all-reduce, with no collective of their own.
 
 A :class:`GradientCarrier` is one extra parameter that DDP reduces with the model's gradients. It is registered
 on the module only while DDP is built (DDP takes its parameters once, in its constructor), so the model, its
-optimizers, its checkpoints and ``module.parameters()`` never see it. While the carrier is :meth:`armed`, the
-loss the module's outermost call returns becomes ``loss + p.sum()`` (``p``, the carrier parameter, is all zeros:
-the same value and type, and ``p`` in the graph), and a hook on ``p`` makes its gradient in that backward the
-buffer :meth:`load` put there; DDP then averages it in the same bucket as the model's gradients, in C++ (its
-built-in all-reduce, or an averaging communication hook), and :meth:`average` returns the average over ranks
-once the backward has run (a caller that wants sums loads its numbers times the world size). The join is made in
-every step, so the carrier's gradient is ready at the start of each backward: it does not hold back DDP's buckets.
+optimizers, its checkpoints and ``module.parameters()`` never see it. :meth:`join` makes the loss DDP's forward
+returned ``loss + p.sum()`` (``p``, the carrier parameter, is all zeros: the same value and type, and ``p`` in the
+graph), and a hook on ``p`` makes its gradient in that backward the buffer :meth:`load` put there; DDP then
+averages it in the same bucket as the model's gradients, in C++ (its built-in all-reduce, or an averaging
+communication hook), and :meth:`average` returns the average over ranks once the backward has run (a caller that
+wants sums loads its numbers times the world size). The join is made in every step, so the carrier's gradient is
+ready at the start of each backward: it does not hold back DDP's buckets.
 
 Why: on a host whose cores are busy with the step's compute, one more small collective per step costs about
 0.4 ms even when it overlaps backward (``docs/performance.md``); inside a gradient bucket it costs nothing
 measurable. Only valid where DDP's communication is an average of the gradients as they are (no compression, no
-user hook): the caller decides that.
+user hook) and DDP does not search the forward's graph for unused parameters (``find_unused_parameters=False``:
+the join comes after DDP's forward, where that search would already have marked ``p`` unused): the caller decides
+that.
 
 Example::
 
     carrier = GradientCarrier(numel=146)
     with carrier.registered_on(module):        # DDP sees one parameter more
         ddp = DistributedDataParallel(module)
-    with carrier.armed():
-        loss = ddp(batch)                      # the loss is joined to the carrier parameter
+    loss = carrier.join(ddp(batch))            # the loss is joined to the carrier parameter
     carrier.load(buffer * world_size)          # this rank's numbers: the carrier's gradient in this backward
     loss.backward()                            # DDP averages it with the gradients
     total = carrier.average()                  # the numbers summed over ranks (None if no backward carried them)
-    carrier.close()                            # removes the forward hooks from the module
+    carrier.close()
 """
 
 from __future__ import annotations
@@ -56,18 +57,13 @@ class GradientCarrier:
             raise ValueError(f"`numel`={numel!r} is not valid: expected a positive number of carried elements.")
         self.numel = numel
         self.parameter: nn.Parameter | None = None  # made at the first registration, on the module's device
-        self._module: nn.Module | None = None
-        self._hooks: list[Any] = []
         self._zeros: Tensor | None = None  # the gradient of a backward with nothing loaded
         self._loaded: Tensor | None = None  # the next backward's gradient
         self._carried = False  # a backward took the loaded buffer
-        self._armed = False
-        self._depth = 0  # nesting of the module's calls (its forward may call itself)
 
     @contextmanager
     def registered_on(self, module: nn.Module) -> Iterator[None]:
-        """Register the carrier parameter on ``module`` for the duration (build DDP inside), and attach to the
-        module's forward."""
+        """Register the carrier parameter on ``module`` for the duration (build DDP inside)."""
         if self.parameter is None:
             device = next((p.device for p in module.parameters()), torch.device("cpu"))
             self.parameter = nn.Parameter(torch.zeros(self.numel, dtype=carrier_dtype(module), device=device))
@@ -75,10 +71,6 @@ class GradientCarrier:
             # in a backward through the parameter, its gradient is what was loaded (replacing the one the graph
             # gives it); runs before DDP's hook reads the gradient
             self.parameter.register_hook(lambda graphs: self._take())
-        if self._module is not module:
-            self._detach()
-            self._module = module
-            self._hooks = [module.register_forward_pre_hook(self._enter), module.register_forward_hook(self._leave)]
         if hasattr(module, _PARAMETER_NAME):
             raise RuntimeError(f"shardplus: the module already has an attribute {_PARAMETER_NAME!r}.")
         module.register_parameter(_PARAMETER_NAME, self.parameter)
@@ -87,28 +79,14 @@ class GradientCarrier:
         finally:
             delattr(module, _PARAMETER_NAME)
 
-    @contextmanager
-    def armed(self) -> Iterator[None]:
-        """While armed, the loss the module's outermost call returns (a tensor, or a mapping's ``"loss"``) is joined
-        to the carrier parameter."""
-        self._armed, self._depth = True, 0
-        try:
-            yield
-        finally:
-            self._armed = False
-
-    def _enter(self, module: nn.Module, args: Any) -> None:
-        self._depth += 1
-
-    def _leave(self, module: nn.Module, args: Any, output: Any) -> Any:
-        self._depth -= 1
-        if not self._armed or self._depth:
-            return None
+    def join(self, output: Any) -> Any:
+        """``output`` (a training step's: a loss tensor, a mapping with a ``"loss"`` tensor, or anything else, left
+        as it is) with its loss joined to the carrier parameter, so that the next backward through it carries."""
         if isinstance(output, Tensor):
             return self._carry(output)
         if isinstance(output, Mapping) and isinstance(output.get("loss"), Tensor):
             return {**output, "loss": self._carry(output["loss"])}
-        return None
+        return output
 
     def _carry(self, loss: Tensor) -> Tensor:
         if not loss.requires_grad:  # no backward can run through it: leave it alone
@@ -118,7 +96,7 @@ class GradientCarrier:
         # Made anew in every step: the autograd engine runs the newest nodes first, so p's gradient is ready at the
         # start of backward (a node kept from an earlier step would run last, and hold back DDP's first bucket,
         # where p sits, and with it every all-reduce, until backward ends).
-        assert self.parameter is not None
+        assert self.parameter is not None, "join before the carrier was registered"
         link = self.parameter.sum()
         return torch.add(loss, link if link.dtype == loss.dtype else link.to(loss.dtype))
 
@@ -163,13 +141,6 @@ class GradientCarrier:
         self.unload()
         return grad if grad._base is None else grad.clone()
 
-    def _detach(self) -> None:
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks, self._module = [], None
-
     def close(self) -> None:
-        """The fit ends: remove the forward hooks; the parameter goes with the last DDP wrapper."""
-        self._detach()
+        """The fit ends: forget what was loaded; the parameter goes with the last DDP wrapper."""
         self.unload()
-        self._armed = False

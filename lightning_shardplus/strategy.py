@@ -301,12 +301,13 @@ class ShardPlusStrategy(DDPStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if args and args[0] is NO_BATCH:  # this rank's stream ran out: DDP's step without running the model
+            with self.precision_plugin.train_step_context():
+                output = self._components.even.train_without_data(self.model, self.lightning_module)  # type: ignore
+        else:
+            output = super().training_step(*args, **kwargs)
         # the loss carries the averaged training metrics into DDP's gradient all-reduce (`carrier.GradientCarrier`)
-        with carrier.armed() if (carrier := self._metrics_carrier) else nullcontext():
-            if args and args[0] is NO_BATCH:  # this rank's stream ran out: DDP's step without running the model
-                with self.precision_plugin.train_step_context():
-                    return self._components.even.train_without_data(self.model, self.lightning_module)  # type: ignore
-            return super().training_step(*args, **kwargs)
+        return carrier.join(output) if (carrier := self._metrics_carrier) else output
 
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:

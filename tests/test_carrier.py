@@ -58,8 +58,7 @@ def _worker(rank: int, store: str, flags: dict, out: Path) -> None:
                 with reference_context:
                     reference(inputs + micro).square().mean().backward()
                 with context:
-                    with carrier.armed():
-                        loss = ddp(inputs + micro).square().mean()
+                    loss = carrier.join(ddp(inputs + micro).square().mean())
                     if sync:  # DDP averages: numbers times the world size come out summed
                         carrier.load(loaded(rank, step) * WORLD)
                     loss.backward()
@@ -91,8 +90,8 @@ def _worker(rank: int, store: str, flags: dict, out: Path) -> None:
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
     "flags",
-    [{}, {"find_unused_parameters": True}, {"static_graph": True}, {"gradient_as_bucket_view": True}],
-    ids=["defaults", "find_unused", "static_graph", "bucket_view"],
+    [{}, {"static_graph": True}, {"gradient_as_bucket_view": True}],
+    ids=["defaults", "static_graph", "bucket_view"],
 )
 def test_ddp_sums_the_carried_buffers_and_leaves_the_gradients_alone(tmp_path, flags):
     context = multiprocessing.get_context("fork")
@@ -167,7 +166,7 @@ class _LossModule(nn.Module):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize("added", [2.5, float("nan"), float("inf")])
 def test_the_carried_loss_keeps_its_value_and_type_and_the_gradients_theirs(dtype, added):
-    """One process, no DDP: the loss the armed module returns is the module's (value, type), its backward gives
+    """One process, no DDP: the joined loss is the module's (value, type), its backward gives
     the model the gradients it gives without the carrier, and the carrier the loaded buffer, step after step."""
     module, reference = _LossModule(dtype, added), _LossModule(dtype, added)
     carrier = GradientCarrier(numel=4)
@@ -175,8 +174,7 @@ def test_the_carried_loss_keeps_its_value_and_type_and_the_gradients_theirs(dtyp
         pass
     inputs = torch.ones(2, 3, dtype=dtype)
     for step in range(3):
-        with carrier.armed():
-            loss = module(inputs)
+        loss = carrier.join(module(inputs))
         plain = reference(inputs)
         assert loss.dtype == plain.dtype == dtype
         assert torch.equal(loss, plain) or (loss.isnan().item() and plain.isnan().item())
@@ -203,8 +201,7 @@ def test_the_carriers_gradient_is_ready_first_in_every_backward():
         parameter.register_post_accumulate_grad_hook(lambda _, name=name: order.append(name))
     for step in range(3):
         order.clear()
-        with carrier.armed():
-            loss = module(torch.ones(2, 3)).sum()
+        loss = carrier.join(module(torch.ones(2, 3)).sum())
         carrier.load(torch.ones(2))
         loss.backward()
         assert order[0] == "carrier" and len(order) == 7, (step, order)
@@ -219,11 +216,26 @@ def test_a_nan_carried_number_does_not_trip_anomaly_detection():
     with carrier.registered_on(module):
         pass
     with pytest.warns(UserWarning, match="Anomaly Detection"), torch.autograd.detect_anomaly():
-        with carrier.armed():
-            loss = module(torch.ones(2, 3))
+        loss = carrier.join(module(torch.ones(2, 3)))
         carrier.load(torch.tensor([1.0, float("nan")]))
         loss.backward()
     assert carrier.average()[1].isnan()
+
+
+def test_join_joins_a_loss_or_a_mappings_loss_and_leaves_anything_else_alone():
+    carrier = GradientCarrier(numel=2)
+    with carrier.registered_on(nn.Linear(2, 2)):
+        pass
+    loss = torch.tensor(3.0, requires_grad=True) * 2
+    joined = carrier.join({"loss": loss, "logits": "kept"})
+    assert joined["logits"] == "kept" and joined["loss"].item() == 6.0 and joined["loss"] is not loss
+    carrier.load(torch.tensor([1.0, 2.0]))
+    joined["loss"].backward()
+    assert carrier.average().tolist() == [1.0, 2.0]
+    constant = torch.tensor(1.0)  # no backward can run through it
+    assert carrier.join(constant) is constant
+    assert carrier.join(None) is None
+    assert carrier.join({"x": 1}) == {"x": 1}
 
 
 def test_a_carried_buffer_of_another_size_is_refused():

@@ -310,7 +310,11 @@ def own_collective() -> ShardPlusStrategy:
 
 
 # The training metrics' SUM rides in DDP's gradient all-reduce (the default) or takes its own all_reduce.
-PATHS = {"carried": lambda: None, "own": own_collective}
+PATHS = {
+    "carried": lambda: None,
+    "own": own_collective,
+    "find_unused": lambda: ShardPlusStrategy(start_method="fork", find_unused_parameters=True),
+}
 
 
 def fit(tmp_path, module, world_size, strategy=None, **trainer_kwargs):
@@ -422,6 +426,8 @@ class ManyMetrics(LoggingModule):
         # 200 slots: the first step's header is carried, the larger capacity is agreed from it and the step
         # reduced again; later steps no longer fit the carrier: their own all_reduce
         ("carried", 100, False, [1, 1, 1]),
+        # DDP searching for unused parameters: the carrier (joined after DDP's forward) is not used
+        ("find_unused", 1, False, [1, 1, 1]),
     ],
 )
 def test_one_collective_per_step_for_any_number_of_metrics(
