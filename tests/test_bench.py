@@ -185,7 +185,7 @@ def test_quick_bench_writes_json_plots_and_markdown_and_renders_them_again(tmp_p
         assert _png_size(plots / name) == bench.PLOT_SIZE
     out = capsys.readouterr().out
     assert "### Benchmark matrix" in out and "| shardplus-report |" in out and "`ScalingReport` overhead" in out
-    assert "| paired ratio (median) |" in out
+    assert "| paired ratio (median, 95% interval) |" in out
     assert json.loads(json_path.read_text())["results"].keys() == rows.keys()
 
     rendered = bench.main([f"--from-json={json_path}", "--markdown"])  # the README section, without running
@@ -351,3 +351,15 @@ def test_host_sync_origin_is_the_first_frame_outside_torch_from_the_innermost():
 def test_host_syncs_need_a_gpu():
     with pytest.raises(SystemExit):
         bench.main(["--host-syncs", "--accelerator=cpu"])
+
+
+def test_the_median_interval_is_the_order_statistics_a_binomial_count_gives():
+    from lightning_shardplus.bench.runner import median_interval
+
+    values = [float(v) for v in range(21, 0, -1)]  # 21 runs: the 6th smallest and the 6th largest (97.3%)
+    assert median_interval(values) == (6.0, 16.0)
+    assert median_interval(values[:6]) == (16.0, 21.0)  # 6 runs: their whole range (96.9%)
+    assert median_interval(values[:5]) is None  # 5 runs: even their whole range holds the median only 93.8%
+    assert median_interval([1.0] * 100) == (1.0, 1.0)
+    # 99%: the 5th smallest and largest (at most 4 of 21 below the median: 0.36% per tail; at most 5: 1.3%)
+    assert median_interval(values, confidence=0.99) == (5.0, 17.0)

@@ -244,10 +244,27 @@ def _alternating_runs(configs: list[BenchConfig], args: argparse.Namespace) -> d
     return results
 
 
+def median_interval(values: list[float], confidence: float = 0.95) -> tuple[float, float] | None:
+    """A distribution-free confidence interval of the median of ``values``: the j-th smallest and the j-th largest
+    value, j the largest rank at which the median lies outside with probability at most ``1 - confidence``
+    (each value falls below the median with probability 1/2: a binomial count). None where there are too few
+    values for one (fewer than 6 at 95%).
+
+    Example: 21 paired ratios give the 6th smallest and the 6th largest (97.3% coverage)."""
+    ordered, n = sorted(values), len(values)
+    tail, below, j = (1 - confidence) / 2, 0.0, 0
+    while j < n:
+        below += math.comb(n, j) / 2**n  # the probability that at most j values fall below the median
+        if below > tail:
+            break
+        j += 1
+    return None if j == 0 else (ordered[j - 1], ordered[n - j])
+
+
 def _row(runs: list[dict[str, Any]], baseline: float, baseline_runs: list[dict[str, Any]]) -> dict[str, Any]:
     """One config's row of the report: samples/s over its runs, its ratio to ``baseline`` (the baseline's median),
     the median of its paired ratios (each run over the baseline's run of the same round, run close to it: the
-    machine's slow drift mostly cancels), its counts."""
+    machine's slow drift mostly cancels) with its 95% interval (:func:`median_interval`), its counts."""
     values = [r["samples_per_s"] for r in runs]
     paired = [r["samples_per_s"] / b["samples_per_s"] for r, b in zip(runs, baseline_runs, strict=True)]
     return {
@@ -257,6 +274,8 @@ def _row(runs: list[dict[str, Any]], baseline: float, baseline_runs: list[dict[s
         "median_ms_per_step": 1000 * statistics.median(r["s_per_step"] for r in runs),
         "ratio_to_baseline": statistics.median(values) / baseline,
         "paired_ratio_to_baseline": statistics.median(paired),
+        # where the median of the paired ratios lies with 95% confidence (None with fewer than 6 runs)
+        "paired_ratio_interval_95": median_interval(paired),
         **{f"{c}_per_step": _median_per_run([r[f"{c}_per_step"] for r in runs]) for c in _COLLECTIVES},
         "runs": values,
         # the same in every run of a config (the counts do not depend on timing); the first run's

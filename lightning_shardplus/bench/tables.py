@@ -62,16 +62,20 @@ def format_table(report: dict[str, Any]) -> str:
     it, :func:`noise_note` where the runs are too few for the ratios to mean anything."""
     lines = [
         f"| configuration | samples/s (median) | min - max | ms/step (median) | ratio to {report['baseline']} | "
-        "paired ratio (median) | gradient bytes / step | all-reduce rounds / step | collectives in hooks / step | "
+        "paired ratio (median, 95% interval) | gradient bytes / step | all-reduce rounds / step | collectives in hooks / step | "
         "all_reduce calls / step | barrier calls / step |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, row in report["results"].items():
         paired = row.get("paired_ratio_to_baseline")  # absent from reports written before it was measured
+        interval = row.get("paired_ratio_interval_95")  # likewise; None with fewer than 6 runs
+        paired_cell = "-" if paired is None else f"{paired:.3f}"
+        if interval is not None:
+            paired_cell += f" ({interval[0]:.3f} - {interval[1]:.3f})"
         lines.append(
             f"| {name} | {row['median_samples_per_s']:.0f} | {row['min_samples_per_s']:.0f} - "
             f"{row['max_samples_per_s']:.0f} | {row['median_ms_per_step']:.1f} | {row['ratio_to_baseline']:.3f} | "
-            f"{'-' if paired is None else f'{paired:.3f}'} | "
+            f"{paired_cell} | "
             f"{_count(row['bytes_per_step'], 'bytes')} | "
             f"{_count(row['rounds_per_step'])} | {_count(row['collectives_per_step'])} | "
             f"{_count(row['all_reduce_per_step'])} | {_count(row['barrier_per_step'])} |"
