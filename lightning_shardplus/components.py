@@ -173,13 +173,16 @@ def _metrics_carrier(trainer: pl.Trainer, setup: DistributedSetup, hook: Communi
     than one process, automatic optimization with no hook that could log after backward starts (the buffer is
     packed when it starts), DDP averaging the gradients as they are over the world (no compression, user hook,
     other process group or reduced precision), and DDP not searching for unused parameters (the carrier joins the
-    loss after DDP's forward). The same answer on every rank (the same code and arguments). Elsewhere the metrics
-    keep an all_reduce of their own."""
+    loss after DDP's forward, where that search, ``find_unused_parameters`` without ``static_graph``, would have
+    marked it unused; not used with ``find_unused_parameters`` at all, for simplicity). The same answer on every
+    rank (the same code and arguments). Elsewhere the metrics keep an all_reduce of their own."""
     module = trainer.lightning_module
     if setup.num_replicas < 2 or not logs_only_before_backward(trainer, module) or not hook.averages_gradients:
         return None
     ddp_kwargs = setup.ddp_kwargs or {}
-    if ddp_kwargs.get("find_unused_parameters") or any(ddp_kwargs.get(n) is not None for n in _DDP_KWARGS_OTHER_THAN_A_MEAN):
+    if ddp_kwargs.get("find_unused_parameters"):
+        return None
+    if any(ddp_kwargs.get(name) is not None for name in _DDP_KWARGS_OTHER_THAN_A_MEAN):
         return None
     return GradientCarrier(CARRIED_NUMEL)
 

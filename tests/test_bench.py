@@ -66,7 +66,7 @@ def test_the_matrix_prints_one_progress_line_per_run_and_the_tables_and_no_light
     assert [line.split(":")[0] for line in progress] == ["run 1/4 ddp", "run 2/4 shardplus", "run 3/4 shardplus",
                                                          "run 4/4 ddp"]
     assert all(line.endswith(" samples/s") for line in progress)
-    note = "fewer than 5 runs per row (2): ratios are not significant"
+    note = "fewer than 6 runs per row (2): ratios are not significant"
     assert sum(line.startswith(note) for line in lines) == 1
     tables = [line for line in lines if line.startswith("|")]
     assert len(tables) == 2 + 2 + 2  # two tables: header, rule, and the ddp and shardplus rows of the first
@@ -363,3 +363,23 @@ def test_the_median_interval_is_the_order_statistics_a_binomial_count_gives():
     assert median_interval([1.0] * 100) == (1.0, 1.0)
     # 99%: the 5th smallest and largest (at most 4 of 21 below the median: 0.36% per tail; at most 5: 1.3%)
     assert median_interval(values, confidence=0.99) == (5.0, 17.0)
+
+
+def test_the_table_shows_the_paired_ratio_with_its_interval_where_there_is_one():
+    def row(runs, paired, interval):
+        return {
+            "median_samples_per_s": 100.0, "min_samples_per_s": 90.0, "max_samples_per_s": 110.0,
+            "median_ms_per_step": 10.0, "ratio_to_baseline": 1.0, "paired_ratio_to_baseline": paired,
+            "paired_ratio_interval_95": interval, "runs": [100.0] * runs, "bytes_per_step": None,
+            "rounds_per_step": None, "collectives_per_step": None, "all_reduce_per_step": 0,
+            "barrier_per_step": 0,
+        }
+
+    # as a report comes back from JSON: the interval a list
+    report = {"baseline": "ddp", "results": {"ddp": row(7, 1.0, [1.0, 1.0]), "shardplus": row(7, 0.981, [0.95, 1.02])}}
+    table = bench.format_table(report)
+    assert "| shardplus | 100 | 90 - 110 | 10.0 | 1.000 | 0.981 (0.950 - 1.020) |" in table
+    assert "not significant" not in table
+    few = {"baseline": "ddp", "results": {"ddp": row(5, 1.0, None), "shardplus": row(5, 0.981, None)}}
+    table = bench.format_table(few)
+    assert "| 0.981 | " in table and "fewer than 6 runs per row (5)" in table

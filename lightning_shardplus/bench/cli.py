@@ -28,7 +28,7 @@ from lightning_shardplus.bench.tables import (
 )
 from lightning_shardplus.bench.workloads import default_configs, select_configs
 
-FULL = {"repeats": 5, "steps": 100, "warmup": 10}
+FULL = {"repeats": 7, "steps": 100, "warmup": 10}
 QUICK = {"repeats": 2, "steps": 24, "warmup": 6}
 
 
@@ -63,7 +63,7 @@ def _add_matrix_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--repeats", type=int, default=None,
-        help=f"runs per configuration, alternating (default 5; --quick {QUICK['repeats']})",
+        help=f"runs per configuration, alternating (default {FULL['repeats']}; --quick {QUICK['repeats']})",
     )
     parser.add_argument(
         "--steps", type=int, default=None,

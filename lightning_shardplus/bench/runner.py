@@ -246,9 +246,9 @@ def _alternating_runs(configs: list[BenchConfig], args: argparse.Namespace) -> d
 
 def median_interval(values: list[float], confidence: float = 0.95) -> tuple[float, float] | None:
     """A distribution-free confidence interval of the median of ``values``: the j-th smallest and the j-th largest
-    value, j the largest rank at which the median lies outside with probability at most ``1 - confidence``
-    (each value falls below the median with probability 1/2: a binomial count). None where there are too few
-    values for one (fewer than 6 at 95%).
+    value, j the largest rank at which the median lies outside with probability at most ``(1 - confidence) / 2``
+    on each side (each value falls below the median with probability 1/2: a binomial count), so the coverage is
+    at least ``confidence``. None where there are too few values for one (fewer than 6 at 95%).
 
     Example: 21 paired ratios give the 6th smallest and the 6th largest (97.3% coverage)."""
     ordered, n = sorted(values), len(values)
