@@ -312,9 +312,9 @@ class Carrier(Protocol):
 @dataclass(frozen=True)
 class _Started:
     """A step's SUM buffer whose all_reduce is running (``work``: its handle, None when it already completed), or
-    that rides in the step's gradient all-reduce (``carried_by_ddp``)."""
+    that rides in the step's gradient all-reduce (``carried_by_ddp``; then not kept here: ``summed`` is None)."""
 
-    summed: Tensor
+    summed: Tensor | None
     work: Any
     abstain: bool
     carried: float
@@ -565,7 +565,9 @@ class FusedMetricReducer:
         if self._rides_in_ddp():
             assert self._carrier is not None
             self._carrier.load(summed)
-            self._started = _Started(summed, None, abstain, carried, carried_by_ddp=True)
+            # not kept: the backward that takes it as the carrier's gradient then owns it, and autograd stores it as
+            # the gradient as it is (a buffer referenced elsewhere would be copied in every backward)
+            self._started = _Started(None, None, abstain, carried, carried_by_ddp=True)
             return
         work = self._all_reduce(summed, op=dist.ReduceOp.SUM, async_op=True)
         self._started = _Started(summed, work, abstain, carried)
@@ -584,13 +586,13 @@ class FusedMetricReducer:
         summed = started.summed
         if started.carried_by_ddp:
             assert self._carrier is not None
-            carried = self._carrier.average()  # of buffers scaled by the world size: the sum
-            if carried is None:  # no backward in this step (on every rank, or DDP would have failed): our own
-                self._all_reduce(summed.div_(self.world_size), op=dist.ReduceOp.SUM)
-            else:
-                summed = carried
+            summed = self._carrier.average()  # of buffers scaled by the world size: the sum
+            if summed is None:  # no backward in this step (on every rank, or DDP would have failed): our own
+                summed = self.pack(started.abstain, started.carried).div_(self.world_size)  # the same buffer again
+                self._all_reduce(summed, op=dist.ReduceOp.SUM)
         elif started.work is not None:
             started.work.wait()  # on CUDA (NCCL) the current stream waits, not the host
+        assert summed is not None
         window, abstain = self._window, started.abstain
         plan = self._plan(window)
         layout = plan.layout

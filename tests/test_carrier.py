@@ -151,6 +151,54 @@ def test_a_float64_value_packs_into_the_carriers_float32_buffer():
     assert sorted((buffer[81:85] / 2).tolist()) == [0.0, 2.0, 2.0, 3.0]
 
 
+class _RecordingCarrier(GradientCarrier):
+    """Remembers where the loaded buffer and the returned average live (no reference to either)."""
+
+    def load(self, buffer):
+        self.loaded_at = buffer.data_ptr()
+        super().load(buffer)
+
+    def average(self):
+        total = super().average()
+        self.average_at = None if total is None else total.data_ptr()
+        return total
+
+
+def test_the_carried_buffer_becomes_the_carriers_gradient_without_a_copy():
+    """The reducer keeps no reference to the buffer it hands over: autograd stores it as the carrier's gradient as
+    it is, with no copy in the backward."""
+    module = nn.Linear(3, 1)
+    carrier = _RecordingCarrier(CARRIED_NUMEL)
+    with carrier.registered_on(module):
+        pass
+    reducer = FusedMetricReducer(1, 0, None, None, carrier=carrier)
+    for step in range(2):
+        reducer.observe("loss", "mean", torch.tensor(1.5 + step), weight=4.0)
+        loss = carrier.join(module(torch.ones(2, 3)).sum())
+        reducer.start()
+        loss.backward()
+        assert reducer.finish()["loss"].value == 1.5 + step
+        assert carrier.average_at == carrier.loaded_at
+
+
+def test_a_step_whose_backward_did_not_run_reduces_its_buffer_by_an_all_reduce():
+    carrier = GradientCarrier(CARRIED_NUMEL)
+    with carrier.registered_on(nn.Linear(2, 2)):
+        pass
+    sent = []
+
+    def all_reduce(tensor, op=None, async_op=False):  # as if the other rank sent the same buffer
+        sent.append(tensor.clone())
+        tensor.mul_(2)
+
+    reducer = FusedMetricReducer(2, 0, all_reduce, None, carrier=carrier)
+    reducer.observe("loss", "mean", torch.tensor(1.5), weight=4.0)
+    reducer.start()  # packed for the carrier (times the world size) ...
+    reduced = reducer.finish()  # ... but no backward took it: packed again, unscaled, and reduced on its own
+    assert len(sent) == 1 and sent[0][0].item() == 1.0  # this rank's contribution count, not scaled
+    assert reduced["loss"].value == 1.5
+
+
 class _LossModule(nn.Module):
     """A model whose forward returns its loss: a linear layer's output sum, plus a fixed number (NaN, inf...)."""
 
