@@ -94,6 +94,7 @@ import lightning.pytorch as pl  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from lightning.pytorch.core.module import LightningModule  # noqa: E402
+from lightning.pytorch.utilities.exceptions import MisconfigurationException  # noqa: E402
 from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop  # noqa: E402
 from lightning.pytorch.trainer.connectors.logger_connector.logger_connector import (  # noqa: E402
     _LoggerConnector,
@@ -185,6 +186,65 @@ def test_intercepted_logs_skip_lightning_sync_and_expose_their_state(reduce_fx):
         results.log("training_step", "other", torch.tensor(1.0), **kwargs)
     restore()
     assert "log" not in vars(results)
+
+
+def test_a_repeated_log_does_the_steps_of_lightning_log_it_skips():
+    # `_lightning._log_again` restates `_ResultCollection.log` for a key logged again with the same arguments,
+    # without the metadata it would rebuild and compare and without the device move (a no-op then)
+    source = inspect.getsource(_ResultCollection.log)
+    steps = [
+        "value = recursive_detach(value)",
+        "meta != self[key].meta",
+        "self[key].to(value.device)",
+        "batch_size = self._extract_batch_size(self[key], batch_size, meta)",
+        "self.update_metrics(key, value, batch_size)",
+    ]
+    assert all(step in source for step in steps) and sorted(steps, key=source.index) == steps
+    assert "result_metric.forward(value, batch_size)" in inspect.getsource(_ResultCollection.update_metrics)
+
+
+LOGS = [  # (name, value, keyword arguments) in the order a training step logs them, three steps of batches
+    ("loss", 2.0, dict(on_step=True, on_epoch=False, prog_bar=True)),
+    ("acc", 0.5, dict(on_step=True, on_epoch=True)),
+    ("top", 3.0, dict(on_step=True, on_epoch=True, reduce_fx="max")),
+    ("low", 1.0, dict(on_step=True, on_epoch=True, reduce_fx="min", batch_size=3)),
+    ("seen", 4.0, dict(on_step=True, on_epoch=True, reduce_fx="sum")),
+]
+
+
+def unsynced(value, *args, **kwargs):
+    return value
+
+
+@pytest.mark.parametrize("intercepted", [True, False])
+def test_a_repeated_log_leaves_the_state_lightning_leaves_without_moving_the_metric(monkeypatch, intercepted):
+    moves = []
+    move = _ResultMetric.to
+    monkeypatch.setattr(_ResultMetric, "to", lambda self, *a, **k: moves.append(self.meta.name) or move(self, *a, **k))
+    results, plain = _ResultCollection(training=True), _ResultCollection(training=True)
+    if intercepted:
+        _lightning.intercept_training_logs(results, lambda log: True, lambda logged: None)
+    for step, size in enumerate((5, 7, 2)):
+        for collection in (results, plain):
+            collection.batch, collection.batch_size = (torch.zeros(size, 2),), None
+            for name, value, kwargs in LOGS:
+                logged = torch.tensor(value * (step + 1), requires_grad=True) * 1.0  # in a graph, as a loss is
+                collection.log("training_step", name, logged, sync_dist=True, sync_dist_fn=unsynced, **kwargs)
+    for key, metric in plain.items():
+        mine = results[key]
+        assert not mine._forward_cache.requires_grad and mine._forward_cache.item() == metric._forward_cache.item()
+        assert mine.value.item() == metric.value.item() and not mine.has_reset
+        if metric.meta.is_mean_reduction:
+            assert mine.cumulated_batch_size.item() == metric.cumulated_batch_size.item()
+    assert {k: v.item() for k, v in results.metrics(on_step=False)["log"].items()} == {
+        k: v.item() for k, v in plain.metrics(on_step=False)["log"].items()
+    }
+    assert results["training_step.acc"].cumulated_batch_size.item() == 14  # 5 + 7 + 2: inferred from each batch
+    names = [name for name, _, _ in LOGS]
+    assert moves == names * (4 if intercepted else 6)  # intercepted: moved when registered only (3 steps x 2)
+    if intercepted:  # other arguments for a logged name: Lightning's own error, from Lightning's own log
+        with pytest.raises(MisconfigurationException, match="twice in `training_step` with different arguments"):
+            results.log("training_step", "loss", torch.tensor(1.0), on_step=True, on_epoch=False)
 
 
 def test_batch_size_of_the_current_batch_follows_lightning_inference():
