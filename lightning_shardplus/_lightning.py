@@ -500,8 +500,9 @@ def ddp_kwargs(strategy: Any) -> dict[str, Any]:
 
 def attached_trainer(module: Any) -> Any:
     """The Trainer ``module`` is attached to, or None (``LightningModule.trainer`` raises when there is none;
-    this reads the private ``_trainer`` it returns)."""
-    return module._trainer if module is not None else None
+    this reads the private ``_trainer`` it returns; a stand-in without it, as a ``Mock(spec=...)`` of a
+    LightningModule that Lightning's own launcher tests connect, has none)."""
+    return getattr(module, "_trainer", None)
 
 
 def set_ddp_kwargs(strategy: Any, ddp_kwargs: dict[str, Any]) -> None:

@@ -235,15 +235,16 @@ def closest_option(name: str) -> str | None:
 
 def registered_names() -> dict[str, tuple[str, dict[str, Any]]]:
     """Lightning's ``ddp*`` family of names as ``shardplus*`` (``shardplus_spawn``,
-    ``shardplus_fork_find_unused_parameters_true``, ...): name -> (description, ``init_params``). The parameters
-    are only those that differ from the defaults: DDP's own defaults are left out, as with ``strategy="ddp"``."""
+    ``shardplus_fork_find_unused_parameters_true``, ...): name -> (description, ``init_params``), the parameters
+    Lightning registers for the ``ddp`` name of the same suffix (the strategy then leaves DDP's defaults out of
+    DDP's arguments, as with ``strategy="ddp"``)."""
     methods = {"": "popen", "_spawn": "spawn", "_fork": "fork", "_notebook": "fork"}
     unused_flags = {"": None, "_find_unused_parameters_true": True, "_find_unused_parameters_false": False}
     names = {}
     for (suffix, method), (flag, unused) in itertools.product(methods.items(), unused_flags.items()):
-        init_params: dict[str, Any] = {} if method == "popen" else {"start_method": method}
-        if unused:
-            init_params["find_unused_parameters"] = True
+        init_params: dict[str, Any] = {"start_method": method}
+        if unused is not None:
+            init_params["find_unused_parameters"] = unused
         description = f"ShardPlus data-parallel strategy with `start_method` '{method}'"
         if unused is not None:
             description += f" and `find_unused_parameters={unused}`"
