@@ -94,7 +94,6 @@ import lightning.pytorch as pl  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from lightning.pytorch.core.module import LightningModule  # noqa: E402
-from lightning.pytorch.utilities.exceptions import MisconfigurationException  # noqa: E402
 from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop  # noqa: E402
 from lightning.pytorch.trainer.connectors.logger_connector.logger_connector import (  # noqa: E402
     _LoggerConnector,
@@ -104,6 +103,7 @@ from lightning.pytorch.trainer.connectors.logger_connector.result import (  # no
     _ResultCollection,
     _ResultMetric,
 )
+from lightning.pytorch.utilities.exceptions import MisconfigurationException  # noqa: E402
 
 
 def test_lightning_module_log_ends_in_the_result_collection_with_the_strategy_sync():
