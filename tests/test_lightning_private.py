@@ -247,6 +247,29 @@ def test_a_repeated_log_leaves_the_state_lightning_leaves_without_moving_the_met
             results.log("training_step", "loss", torch.tensor(1.0), on_step=True, on_epoch=False)
 
 
+def test_a_log_whose_state_is_on_another_device_goes_through_lightning_log(monkeypatch):
+    # `_ResultMetric.to` moves the state without updating torchmetrics' `Metric.device`: the state's own device
+    # decides (the "meta" device stands in for a GPU)
+    moves = []
+    move = _ResultMetric.to
+    monkeypatch.setattr(_ResultMetric, "to", lambda self, *a, **k: moves.append(a or k) or move(self, *a, **k))
+    results = _ResultCollection(training=True)
+    results.batch = (torch.zeros(4, 2),)
+    _lightning.intercept_training_logs(results, lambda log: True, lambda logged: None)
+
+    def log(device):
+        results.log("training_step", "x", torch.tensor(1.0, device=device), on_step=True, on_epoch=True)
+
+    log("cpu"), log("cpu")
+    assert len(moves) == 1  # registered, then logged again in place
+    log("meta")
+    assert len(moves) == 2 and results["training_step.x"].value.device.type == "meta"
+    log("meta")
+    assert len(moves) == 2  # its state is on the value's device now (`Metric.device` still says cpu)
+    with pytest.raises(NotImplementedError, match="meta"):  # Lightning's own move back, and its own error
+        log("cpu")
+
+
 def test_batch_size_of_the_current_batch_follows_lightning_inference():
     results = _ResultCollection(training=True)
     assert _lightning.batch_size_of_current_batch(results) is None
