@@ -69,7 +69,8 @@ class ShardPlusStrategy(DDPStrategy):
         uneven_inputs: training streams (iterable datasets) of different lengths per rank: ``"join"`` (every sample
             once; ranks that ran out take part without data) or ``"drop"`` (every rank stops at the shortest).
         find_unused_parameters, static_graph, gradient_as_bucket_view, broadcast_buffers: passed to
-            ``DistributedDataParallel``, as are other keyword arguments it accepts.
+            ``DistributedDataParallel``, as are other keyword arguments it accepts (``find_unused_parameters`` and
+            ``broadcast_buffers`` only where given: None leaves DDP's default).
 
     The others are ``DDPStrategy``'s; its ``ddp_comm_hook`` and ``ddp_comm_wrapper`` work on every device type.
     """
@@ -108,15 +109,16 @@ class ShardPlusStrategy(DDPStrategy):
         autotune_cache: str | bool = True,
         average_training_metrics: bool = True,
         uneven_inputs: UnevenInputs = "join",
-        find_unused_parameters: bool = False,
+        find_unused_parameters: bool | None = None,
         static_graph: bool = False,
         gradient_as_bucket_view: bool = False,
         broadcast_buffers: bool | None = None,
         **ddp_kwargs: Any,
     ) -> None:
         config = ShardPlusConfig.from_arguments(locals())
-        flags = dict(find_unused_parameters=find_unused_parameters, static_graph=static_graph)
-        flags["gradient_as_bucket_view"] = gradient_as_bucket_view
+        flags = dict(static_graph=static_graph, gradient_as_bucket_view=gradient_as_bucket_view)
+        if find_unused_parameters is not None:  # only when given, kept as given (as DDPStrategy keeps it)
+            ddp_kwargs["find_unused_parameters"] = find_unused_parameters
         if broadcast_buffers is not None:
             ddp_kwargs["broadcast_buffers"] = broadcast_buffers  # only when given: torch 2.13 deprecates it
         timeout = check_ddp_arguments(

@@ -199,7 +199,7 @@ def test_a_timeout_in_seconds_becomes_a_timedelta():
     assert ShardPlusStrategy(timeout=timedelta(minutes=2))._timeout == timedelta(minutes=2)
 
 
-def test_registered_strategies_pass_only_settings_that_differ_from_the_defaults():
+def test_registered_strategies_give_ddp_what_lightnings_ddp_names_give():
     import inspect
 
     from torch.nn.parallel import DistributedDataParallel
@@ -215,14 +215,16 @@ def test_registered_strategies_pass_only_settings_that_differ_from_the_defaults(
         # registered with the parameters of Lightning's ddp name of the same suffix (Lightning's registry tests)
         lightning_name = name.replace("shardplus", "ddp", 1)
         assert StrategyRegistry[name]["init_params"] == StrategyRegistry[lightning_name]["init_params"], name
-        ddp_kwargs = StrategyRegistry.get(name)._ddp_kwargs
-        # DDP gets its own defaults by leaving them out, as with strategy="ddp"
-        expected = {"find_unused_parameters": True} if name.endswith("_true") else {}
-        assert ddp_kwargs == expected, (name, ddp_kwargs)
-    assert StrategyRegistry.get("ddp")._ddp_kwargs == {}
-    given = ShardPlusStrategy(static_graph=True, find_unused_parameters=False, tensor_fusion_threshold_mb=4)._ddp_kwargs
+        # DDP gets what Lightning's ddp name gives it: its defaults by leaving them out, a flag the name sets as set
+        assert StrategyRegistry.get(name)._ddp_kwargs == StrategyRegistry.get(lightning_name)._ddp_kwargs, name
+    assert StrategyRegistry.get("shardplus")._ddp_kwargs == StrategyRegistry.get("ddp")._ddp_kwargs == {}
+    strategy = ShardPlusStrategy(static_graph=True, gradient_as_bucket_view=False, tensor_fusion_threshold_mb=4)
+    given = strategy._ddp_kwargs
     assert given == {"static_graph": True, "bucket_cap_mb": 4.0}
     assert all(ddp_defaults[key] != value for key, value in given.items())
+    # find_unused_parameters and broadcast_buffers as DDPStrategy keeps them: where given
+    assert ShardPlusStrategy(find_unused_parameters=False)._ddp_kwargs == {"find_unused_parameters": False}
+    assert ShardPlusStrategy(broadcast_buffers=False)._ddp_kwargs == {"broadcast_buffers": False}
 
 
 def test_strategy_names_are_registered_with_their_start_methods():
