@@ -19,7 +19,7 @@ import lightning.pytorch as pl
 import torch.distributed
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-from torch.utils.data import DataLoader, DistributedSampler, Sampler
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, Sampler
 
 from lightning_shardplus import _lightning, aggregation
 from lightning_shardplus.sharding import (
@@ -96,6 +96,13 @@ class ShardedLoaders:
                     "equal shards and exact evaluation do not apply to it. Pass a plain DataLoader to get "
                     "them."
                 )
+            elif self._reduces_unsharded(dataloader):
+                rank_zero_warn(
+                    "shardplus: an evaluation DataLoader is not sharded (`Trainer(use_distributed_sampler=False)`): "
+                    "exact evaluation still sums its logged values over the ranks and gathers its predictions, which "
+                    "counts each sample once only if your loaders split the data between the ranks. If every rank "
+                    "reads the whole dataset, pass `exact_evaluation=False`."
+                )
             return dataloader
         stage = self.trainer.state.stage
         if not _lightning.injected_over_dataset_order(sampler):
@@ -116,6 +123,13 @@ class ShardedLoaders:
                 exact = PlaceholderShardSampler()
             return _lightning.replace_sampler(dataloader, exact, stage)
         return dataloader
+
+    def _reduces_unsharded(self, dataloader: DataLoader) -> bool:
+        """Whether exact evaluation reduces over the ranks what a map-style ``dataloader`` Lightning injected no
+        sampler into gives (streams split themselves by rank, as litdata's do)."""
+        evaluating = self.trainer.state.stage in EVALUATION_STAGES
+        mapped = not isinstance(dataloader.dataset, IterableDataset)
+        return evaluating and mapped and self.exact_evaluation and self.num_replicas > 1
 
     def training_loaders_built(self) -> None:
         """Training starts: a later reload (``reload_dataloaders_every_n_epochs``) starts its epoch whole."""

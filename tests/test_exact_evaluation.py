@@ -207,3 +207,34 @@ def test_lightnings_sync_dist_advice_is_silenced_only_for_values_exact_evaluatio
             cpu_trainer(ShardPlusStrategy(start_method="fork"), 2).validate(
                 RankZeroOnlyValue(tmp_path), DataLoader(IndexedDataset(5))
             )
+
+
+@pytest.mark.parametrize("stage", ["validating", "predicting", "training"])
+@pytest.mark.parametrize("exact_evaluation", [True, False])
+def test_an_unsharded_evaluation_loader_is_reduced_with_a_warning(stage, exact_evaluation):
+    # `Trainer(use_distributed_sampler=False)`: Lightning injects no sampler; exact evaluation still sums over the
+    # ranks, right only if the user's loaders split the data: said once the loader is built
+    from types import SimpleNamespace
+
+    from lightning.pytorch.trainer.states import RunningStage
+
+    from lightning_shardplus.loaders import ShardedLoaders
+
+    trainer = SimpleNamespace(state=SimpleNamespace(stage=getattr(RunningStage, stage.upper())))
+    kwargs = dict(padding="first", seed=0, shuffle=True, exact_evaluation=exact_evaluation, record_indices=False)
+    loaders = ShardedLoaders(trainer, 2, 0, **kwargs)
+    loader = DataLoader(IndexedDataset(9), batch_size=3)
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(range(3))
+
+    stream = DataLoader(Stream(), batch_size=None)  # streams split themselves by rank (as litdata's do)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert loaders.process(loader) is loader and loaders.process(stream) is stream
+    finally:
+        loaders.close()
+    said = [str(w.message) for w in caught if "is not sharded" in str(w.message)]
+    assert len(said) == (stage != "training" and exact_evaluation)
+    assert all("exact_evaluation=False" in message for message in said)
