@@ -120,6 +120,14 @@ def refresh_training_batch_count(trainer: Any) -> bool:
     return True
 
 
+def training_loaders_combination(trainer: Any) -> tuple[str, int]:
+    """The mode of the training ``CombinedLoader`` Lightning built (around a single loader too: then
+    ``"max_size_cycle"``) and how many loaders it combines. Private: ``_FitLoop._combined_loader``,
+    ``CombinedLoader._mode``."""
+    combined = trainer.fit_loop._combined_loader
+    return (combined._mode, len(combined.flattened)) if combined is not None else ("min_size", 1)
+
+
 def replace_sampler(dataloader: DataLoader, sampler: Sampler, stage: RunningStage) -> DataLoader:
     """Rebuild ``dataloader`` (its class, batch size, collate_fn, workers, ...) around ``sampler``.
 

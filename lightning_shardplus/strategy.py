@@ -285,6 +285,8 @@ class ShardPlusStrategy(DDPStrategy):
         parts = self._components
         assert parts is not None and parts.aggregation is not None and parts.fusion is not None
         parts.loaders.training_loaders_built()
+        if parts.even is not None:
+            parts.even.check_combination(*_lightning.training_loaders_combination(self.lightning_module.trainer))
         parts.aggregation.on_train_start(self.config.gradient_compression)
         parts.fusion.on_train_start()
 

@@ -236,6 +236,18 @@ class EvenSteps:
         )
         return AgreedLoader(loader, self)
 
+    def check_combination(self, mode: str, loaders: int) -> None:
+        """Refuse a training stream combined with other training loaders (a ``CombinedLoader``, or a dict or list of
+        loaders, in any ``mode``): once this rank's stream has run out while another rank's has not, the step would
+        still run here with the other loaders' batches and no stream batch, instead of the rank taking part without
+        data. The same answer on every rank (they build the same loaders), before the first batch."""
+        if self.streams and loaders > 1:
+            raise ValueError(
+                f"`uneven_inputs`={self.policy!r}: a training stream is combined with {loaders - 1} other training "
+                f"loader(s) (mode {mode!r}); equal steps on every rank need the stream alone. Combine the data in "
+                "one stream (e.g. litdata's `CombinedStreamingDataset`), or use map-style datasets."
+            )
+
     def batch_taken(self) -> None:
         """The training loop took the next batch (called at every training batch start)."""
         self.batches_taken += 1

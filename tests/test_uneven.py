@@ -547,3 +547,19 @@ def test_a_litdata_stream_resumed_twice_in_one_epoch_goes_on_with_the_samples_th
         assert [row["ids"] for row in rows(tmp_path / "twice", rank, "train")] == whole
     ends = [rows(tmp_path / d, 0, "end")[0] for d in ("whole", "twice")]
     assert_state_close(ends[1]["state"], ends[0]["state"])
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", ["min_size", "max_size_cycle"])
+def test_a_stream_combined_with_other_loaders_is_refused_before_the_first_step(tmp_path, mode):
+    # where the stream ran out on one rank, the step would still run there with the other loader's batch only
+    from lightning.pytorch.utilities import CombinedLoader
+
+    model = Regression(tmp_path / "records")
+    trainer = cpu_trainer(ShardPlusStrategy(start_method="fork"), 2, max_epochs=1)
+    stream = DataLoader(RankStream([4, 12]), batch_size=4)
+    mapped = DataLoader([sample(i) for i in range(16)], batch_size=4)
+    refused = rf"a training stream is combined with 1 other training loader\(s\) \(mode '{mode}'"
+    with pytest.raises(Exception, match=refused):
+        trainer.fit(model, CombinedLoader({"stream": stream, "mapped": mapped}, mode=mode))
+    assert not list((tmp_path / "records").glob("rank*.jsonl"))  # no step ran
