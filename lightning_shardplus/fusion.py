@@ -237,9 +237,11 @@ BUCKET_SIZE_RANGE = (
 
 
 def check_bucket_size(name: str, value: Any) -> None:
-    """Refuse a bucket size in MB that DDP cannot take (:func:`is_bucket_size`)."""
+    """Refuse a bucket size in MB that DDP cannot take (:func:`is_bucket_size`): TypeError for what is not a
+    number, ValueError for a number out of range (as the other arguments' checks)."""
     if not is_bucket_size(value):
-        raise ValueError(f"`{name}`={value!r} is not valid: expected {BUCKET_SIZE_RANGE}.")
+        number = isinstance(value, numbers.Real) and not isinstance(value, bool)
+        raise (ValueError if number else TypeError)(f"`{name}`={value!r} is not valid: expected {BUCKET_SIZE_RANGE}.")
 
 
 def _sizes(name: str, values: Any, minimum_count: int) -> tuple[float, ...]:

@@ -35,6 +35,7 @@ from lightning_shardplus.datamodule import per_device_batch_size
         ({"shard_paddin": "first"}, TypeError, r"unknown option\(s\) `shard_paddin`='first'.*valid"),
         ({"aggregation_frequenzy": 2}, TypeError, r"`aggregation_frequenzy`=2"),
         ({"tensor_fusion_threshold_mb": float("inf")}, ValueError, r"`tensor_fusion_threshold_mb`=inf.*finite"),
+        ({"tensor_fusion_threshold_mb": "8"}, TypeError, r"`tensor_fusion_threshold_mb`='8' is not valid.*number"),
         ({"timeout": "5"}, TypeError, r"`timeout`='5'.*timedelta > 0, a number of seconds"),
         ({"timeout": -1}, ValueError, r"`timeout`=-1"),
         ({"timeout": 1e300}, ValueError, r"`timeout`=1e\+300"),
