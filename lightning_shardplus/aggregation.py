@@ -93,9 +93,24 @@ def check_accumulation(aggregation_frequency: int, accumulate_grad_batches: Any)
         )
 
 
-def check_aggregation(frequency: int, trainer: Any, model: Any | None) -> None:
+def check_static_graph(micro_batches: int, static_graph: bool, argument: str) -> None:
+    """Refuse DDP's ``static_graph=True`` with more than one micro-batch per optimizer step: torch's DDP stops on
+    the first backward inside ``no_sync()`` (an ``expect_autograd_hooks_`` internal assert in its reducer,
+    pytorch/pytorch#143580), under plain ``ddp`` as well. ``argument`` names what set the micro-batches."""
+    if static_graph and micro_batches > 1:
+        raise ValueError(
+            f"`static_graph`=True and {argument}={micro_batches} do not work together: torch's DDP fails on the "
+            "first backward of an accumulation window with a static graph (pytorch/pytorch#143580). Use "
+            "`static_graph=False`, or one micro-batch per optimizer step."
+        )
+
+
+def check_aggregation(frequency: int, trainer: Any, model: Any | None, static_graph: bool = False) -> None:
     """Refuse, before a fit starts, what cannot work with ``aggregation_frequency`` = ``frequency``."""
     check_accumulation(frequency, trainer.accumulate_grad_batches)
+    accumulation = trainer.accumulate_grad_batches
+    if frequency == 1 and isinstance(accumulation, int):
+        check_static_graph(accumulation, static_graph, "`Trainer(accumulate_grad_batches)`")
     if frequency == 1:
         return
     if model is not None and not model.automatic_optimization:

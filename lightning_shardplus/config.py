@@ -36,6 +36,7 @@ from lightning_shardplus._validation import (
     check_writable_file,
     process_group_timeout,
 )
+from lightning_shardplus.aggregation import check_static_graph
 from lightning_shardplus.compression import GRADIENT_COMPRESSIONS, GradientCompression
 from lightning_shardplus.sharding import PADDING_MODES, PaddingMode
 from lightning_shardplus.uneven import UNEVEN_INPUTS, UnevenInputs
@@ -174,6 +175,7 @@ def check_ddp_arguments(
             check_bool(name, ddp_kwargs[name])
     _check_communication_hook(config, ddp_comm_hook, ddp_comm_state)
     _check_bucket_arguments(config, ddp_kwargs)
+    check_static_graph(config.aggregation_frequency, ddp_kwargs.get("static_graph") is True, "`aggregation_frequency`")
     return process_group_timeout(timeout)
 
 

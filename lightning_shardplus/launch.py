@@ -19,6 +19,7 @@ from lightning.fabric.plugins.environments import (
 )
 from lightning.pytorch.trainer.states import TrainerFn
 
+from lightning_shardplus import _lightning
 from lightning_shardplus._validation import check_process_group_backend_known
 from lightning_shardplus.aggregation import check_aggregation
 from lightning_shardplus.datamodule import ShardPlusDataModule, per_device_batch_size
@@ -133,4 +134,5 @@ def check_trainer_call(strategy: Any, *call_args: Any, trainer: Any = None) -> N
             per_device_batch_size(arg.global_batch_size, strategy.num_replicas)
     if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
         model = next((arg for arg in call_args if isinstance(arg, pl.LightningModule)), None)
-        check_aggregation(strategy.config.aggregation_frequency, trainer, model)
+        static_graph = bool(_lightning.ddp_kwargs(strategy).get("static_graph"))
+        check_aggregation(strategy.config.aggregation_frequency, trainer, model, static_graph)

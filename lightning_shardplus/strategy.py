@@ -211,7 +211,8 @@ class ShardPlusStrategy(DDPStrategy):
             model.allow_zero_length_dataloader_with_multiple_devices = True
         trainer = _lightning.attached_trainer(model)
         if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
-            check_aggregation(self.config.aggregation_frequency, trainer, model)
+            static_graph = bool(_lightning.ddp_kwargs(self).get("static_graph"))
+            check_aggregation(self.config.aggregation_frequency, trainer, model, static_graph)
 
     @override
     def setup_environment(self) -> None:

@@ -274,6 +274,18 @@ def test_aggregation_with_manual_optimization_or_an_accumulation_scheduler_is_re
     assert not dist.is_initialized()
 
 
+def test_a_static_graph_with_more_than_one_micro_batch_per_step_is_refused_before_any_process_starts(tmp_path):
+    # torch's DDP fails on the first backward of an accumulation window with static_graph=True (pytorch#143580)
+    with pytest.raises(ValueError, match=r"`static_graph`=True and `aggregation_frequency`=2 do not work together"):
+        ShardPlusStrategy(static_graph=True, aggregation_frequency=2)
+    trainer = cpu_trainer(ShardPlusStrategy(start_method="fork", static_graph=True), 2, accumulate_grad_batches=3)
+    refused = r"`static_graph`=True and `Trainer\(accumulate_grad_batches\)`=3 do not work together"
+    with pytest.raises(ValueError, match=refused):
+        trainer.fit(RecordingModule(tmp_path), DataLoader(IndexedDataset(8), batch_size=2))
+    assert not dist.is_initialized()
+    ShardPlusStrategy(static_graph=True)  # one micro-batch per step: DDP's static graph as it is
+
+
 class _ReportBatch(Callback):
     """Writes what the strategy tells callbacks, and the messages logged from then on (the strategy's
     ``on_train_start`` runs after the callbacks')."""
