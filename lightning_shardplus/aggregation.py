@@ -107,11 +107,11 @@ def check_static_graph(micro_batches: int, static_graph: bool, argument: str) ->
 
 def check_aggregation(frequency: int, trainer: Any, model: Any | None, static_graph: bool = False) -> None:
     """Refuse, before a fit starts, what cannot work with ``aggregation_frequency`` = ``frequency``."""
-    check_accumulation(frequency, trainer.accumulate_grad_batches)
     accumulation = trainer.accumulate_grad_batches
-    if frequency == 1 and isinstance(accumulation, int):
-        check_static_graph(accumulation, static_graph, "`Trainer(accumulate_grad_batches)`")
-    if frequency == 1:
+    check_accumulation(frequency, accumulation)
+    if frequency == 1:  # `aggregation_frequency` > 1 with a static graph is refused when the strategy is built
+        if isinstance(accumulation, int):
+            check_static_graph(accumulation, static_graph, "`Trainer(accumulate_grad_batches)`")
         return
     if model is not None and not model.automatic_optimization:
         raise ValueError(
