@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_shardplus.bench.fusion import FUSION_REFERENCE_RUN_STEPS
-from lightning_shardplus.callbacks import STEP_PHASES
+from lightning_shardplus.diagnostics import STEP_PHASES
 
 PLOT_DPI = 100
 PLOT_SIZE = (1000, 500)  # pixels
