@@ -35,49 +35,25 @@ _TOTALS = (*STEP_PHASES, "samples", "micro_batches")
 
 
 class ScalingReport(Callback):
-    """Where each training step's time goes, summed over the fit and aggregated across ranks, with a verdict.
+    """Where each training step's time goes, summed over the fit and aggregated across ranks, with a verdict
+    (docs/scaling-report.md).
 
-    Each training micro-batch is cut into six phases by the wall clock of this process, at Lightning's hooks:
+    Each training micro-batch is cut at Lightning's hooks into :data:`STEP_PHASES`: ``data`` (``next()`` on the
+    training loader, timed through ``trainer.profiler``, which this callback wraps during training and hands to
+    your profiler unchanged); ``between_steps`` (the rest of the gap since the previous micro-batch: moving the
+    batch, Lightning's per-step SIGTERM broadcast, logging, checkpointing, callbacks; validation is not counted);
+    ``forward`` (to ``on_before_backward``); ``backward`` (to the end of the backward computation, marked by an
+    autograd end-of-pass callback queued from a hook on the loss, so that it runs before DDP's own, which waits for
+    the all-reduces); ``communication`` (from then to ``on_after_backward``: what backward did not hide; DDP keeps
+    its built-in all-reduce) and ``optimizer`` (to ``on_train_batch_end``). The first ``skip_first_steps``
+    micro-batches, the steps of tensor-fusion autotuning and the one after it are not counted. Each rank sums
+    locally; one ``all_gather`` of nine numbers when training ends combines the ranks. Samples/s is the samples of
+    all ranks over the slowest rank's counted time; the efficiency is ``samples/s / (world size x
+    single_device_samples_per_second)``.
 
-    - ``data``: waiting for the next batch: ``next()`` on the training loader (workers, ``__getitem__``,
-      collate), timed at the point where Lightning profiles it (``train_dataloader_next``, through
-      ``trainer.profiler``, which this callback wraps during training and hands to your profiler unchanged);
-    - ``between_steps``: the rest of the time from the end of the previous micro-batch (``on_train_batch_end``;
-      the start of the epoch, or the end of validation) to ``on_train_batch_start``: moving the batch to the
-      device, Lightning's per-step broadcast of the SIGTERM flag (a collective: waiting for a slower rank shows
-      here), logging, checkpointing, callbacks. Validation is not counted;
-    - ``forward``: ``on_train_batch_start`` to ``on_before_backward`` (``training_step``, the loss);
-    - ``backward``: ``on_before_backward`` to the end of the backward computation: the moment the autograd
-      engine has computed every gradient (DDP has handed its last bucket to its all-reduce or communication
-      hook), marked by a callback the engine runs at the end of the pass, queued when backward starts (from a
-      hook on the loss) so that it runs before DDP's own, which waits for the all-reduces;
-    - ``communication``: exposed gradient communication, from that moment to ``on_after_backward``, when
-      ``backward()`` has returned: DDP has waited for every bucket's all-reduce and written the gradients back.
-      What overlapped the backward computation is not in it. Zero with 1 rank (nothing to exchange); a few
-      microseconds in micro-batches that do not communicate (aggregation). DDP keeps its built-in all-reduce
-      (no Python communication hook is needed), under ``ShardPlusStrategy`` or any other;
-    - ``optimizer``: ``on_after_backward`` to ``on_train_batch_end`` (gradient clipping, ``optimizer.step``,
-      ``zero_grad``, Lightning's step logging).
-
-    The first ``skip_first_steps`` micro-batches (worker start, DDP's bucket rebuild) are not counted, nor the
-    steps of tensor-fusion autotuning (``auto_tune_tensor_fusion``) and the one after it. Each rank
-    sums locally; one ``all_gather`` of nine numbers when training ends combines them, so the callback is
-    cheap enough to leave on (the benchmark's ``shardplus-report`` row measures it). Samples/s is the samples of
-    all ranks over the slowest rank's counted time; with ``single_device_samples_per_second`` (one device's
-    figure for the same model and per-device batch) the scaling efficiency is ``samples/s / (world size x
-    baseline)``.
-
-    On the CPU the marks are the host's wall clock. On an accelerator with timing events (CUDA, ROCm, XPU), where
-    kernels run asynchronously and the host runs ahead, each mark is also an event recorded on the device's
-    current stream and the phases are the *device's* time between them (``device_timing``): forward, backward and
-    the optimizer are the device's work; exposed communication is the device waiting, after the backward
-    computation ended, for the all-reduces still running and a communication hook's follow-up work (e.g.
-    decompression) and copying the gradients back; data is the device's time across each ``next()`` on the
-    loader (idle, if it ran out of work while the host waited for data), the rest of the gap between two
-    micro-batches is between steps. Events are read once the device has passed them (``query``), a few steps
-    later, so the report never makes the host wait for the device during training.
-    ``report["timing"]`` says which clock was used. For rolling throughput and FLOPs during training use
-    Lightning's ``ThroughputMonitor`` beside it; this report gives the whole fit's verdict.
+    On an accelerator with timing events (CUDA, ROCm, XPU) each mark is also an event on the device's current
+    stream and the phases are the device's time between them, read once the device has passed them (``query``),
+    so the host never waits for the device during training; ``report["timing"]`` names the clock.
 
     When training ends, rank 0 prints the verdict (``rank_zero_info``), logs ``scaling/*`` figures to every
     logger of the Trainer, and writes the report as JSON to ``output_file`` if given; every rank keeps it in
