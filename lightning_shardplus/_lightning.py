@@ -462,7 +462,7 @@ def loggers_read_this_step(trainer: pl.Trainer, logs: bool | None = None) -> boo
 
 
 # ==========================================================================================================
-# Scaling report (`lightning_shardplus.callbacks.ScalingReport`): the time spent fetching training batches.
+# Scaling report (`lightning_shardplus.diagnostics.ScalingReport`): the time spent fetching training batches.
 #
 # Lightning times `next()` on the training loader through `trainer.profiler` (a public attribute; the default is
 # a `PassThroughProfiler`) under the action name below, which its training epoch loop builds from its private

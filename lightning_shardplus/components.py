@@ -17,12 +17,11 @@ from lightning.pytorch.trainer.states import TrainerFn
 
 from lightning_shardplus import aggregation, compression, fusion, sharding
 from lightning_shardplus.aggregation import GradientAggregation
-from lightning_shardplus.callbacks import VerifySharding
 from lightning_shardplus.carrier import GradientCarrier
 from lightning_shardplus.compression import CommunicationHook
 from lightning_shardplus.config import ShardPlusConfig
 from lightning_shardplus.datamodule import ShardPlusDataModule
-from lightning_shardplus.instrumentation import CommunicationHookWrapper
+from lightning_shardplus.diagnostics import CommunicationHookWrapper, VerifySharding
 from lightning_shardplus.loaders import ShardedLoaders
 from lightning_shardplus.metrics import (
     CARRIED_NUMEL,

@@ -36,7 +36,7 @@ class LARS(Optimizer):
     Training of Convolutional Networks*, 2017, Algorithm 1).
 
     For every parameter tensor :math:`w` with gradient :math:`g`, with global learning rate :math:`\gamma`
-    (``lr``, as set by schedulers and :class:`~lightning_shardplus.callbacks.ScaleLearningRate`), momentum
+    (``lr``, as set by schedulers and :class:`~lightning_shardplus.large_batch.ScaleLearningRate`), momentum
     :math:`m`, weight decay :math:`\beta`, trust coefficient :math:`\eta` and ``eps`` :math:`\epsilon`:
 
     .. math::

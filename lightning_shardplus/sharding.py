@@ -489,6 +489,12 @@ def shard_digest(sampler: PaddedShardSampler, rank: int, world_size: int) -> lis
     return digest
 
 
+def digest_finished(total: Sequence[int], world_size: int) -> bool:
+    """Whether every rank ran the epoch to its end, from ``total`` (the sum of every rank's :func:`shard_digest`):
+    :func:`digest_problem` then checked that the ranks covered every sample left in it."""
+    return total[1] == world_size
+
+
 def digest_problem(
     total: Sequence[int], own: Sequence[int], sampler: PaddedShardSampler, world_size: int
 ) -> str | None:

@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader
 import lightning_shardplus  # noqa: F401
 from lightning_shardplus import PaddedShardSampler, ShardPlusStrategy
 from lightning_shardplus.aggregation import gradient_correction, window_length
-from lightning_shardplus.instrumentation import CommunicationCounter
+from lightning_shardplus.diagnostics import CommunicationCounter
 
 
 class AggregationModule(pl.LightningModule):

@@ -383,3 +383,15 @@ def test_the_table_shows_the_paired_ratio_with_its_interval_where_there_is_one()
     few = {"baseline": "ddp", "results": {"ddp": row(5, 1.0, None), "shardplus": row(5, 0.981, None)}}
     table = bench.format_table(few)
     assert "| 0.981 | " in table and "fewer than 6 runs per row (5)" in table
+
+
+def test_the_report_overhead_says_more_or_fewer_samples_per_second_never_a_negative_fewer():
+    def report(with_report_runs):
+        runs = {"shardplus": [100.0, 100.0, 100.0], "shardplus-report": with_report_runs}
+        return {"results": {name: {"runs": values} for name, values in runs.items()}}
+
+    faster = bench.format_overhead(report([130.0, 100.0, 140.0]))
+    assert faster.startswith("`ScalingReport` overhead: 30.0% more samples/s for `shardplus-report` than `shardplus`")
+    assert "from 40.0% more to 0.0% fewer" in faster and "-" not in faster.replace("shardplus-report", "")
+    slower = bench.format_overhead(report([95.0, 90.0, 97.0]))
+    assert "5.0% fewer samples/s" in slower and "from 3.0% fewer to 10.0% fewer" in slower

@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader
 import lightning_shardplus  # noqa: F401
 from lightning_shardplus import ShardPlusStrategy
 from lightning_shardplus.compression import CHECKPOINT_KEY, rank_file
-from lightning_shardplus.instrumentation import CommunicationCounter
+from lightning_shardplus.diagnostics import CommunicationCounter
 from lightning_shardplus.metrics import CARRIED_NUMEL
 
 DIM, HIDDEN, CLASSES = 16, 32, 8

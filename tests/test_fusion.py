@@ -22,13 +22,13 @@ from test_compression import MLP, PARAMETERS, counts, flat, loader
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
 from lightning_shardplus import ShardPlusStrategy, _lightning, fusion
+from lightning_shardplus.diagnostics import CommunicationCounter
 from lightning_shardplus.fusion import (
     AutotuneSettings,
     BucketSetting,
     CandidateRace,
     FusionAutotuner,
 )
-from lightning_shardplus.instrumentation import CommunicationCounter
 
 # ---------------------------------------------------------------------------------------------- one process
 

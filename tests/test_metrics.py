@@ -23,8 +23,7 @@ from torchmetrics import MeanMetric
 
 import lightning_shardplus  # noqa: F401
 from lightning_shardplus import ShardPlusStrategy
-from lightning_shardplus.callbacks import ScalingReport
-from lightning_shardplus.instrumentation import CollectiveCalls
+from lightning_shardplus.diagnostics import CollectiveCalls, ScalingReport
 from lightning_shardplus.metrics import (
     FusedMetricReducer,
     MetricMismatchError,

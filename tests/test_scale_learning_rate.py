@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 from lightning_shardplus import ShardPlusDataModule, ShardPlusStrategy
-from lightning_shardplus.callbacks import ScaleLearningRate, scaling_factor, warmup_factor
+from lightning_shardplus.large_batch import ScaleLearningRate, scaling_factor, warmup_factor
 
 BASE_LRS = (0.1, 0.02)  # two parameter groups: weight, bias
 PER_DEVICE_BATCH = 2
@@ -391,17 +391,17 @@ def test_errors_found_when_training_starts(
 def test_aggregation_counts_the_strategy_frequency_or_accumulation_once() -> None:
     from types import SimpleNamespace
 
-    from lightning_shardplus.callbacks import _aggregation
+    from lightning_shardplus.aggregation import micro_batches_per_step
 
     # ShardPlusStrategy sets accumulate_grad_batches to its aggregation_frequency: one count, not a product (the
     # strategy sets it in its setup, before any callback's on_fit_start: test_effective_batch_is_the_strategy_figure...)
     trainer: Any = SimpleNamespace(
         strategy=SimpleNamespace(aggregation_frequency=3), accumulate_grad_batches=3
     )
-    assert _aggregation(trainer) == 3
+    assert micro_batches_per_step(trainer) == 3
     trainer.strategy = SimpleNamespace()  # a strategy without the attribute
     trainer.accumulate_grad_batches = 2
-    assert _aggregation(trainer) == 2
+    assert micro_batches_per_step(trainer) == 2
 
 
 @pytest.mark.timeout(120)
@@ -413,11 +413,11 @@ def test_effective_batch_is_the_strategy_figure_with_aggregation(tmp_path: Path)
 
 
 def _fit_aggregated(directory: Path, scale: ScaleLearningRate) -> dict[str, Any]:
-    from lightning_shardplus.callbacks import _aggregation
+    from lightning_shardplus.aggregation import micro_batches_per_step
 
     class Report(Callback):
         def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-            self.at_fit_start = _aggregation(trainer)
+            self.at_fit_start = micro_batches_per_step(trainer)
 
         def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
             if trainer.is_global_zero:

@@ -17,15 +17,16 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_shardplus import ShardPlusDataModule, ShardPlusStrategy
 from lightning_shardplus._lightning import TRAIN_DATALOADER_NEXT
-from lightning_shardplus.callbacks import (
+from lightning_shardplus.demo import ClassifierModule
+from lightning_shardplus.diagnostics import (
     STEP_PHASES,
     ScalingReport,
     format_scaling_report,
+    scaling_report,
     scaling_verdict,
     summarize_scaling,
 )
-from lightning_shardplus.demo import ClassifierModule
-from lightning_shardplus.step_clock import HostClock, step_clock, supports_device_events
+from lightning_shardplus.diagnostics.step_clock import HostClock, step_clock, supports_device_events
 
 
 class SlowDataset(Dataset):
@@ -214,7 +215,7 @@ class CountingClock:
 @pytest.mark.timeout(60)
 def test_with_device_timing_the_phases_are_the_devices_and_are_read_once_it_has_passed_them(monkeypatch):
     clock = CountingClock()
-    monkeypatch.setattr("lightning_shardplus.callbacks.step_clock", lambda device, device_timing: clock)
+    monkeypatch.setattr(scaling_report, "step_clock", lambda device, device_timing: clock)
 
     class EndOfTraining(ScalingReport):
         def on_train_end(self, trainer, pl_module):
@@ -268,7 +269,7 @@ def test_on_a_gpu_the_report_uses_cuda_events():
 @pytest.mark.timeout(120)
 def test_with_device_timing_on_two_ranks_exposed_communication_is_read_from_the_devices_marks(tmp_path, monkeypatch):
     clock = CountingClock()  # forked into each rank
-    monkeypatch.setattr("lightning_shardplus.callbacks.step_clock", lambda device, device_timing: clock)
+    monkeypatch.setattr(scaling_report, "step_clock", lambda device, device_timing: clock)
     report = fit_with_report(tmp_path, devices=2, delay=0.0)
     assert report["timing"] == "counting events" and report["micro_batches"] == 10
     for rank in report["per_rank"]:  # start, before_backward, last bucket, after_backward, end: 1 "second" apart

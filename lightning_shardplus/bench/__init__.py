@@ -6,7 +6,7 @@ Each run is a fresh ``Trainer.fit`` on CPU processes (fork launcher) over the sa
 many optimizer steps. Alternating the configurations spreads the machine's drift over all of them.
 
 Beside samples/s, shardplus rows report what the gradient communication hook sent on rank 0 per optimizer step
-during the timed steps (median), *counted* by :class:`~lightning_shardplus.instrumentation.CommunicationCounter`
+during the timed steps (median), *counted* by :class:`~lightning_shardplus.diagnostics.CommunicationCounter`
 (not estimated): bytes handed to collectives, all-reduce rounds (gradient synchronizations) and collectives.
 Counting needs a hook, so the ``none`` row (``gradient_compression="none"``) runs torch's Python
 ``allreduce_hook``, the equivalent of DDP's built-in all-reduce that the ``ddp`` row uses (not counted). The
@@ -14,12 +14,12 @@ Counting needs a hook, so the ``none`` row (``gradient_compression="none"``) run
 ones to compare with ``ddp``, run without the counting hook.
 
 Every row also reports the step time and the Python-level ``torch.distributed`` all_reduce and barrier calls
-per optimizer step, counted in every worker by :class:`~lightning_shardplus.instrumentation.CollectiveCalls` ("-"
+per optimizer step, counted in every worker by :class:`~lightning_shardplus.diagnostics.CollectiveCalls` ("-"
 where torch cannot count them; the metrics rows: 16 scalars logged per step with no sync, Lightning's
 ``sync_dist=True``, and shardplus averaging). ``--configs`` picks rows; the first is the baseline.
 
 Rows other than ``ddp``, ``shardplus``, ``shardplus-plain`` and the metrics rows run a
-:class:`~lightning_shardplus.callbacks.ScalingReport`: where each micro-batch's time goes (data, between steps,
+:class:`~lightning_shardplus.diagnostics.ScalingReport`: where each micro-batch's time goes (data, between steps,
 forward, backward, exposed communication, optimizer; medians over the runs). The ``shardplus-report`` row is
 ``shardplus`` with the report: their ratio is the report's overhead. ``--quick`` runs the whole matrix in
 shorter runs (about a minute on 2 CPU cores); ``--json``, ``--plots DIR`` (two PNGs: samples/s per row with
@@ -64,7 +64,7 @@ from lightning_shardplus.bench.workloads import (
     select_configs,
     strategy_accepts,
 )
-from lightning_shardplus.callbacks import STEP_PHASES
+from lightning_shardplus.diagnostics import STEP_PHASES
 
 __all__ = [
     "FULL",

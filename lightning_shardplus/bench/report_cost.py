@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from lightning_shardplus.callbacks import ScalingReport
+from lightning_shardplus.diagnostics import ScalingReport
 
 
 def measure_report_cost(micro_batches: int = 5000, profiled_actions: int = 40) -> float:
@@ -22,7 +22,7 @@ def measure_report_cost(micro_batches: int = 5000, profiled_actions: int = 40) -
     from lightning.pytorch.profilers import PassThroughProfiler
 
     from lightning_shardplus._lightning import TRAIN_DATALOADER_NEXT
-    from lightning_shardplus.callbacks import _FetchTimingProfiler
+    from lightning_shardplus.diagnostics.scaling_report import _FetchTimingProfiler
 
     report = ScalingReport(skip_first_steps=0, verbose=False)
     report._world_size, report._batch_size = 2, 1

@@ -28,9 +28,8 @@ from lightning_shardplus.aggregation import effective_batch_size
 from lightning_shardplus.bench.quiet import quiet_run
 from lightning_shardplus.bench.report_cost import measure_report_cost
 from lightning_shardplus.bench.workloads import BenchConfig, RankStream, bench_model
-from lightning_shardplus.callbacks import STEP_PHASES, ScalingReport
 from lightning_shardplus.datamodule import SyntheticDataModule
-from lightning_shardplus.instrumentation import CollectiveCalls, CommunicationCounter
+from lightning_shardplus.diagnostics import STEP_PHASES, CollectiveCalls, CommunicationCounter, ScalingReport
 from lightning_shardplus.strategy import ShardPlusStrategy
 
 _COLLECTIVES = ("all_reduce", "barrier")  # the kinds of collectives counted per optimizer step

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_shardplus.bench.fusion import FUSION_REFERENCE_RUN_STEPS
-from lightning_shardplus.callbacks import STEP_PHASES
+from lightning_shardplus.diagnostics import STEP_PHASES
 
 PLOT_DPI = 100
 PLOT_SIZE = (1000, 500)  # pixels
@@ -116,15 +116,20 @@ def report_overhead(report: dict[str, Any]) -> dict[str, float] | None:
     return overhead
 
 
+def _fewer(share: float) -> str:
+    """A relative loss of samples/s in words: ``0.05`` is "5.0% fewer", ``-0.05`` "5.0% more"."""
+    return f"{share:.1%} fewer" if share >= 0 else f"{-share:.1%} more"
+
+
 def format_overhead(report: dict[str, Any]) -> str | None:
     """One sentence on :func:`report_overhead`; None without the two rows."""
     overhead = report_overhead(report)
     if overhead is None:
         return None
     text = (
-        f"`ScalingReport` overhead: {overhead['paired']:.1%} fewer samples/s for `shardplus-report` than `shardplus` "
-        f"(median of {len(report['results']['shardplus']['runs'])} paired runs; range {overhead['paired_min']:.1%} to "
-        f"{overhead['paired_max']:.1%})"
+        f"`ScalingReport` overhead: {_fewer(overhead['paired'])} samples/s for `shardplus-report` than `shardplus` "
+        f"(median of {len(report['results']['shardplus']['runs'])} paired runs; from {_fewer(overhead['paired_min'])} "
+        f"to {_fewer(overhead['paired_max'])})"
     )
     if "own_work" in overhead:
         text += (

@@ -1,4 +1,4 @@
-"""Instrumentation: what the observed process group and the collective calls see, and that counting replaces
+"""Counting communication: what the observed process group and the collective calls see, and that counting replaces
 nothing in ``torch.distributed`` (the counts themselves are checked in test_compression, test_aggregation, ...)."""
 
 import json
@@ -11,7 +11,7 @@ from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader
 
 from lightning_shardplus import ShardPlusStrategy
-from lightning_shardplus.instrumentation import CollectiveCalls, CommunicationCounter, ObservedProcessGroup
+from lightning_shardplus.diagnostics import CollectiveCalls, CommunicationCounter, ObservedProcessGroup
 
 COLLECTIVES = ("all_reduce", "all_gather", "broadcast", "barrier", "all_gather_into_tensor", "reduce_scatter_tensor")
 ORIGINALS = {name: getattr(dist, name) for name in COLLECTIVES}

@@ -1,0 +1,370 @@
+"""The :class:`ScalingReport` callback: where each training micro-batch's time goes, marked at Lightning's hooks
+on a step clock, summed per rank during the fit and gathered once when training ends."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.profilers import Profiler
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+from lightning_shardplus._lightning import TRAIN_DATALOADER_NEXT, call_when_backward_ends
+from lightning_shardplus._validation import check_bool, check_int
+from lightning_shardplus.aggregation import micro_batch_size, micro_batches_per_step
+from lightning_shardplus.diagnostics.scaling_summary import (
+    STEP_PHASES,
+    format_scaling_report,
+    loggable_figures,
+    summarize_scaling,
+)
+from lightning_shardplus.diagnostics.step_clock import HostClock, StepClock, step_clock
+
+_TOTALS = (*STEP_PHASES, "samples", "micro_batches")
+
+
+class ScalingReport(Callback):
+    """Where each training step's time goes, summed over the fit and aggregated across ranks, with a verdict
+    (docs/scaling-report.md).
+
+    Each training micro-batch is cut at Lightning's hooks into :data:`STEP_PHASES`: ``data`` (``next()`` on the
+    training loader, timed through ``trainer.profiler``, which this callback wraps during training and hands to
+    your profiler unchanged); ``between_steps`` (the rest of the gap since the previous micro-batch: moving the
+    batch, Lightning's per-step SIGTERM broadcast, logging, checkpointing, callbacks; validation is not counted);
+    ``forward`` (to ``on_before_backward``); ``backward`` (to the end of the backward computation, marked by an
+    autograd end-of-pass callback queued from a hook on the loss, so that it runs before DDP's own, which waits for
+    the all-reduces); ``communication`` (from then to ``on_after_backward``: what backward did not hide; DDP keeps
+    its built-in all-reduce) and ``optimizer`` (to ``on_train_batch_end``). The first ``skip_first_steps``
+    micro-batches, the steps of tensor-fusion autotuning and the one after it are not counted. Each rank sums
+    locally; one ``all_gather`` of nine numbers when training ends combines the ranks. Samples/s is the samples of
+    all ranks over the slowest rank's counted time; the efficiency is ``samples/s / (world size x
+    single_device_samples_per_second)``.
+
+    On an accelerator with timing events (CUDA, ROCm, XPU) each mark is also an event on the device's current
+    stream and the phases are the device's time between them, read once the device has passed them (``query``),
+    so the host never waits for the device during training; ``report["timing"]`` names the clock.
+
+    When training ends, rank 0 prints the verdict (``rank_zero_info``), logs ``scaling/*`` figures to every
+    logger of the Trainer, and writes the report as JSON to ``output_file`` if given; every rank keeps it in
+    :attr:`report`.
+
+    Args:
+        single_device_samples_per_second: samples/s of the same workload on one device, for the efficiency.
+        skip_first_steps: micro-batches at the start of the fit that are not counted.
+        threshold: the share of a step from which data loading, exposed communication or the time between steps
+            is called the bottleneck.
+        output_file: a JSON file rank 0 writes the report to.
+        batch_size_fn: samples in a batch; default: the datamodule's ``per_device_batch_size`` or the training
+            DataLoader's ``batch_size``.
+        verbose: print the verdict and the figures on rank 0 when training ends.
+        device_timing: ``None``: device timing events where the training device has them, the host clock on the
+            CPU; ``False``: always the host clock; ``True``: device events, an error on a device without them.
+    """
+
+    def __init__(
+        self,
+        single_device_samples_per_second: float | None = None,
+        skip_first_steps: int = 2,
+        threshold: float = 0.2,
+        output_file: str | os.PathLike | None = None,
+        batch_size_fn: Callable[[Any], int] | None = None,
+        verbose: bool = True,
+        device_timing: bool | None = None,
+    ) -> None:
+        if single_device_samples_per_second is not None and not single_device_samples_per_second > 0:
+            raise ValueError(
+                f"`single_device_samples_per_second`={single_device_samples_per_second!r} is not valid: "
+                "expected a number > 0."
+            )
+        skip_first_steps = check_int("skip_first_steps", skip_first_steps, minimum=0)
+        if not 0 < threshold < 1:
+            raise ValueError(f"`threshold`={threshold!r} is not valid: expected a number in (0, 1).")
+        self.single_device_samples_per_second = single_device_samples_per_second
+        self.skip_first_steps = skip_first_steps
+        self.threshold = threshold
+        self.output_file = None if output_file is None else Path(output_file)
+        self.batch_size_fn = batch_size_fn
+        check_bool("verbose", verbose)
+        self.verbose = verbose
+        if device_timing is not None and not isinstance(device_timing, bool):
+            raise TypeError(f"`device_timing`={device_timing!r} is not valid: expected None, True or False.")
+        self.device_timing = device_timing
+        self.report: dict[str, Any] | None = None
+        self._sums = [0.0] * len(_TOTALS)  # per `_TOTALS` key, summed locally: floats, nothing allocated per step
+        self._seen = 0
+        self._was_tuning = False
+        self._world_size = 1
+        self._batch_size: int | None = None
+        self._clock: StepClock = HostClock()
+        self._on_host = True  # `_clock` is the host's: marks are `perf_counter` floats, counted as they come
+        self._previous_end: Any = None  # a mark of `_clock`
+        self._reset_marks()
+        self._pending: deque[_CountedStep] = deque()  # counted micro-batches whose marks the device has not passed
+        # `next()` on the training loader since the previous micro-batch ended: its seconds on the host clock, its
+        # (start, stop) marks on a device clock (read once the device has passed them)
+        self._fetch_seconds = 0.0
+        self._fetches: list[tuple[Any, Any]] = []
+        self._fetch_started: Any = None
+        self._profiler: _FetchTimingProfiler | None = None
+
+    def __getstate__(self) -> dict[str, Any]:  # the spawn launcher pickles the Trainer's callbacks
+        # device events cannot be pickled; `setup` picks the clock again in the new process
+        fresh = {"_clock": HostClock(), "_on_host": True, "_fetches": [], "_pending": deque()}
+        marks = dict.fromkeys(("_start", "_before_backward", "_computed", "_after_backward"))
+        return self.__dict__ | fresh | marks | {"_profiler": None, "_fetch_started": None, "_previous_end": None}
+
+    def _reset_marks(self) -> None:
+        """Forget the micro-batch's marks of `_clock` (None: not reached) and the host times of the three that
+        decide whether the backward computation ended during the backward pass."""
+        self._start = self._before_backward = self._computed = self._after_backward = None
+        self._host_before_backward = self._host_computed = self._host_after_backward = math.nan
+
+    # ------------------------------------------------------------------ the end of the backward computation
+
+    def _backward_started(self, grad: torch.Tensor) -> None:
+        """A hook on the loss: backward has started; the mark is queued to run when its computation ends."""
+        call_when_backward_ends(self._mark_computed)
+
+    def _mark_computed(self) -> None:
+        """Every gradient of the pass is computed (what is left of ``backward()`` is DDP's wait)."""
+        self._host_computed = now = time.perf_counter()
+        self._computed = now if self._on_host else self._clock.mark()
+
+    # ------------------------------------------------------------------ Lightning hooks
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":
+            self._clock = step_clock(trainer.strategy.root_device, self.device_timing)
+            self._on_host = isinstance(self._clock, HostClock)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._sums = [0.0] * len(_TOTALS)
+        self._seen = 0
+        self._was_tuning = False
+        self._world_size = trainer.world_size
+        self._batch_size = micro_batch_size(trainer)
+        self._pending.clear()
+        self.report = None
+        if not isinstance(trainer.profiler, _FetchTimingProfiler):
+            self._profiler = _FetchTimingProfiler(trainer.profiler, self)
+            # an instance patch: no hook sees `next()` on the training loader, Lightning times it only through the
+            # (public) profiler; the user's profiler is wrapped, not replaced, and put back when training ends
+            trainer.profiler = self._profiler
+
+    def _restore_profiler(self, trainer: pl.Trainer) -> None:
+        if self._profiler is not None and trainer.profiler is self._profiler:
+            trainer.profiler = self._profiler.wrapped
+        self._profiler = None
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._restore_profiler(trainer)
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._restore_profiler(trainer)
+
+    def _fetch_start(self) -> None:
+        self._fetch_started = time.perf_counter() if self._on_host else self._clock.mark()
+
+    def _fetch_stop(self) -> None:
+        if self._fetch_started is None:
+            return
+        if self._on_host:
+            self._fetch_seconds += time.perf_counter() - self._fetch_started
+        else:
+            self._fetches.append((self._fetch_started, self._clock.mark()))
+        self._fetch_started = None
+
+    def _new_gap(self) -> None:
+        """The time between micro-batches starts again now (the start of an epoch, the end of validation)."""
+        self._previous_end = time.perf_counter() if self._on_host else self._clock.mark()
+        self._fetch_seconds, self._fetches = 0.0, []
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._new_gap()
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not trainer.sanity_checking:
+            self._new_gap()
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self._reset_marks()
+        self._start = time.perf_counter() if self._on_host else self._clock.mark()
+
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+        if self._before_backward is None:
+            self._host_before_backward = now = time.perf_counter()
+            self._before_backward = now if self._on_host else self._clock.mark()
+        if self._world_size > 1 and loss.requires_grad:  # with one rank there is nothing to exchange
+            loss.register_hook(self._backward_started)
+
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._host_after_backward = now = time.perf_counter()
+        self._after_backward = now if self._on_host else self._clock.mark()
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        end = time.perf_counter() if self._on_host else self._clock.mark()
+        previous_end, self._previous_end = self._previous_end, end
+        fetch_seconds, fetches, self._fetch_seconds, self._fetches = self._fetch_seconds, self._fetches, 0.0, []
+        self._seen += 1
+        # tensor-fusion autotuning re-wraps DDP and tries slower bucket sizes on purpose: its steps, and the first
+        # step after it (the last re-wrap, DDP's bucket rebuild), are not this run's steady state
+        tuning = bool(getattr(trainer.strategy, "fusion_tuning", False))
+        after_tuning, self._was_tuning = self._was_tuning, tuning
+        if tuning or after_tuning or self._seen <= self.skip_first_steps or self._start is None:
+            return self._count_finished(wait=False)
+        step = _CountedStep(
+            self._start if previous_end is None else previous_end,
+            fetches,
+            self._start,
+            self._before_backward,
+            self._computed if self._world_size > 1 and self._computed_in_backward() else None,
+            self._after_backward,
+            end,
+            self.batch_size_fn(batch) if self.batch_size_fn is not None else (self._batch_size or 0),
+        )
+        if self._on_host:  # every mark has happened: counted at once, without queueing
+            return self._add(step.phases(self._clock, fetch_seconds), step.samples)
+        self._pending.append(step)
+        self._count_finished(wait=False)
+
+    def _computed_in_backward(self) -> bool:
+        """Whether the backward computation ended during this backward pass, by the host's clock (NaN: a mark
+        that was not made; before_backward may be missing: no ``on_before_backward`` call)."""
+        before = self._host_before_backward
+        return (before <= self._host_computed or before != before) and self._host_computed <= (
+            self._host_after_backward
+        )
+
+    def _add(self, phases: tuple[float, ...], samples: int) -> None:
+        sums = self._sums
+        for i, seconds in enumerate(phases):
+            if seconds > 0.0:
+                sums[i] += seconds
+        sums[-2] += samples
+        sums[-1] += 1
+
+    def _count_finished(self, wait: bool) -> None:
+        """Adds the phases of the pending micro-batches the clock can measure (with ``wait``: all of them)."""
+        clock = self._clock
+        while self._pending:
+            step = self._pending[0]
+            if wait:
+                clock.wait(step.end)
+            elif not all(clock.ready(mark) for mark in step.all_marks()):
+                return
+            self._pending.popleft()
+            self._add(step.phases(clock, sum(clock.seconds(start, stop) for start, stop in step.fetches)), step.samples)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._restore_profiler(trainer)
+        self._count_finished(wait=True)
+        local = torch.tensor(self._sums, dtype=torch.float64, device=pl_module.device)
+        gathered = [local]
+        if dist.is_available() and dist.is_initialized():  # the one collective of this callback
+            # (not `strategy.all_gather`: Lightning's goes through torch's deprecated autograd all_gather)
+            gathered = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+            dist.all_gather(gathered, local)
+        per_rank = [[float(value) for value in row] for row in torch.stack(gathered).cpu()]
+        self.report = summarize_scaling(
+            [dict(zip(_TOTALS, row, strict=True)) for row in per_rank],
+            threshold=self.threshold,
+            single_device_samples_per_second=self.single_device_samples_per_second,
+            micro_batches_per_step=micro_batches_per_step(trainer),
+            timing=self._clock.name,
+            gradient_compression=getattr(getattr(trainer.strategy, "config", None), "gradient_compression", None),
+        )
+        if not trainer.is_global_zero:
+            return
+        if self.verbose:
+            rank_zero_info(f"ScalingReport: {self.report['verdict']}\n{format_scaling_report(self.report)}")
+        if self.output_file is not None:
+            self.output_file.parent.mkdir(parents=True, exist_ok=True)
+            self.output_file.write_text(json.dumps(self.report, indent=2))
+        if not self.report["micro_batches"]:
+            return
+        metrics = {f"scaling/{key}": value for key, value in loggable_figures(self.report).items()}
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
+
+
+@dataclass
+class _CountedStep:
+    """A counted micro-batch: its clock marks (the previous micro-batch's end, the (start, stop) pairs of ``next()``
+    on the loader before it, start, before_backward, the end of the backward computation when it ended during this
+    backward, after_backward, end; None: not reached) and its samples."""
+
+    previous_end: Any
+    fetches: list[tuple[Any, Any]]
+    start: Any
+    before_backward: Any
+    computed: Any
+    after_backward: Any
+    end: Any
+    samples: int
+
+    def all_marks(self) -> list[Any]:
+        marks = [self.previous_end, self.start, self.before_backward, self.computed, self.after_backward, self.end]
+        return [mark for mark in marks if mark is not None] + [mark for pair in self.fetches for mark in pair]
+
+    def phases(self, clock: StepClock, fetch_seconds: float) -> tuple[float, ...]:
+        """Seconds per phase of :data:`STEP_PHASES` on ``clock`` (all its marks must have happened), with
+        ``fetch_seconds`` the clock's time across ``next()`` on the loader (on a device clock: nothing is queued
+        in it, the time the device went idle, if it ran out of work, waiting for data)."""
+        end = self.end
+        before_backward = end if self.before_backward is None else self.before_backward
+        after_backward = before_backward if self.after_backward is None else self.after_backward
+        computed = after_backward if self.computed is None else self.computed
+        gap = clock.seconds(self.previous_end, self.start)
+        fetch = min(fetch_seconds, gap if gap > 0.0 else 0.0)
+        return (
+            fetch,
+            gap - fetch,
+            clock.seconds(self.start, before_backward),
+            clock.seconds(before_backward, computed),
+            clock.seconds(computed, after_backward),
+            clock.seconds(after_backward, end),
+        )
+
+
+class _FetchTimingProfiler(Profiler):
+    """``trainer.profiler`` during training with a :class:`ScalingReport`: times Lightning's training batch fetch
+    for the report and passes every action on to the profiler it wraps (by default Lightning's no-op one)."""
+
+    def __init__(self, wrapped: Profiler, report: ScalingReport) -> None:
+        super().__init__()
+        self.wrapped, self.report = wrapped, report
+
+    def profile(self, action_name: str) -> Any:
+        """The wrapped profiler's own ``profile`` for every action but the batch fetch (which Lightning times with
+        ``start`` and ``stop``): the ~40 actions profiled per step cost what they cost without this wrapper."""
+        if action_name == TRAIN_DATALOADER_NEXT:
+            return super().profile(action_name)
+        return self.wrapped.profile(action_name)
+
+    def start(self, action_name: str) -> None:
+        if action_name == TRAIN_DATALOADER_NEXT:
+            self.report._fetch_start()
+        self.wrapped.start(action_name)
+
+    def stop(self, action_name: str) -> None:
+        self.wrapped.stop(action_name)
+        if action_name == TRAIN_DATALOADER_NEXT:
+            self.report._fetch_stop()
+
+    def summary(self) -> str:
+        return self.wrapped.summary()

@@ -1,0 +1,99 @@
+"""``verify_sharding``: the cross-rank check, at each training epoch end, that the shards were disjoint and
+complete (:class:`VerifySharding`, added by ``ShardPlusStrategy(verify_sharding=True)``); the digest it sends
+and its reading are the samplers' (``sharding.shard_digest``, ``sharding.digest_problem``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+from lightning_shardplus.aggregation import dataloaders
+from lightning_shardplus.sharding import (
+    DIGEST_WIDTH,
+    PaddedShardSampler,
+    ShardingError,
+    check_epoch_shards,
+    digest_finished,
+    digest_problem,
+    shard_digest,
+)
+
+
+class VerifySharding(Callback):
+    """At the end of each training epoch, check across ranks that the shards were disjoint, each rank read its own
+    positions of the epoch's order and, if the epoch ran to its end, covered every sample left in it. Added by
+    ``ShardPlusStrategy(verify_sharding=True)``.
+
+    Each rank sends a fixed-size digest (:func:`~lightning_shardplus.sharding.shard_digest`: counts and keyed
+    hash sums), all samplers in one all-reduce, whatever the dataset's length. Only when the digests disagree are
+    the index lists gathered, to name the ranks and a sample. When training ends, rank 0 says in one line how many
+    epochs were checked and found right (nothing is said when a check fails: it raises)."""
+
+    def __init__(self) -> None:
+        self.epochs_checked = 0  # in this fit
+        self.epochs_complete = 0  # of them, run to their end on every rank: coverage checked too
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.epochs_checked = self.epochs_complete = 0
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        rank_zero_info(f"shardplus: verify_sharding {_outcome(self.epochs_checked, self.epochs_complete)}")
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        samplers = [
+            dl.sampler for dl in dataloaders(trainer.train_dataloader) if isinstance(dl.sampler, PaddedShardSampler)
+        ]
+        if not samplers:
+            return
+        distributed = dist.is_available() and dist.is_initialized()
+        # the process group's rank: the one a rank should have read for, whatever its sampler was told
+        rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+        own = [shard_digest(sampler, rank, world) for sampler in samplers]
+        total = torch.tensor([value for digest in own for value in digest], dtype=torch.int64, device=pl_module.device)
+        if distributed:
+            dist.all_reduce(total)
+        totals = total.tolist()
+        sums = [totals[i * DIGEST_WIDTH : (i + 1) * DIGEST_WIDTH] for i in range(len(samplers))]
+        for i, sampler in enumerate(samplers):
+            problem = digest_problem(sums[i], own[i], sampler, world)
+            if problem is not None:
+                _name_the_ranks(trainer.current_epoch, sampler, world, distributed, problem)
+        self.epochs_checked += 1
+        self.epochs_complete += all(digest_finished(summed, world) for summed in sums)
+
+
+def _outcome(checked: int, complete: int) -> str:
+    """What the fit's checks found, all of them having passed."""
+    if not checked:
+        return "checked no epoch: no training epoch that read through a PaddedShardSampler ended"
+    epochs = f"checked {checked} epoch{'s' if checked > 1 else ''}"
+    if complete == checked:
+        return f"{epochs}: shards disjoint and complete"
+    return f"{epochs}: shards disjoint; complete in {complete} (the others ended early: their coverage is not checked)"
+
+
+def _name_the_ranks(epoch: int, sampler: PaddedShardSampler, world: int, distributed: bool, problem: str) -> None:
+    """The second pass, after the digests disagreed (every rank takes it): gather the index lists to name the
+    ranks and a sample (:func:`~lightning_shardplus.sharding.check_epoch_shards`), else raise the digest's
+    finding."""
+    local = (sampler.yielded_indices[: sampler.num_real_samples], sampler.completed_epoch)
+    gathered: list[Any] = [None] * world
+    if distributed:
+        dist.all_gather_object(gathered, local)
+    else:
+        gathered = [local]
+    check_epoch_shards(
+        epoch,
+        [indices for indices, _ in gathered],
+        sampler.dataset_length,
+        # a resumed epoch read only what the checkpoint had left
+        expect_full_coverage=all(done for _, done in gathered)
+        and not sampler.drop_last
+        and sampler.start_position == 0,
+    )
+    raise ShardingError(f"verify_sharding: in epoch {epoch}, {problem}.")

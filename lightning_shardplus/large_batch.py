@@ -1,0 +1,302 @@
+"""Large-batch training: :class:`ScaleLearningRate` scales the learning rate with the global batch, after an
+optional warmup (Goyal et al. 2017, as Horovod and Determined apply it); :class:`~lightning_shardplus.optim.LARS`,
+the layer-wise adaptive optimizer, lives in ``optim.py`` and is re-exported here."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch.optim import Optimizer
+from torch.utils.hooks import RemovableHandle
+
+from lightning_shardplus._validation import check_bool, check_choice, check_int
+from lightning_shardplus.aggregation import effective_batch_size, micro_batches_per_step
+from lightning_shardplus.optim import LARS
+
+__all__ = ["LARS", "SCALING_RULES", "ScaleLearningRate", "scaling_factor", "warmup_factor"]
+
+ScalingRule = Literal["linear", "sqrt", "none"]
+SCALING_RULES: tuple[str, ...] = ("linear", "sqrt", "none")
+
+
+def scaling_factor(rule: str, batch_ratio: float) -> float:
+    """The learning-rate multiplier of ``rule`` for ``batch_ratio = effective batch / reference batch``:
+    ``batch_ratio`` (linear), ``sqrt(batch_ratio)`` (sqrt) or 1 (none)."""
+    check_choice("rule", rule, SCALING_RULES)
+    if rule == "linear":
+        return float(batch_ratio)
+    if rule == "sqrt":
+        return math.sqrt(batch_ratio)
+    return 1.0
+
+
+def warmup_factor(factor: float, step: int, warmup_steps: int) -> float:
+    """``factor`` reached linearly over ``warmup_steps`` optimizer steps: 1 at step 0, ``factor`` from step
+    ``warmup_steps`` on (steps counted from 0)."""
+    if step >= warmup_steps:
+        return factor
+    return 1.0 + (factor - 1.0) * step / warmup_steps
+
+
+def _check_warmup_epochs(value: Any) -> None:
+    message = f"`warmup_epochs`={value!r} is not valid: expected a finite number >= 0 (fractions allowed)."
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(message)
+    if not value >= 0 or math.isinf(value):  # `not >=` also rejects NaN
+        raise ValueError(message)
+
+
+class ScaleLearningRate(Callback):
+    """Scale the learning rate with the global batch size, after an optional linear warmup: the large-batch
+    recipe of Goyal et al. (2017), as Horovod and Determined apply it.
+
+    The factor is ``rule(effective_batch / reference_batch_size)`` with ``rule`` linear (the ratio), sqrt
+    (its square root) or none (1), and::
+
+        effective_batch = per_device_batch * world_size * aggregation
+        aggregation     = micro-batches per optimizer step: the strategy's aggregation_frequency, or
+                          trainer.accumulate_grad_batches (ShardPlusStrategy makes them the same count)
+
+    which is the figure ``ShardPlusStrategy.effective_batch_size`` reports (both use
+    :func:`lightning_shardplus.aggregation.effective_batch_size`). ``per_device_batch`` is the datamodule's
+    ``per_device_batch_size`` (``ShardPlusDataModule``), else the training DataLoader's ``batch_size``. By
+    default ``reference_batch_size`` is the per-device batch, i.e. the learning rates in the optimizer were
+    tuned on one device without accumulation: the ratio is then ``world_size * aggregation``.
+
+    During the first ``warmup_steps`` optimizer steps the factor goes linearly from 1 (step 0) to its full
+    value (reached at step ``warmup_steps``); ``warmup_epochs`` (fractions allowed) is converted to optimizer
+    steps with ``ceil(trainer.num_training_batches / aggregation)`` steps per epoch, rounded to the nearest
+    step.
+
+    The factor *multiplies* whatever learning rate the optimizer holds (yours, your schedulers'): it is
+    applied to every parameter group only while the optimizer's ``step`` runs (torch optimizer step pre/post
+    hooks) and the original values are put back right after, before Lightning steps the LR schedulers. So
+    chainable schedulers (StepLR, ReduceLROnPlateau, ...) keep seeing their own values,
+    ``LearningRateMonitor`` shows the unscaled schedule, and checkpoints hold unscaled rates; the callback's
+    own state (optimizer steps taken) is checkpointed, so a resumed run continues the warmup where it stopped
+    and never scales twice.
+
+    The rate actually applied is logged as ``lr-scaled/group{i}`` (``lr-scaled/optimizer{k}/group{i}`` with
+    several optimizers) on every step that stepped the optimizer.
+
+    Args:
+        rule: ``"linear"``, ``"sqrt"`` or ``"none"`` (no scaling; the warmup then has nothing to ramp).
+        reference_batch_size: the batch size (samples per optimizer step) the learning rate was tuned for;
+            None: the per-device batch size.
+        warmup_steps: optimizer steps of linear warmup, ``>= 0``.
+        warmup_epochs: the same in epochs (a float, ``>= 0``); give at most one of the two.
+        log_lr: log the applied learning rate of every parameter group.
+    """
+
+    def __init__(
+        self,
+        rule: ScalingRule = "linear",
+        reference_batch_size: int | None = None,
+        warmup_steps: int | None = None,
+        warmup_epochs: float | None = None,
+        log_lr: bool = True,
+    ) -> None:
+        check_choice("rule", rule, SCALING_RULES)
+        if reference_batch_size is not None:
+            reference_batch_size = check_int("reference_batch_size", reference_batch_size, minimum=1)
+        if warmup_steps is not None and warmup_epochs is not None:
+            raise ValueError(
+                f"`warmup_steps`={warmup_steps!r} and `warmup_epochs`={warmup_epochs!r} were both given: "
+                "give at most one of them."
+            )
+        if warmup_steps is not None:
+            warmup_steps = check_int("warmup_steps", warmup_steps, minimum=0)
+        if warmup_epochs is not None:
+            _check_warmup_epochs(warmup_epochs)
+        check_bool("log_lr", log_lr)
+        self.rule: ScalingRule = rule
+        self.reference_batch_size = reference_batch_size
+        self.warmup_steps = warmup_steps
+        self.warmup_epochs = warmup_epochs
+        self.log_lr = log_lr
+        # Resolved when training starts.
+        self.effective_batch_size: int | None = None
+        self.factor = 1.0
+        self.resolved_warmup_steps = 0
+        self._steps: list[int] = []  # optimizer steps taken, per optimizer
+        self._restored_steps: list[int] | None = None
+        self._optimizers: list[Optimizer] = []
+        self._handles: list[RemovableHandle] = []
+        self._user_lrs: dict[int, list[Any]] = {}  # optimizer index -> its rates, while its step runs
+        self._applied: dict[int, list[Any]] = {}  # optimizer index -> rates of its last step
+        self._depth: list[int] = []  # nested step calls per optimizer (a subclass calling super().step())
+        self._log_pending = False
+
+    def factor_at(self, step: int) -> float:
+        """The multiplier applied at optimizer step ``step`` (counted from 0)."""
+        return warmup_factor(self.factor, step, self.resolved_warmup_steps)
+
+    # ------------------------------------------------------------------ Lightning hooks
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":
+            self._restored_steps = None  # a checkpoint's state, if any, is loaded after this hook
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        aggregation_steps = micro_batches_per_step(trainer)
+        world_size = trainer.world_size
+        self.effective_batch_size = effective_batch_size(trainer)
+        if self.reference_batch_size is None:
+            ratio = float(world_size * aggregation_steps)
+        elif self.effective_batch_size is None:
+            raise ValueError(
+                f"ScaleLearningRate got `reference_batch_size`={self.reference_batch_size} but cannot find "
+                "the per-device batch size: the datamodule has no `per_device_batch_size` and no training "
+                "DataLoader has a `batch_size`. Give the DataLoader a batch_size, or leave "
+                "`reference_batch_size` None."
+            )
+        else:
+            ratio = self.effective_batch_size / self.reference_batch_size
+        self.factor = scaling_factor(self.rule, ratio)
+        self.resolved_warmup_steps = self._resolve_warmup_steps(trainer, aggregation_steps)
+
+        self._remove_hooks()
+        self._optimizers = list(trainer.optimizers)
+        restored = self._restored_steps
+        if restored is not None and len(restored) == len(self._optimizers):
+            self._steps = list(restored)
+        else:  # a fresh run, or a checkpoint without this callback's state
+            self._steps = [trainer.global_step] * len(self._optimizers)
+        self._depth = [0] * len(self._optimizers)
+        for index, optimizer in enumerate(self._optimizers):
+            self._handles.append(optimizer.register_step_pre_hook(self._make_pre_hook(index)))
+            self._handles.append(optimizer.register_step_post_hook(self._make_post_hook(index)))
+
+        batch = "unknown" if self.effective_batch_size is None else self.effective_batch_size
+        reference = self.reference_batch_size or "the per-device batch"
+        rank_zero_info(
+            f"ScaleLearningRate: effective batch {batch} ({world_size} processes x {aggregation_steps} "
+            f"aggregated micro-batches), reference {reference}: {self.rule} factor {self.factor:g}, warmup "
+            f"{self.resolved_warmup_steps} optimizer steps, starting at step {min(self._steps, default=0)}"
+        )
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if not (self.log_lr and self._log_pending):
+            return
+        self._log_pending = False
+        several = len(self._optimizers) > 1
+        for index, rates in self._applied.items():
+            for group, rate in enumerate(rates):
+                name = f"lr-scaled/optimizer{index}/group{group}" if several else f"lr-scaled/group{group}"
+                # the same on every rank: nothing to average (and averaged metrics would warn, this is logged late)
+                pl_module.log(name, rate, on_step=True, on_epoch=False, batch_size=1, rank_zero_only=True)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._restore_all()
+        self._remove_hooks()
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._restore_all()
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._restore_all()
+        self._remove_hooks()
+
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        # A checkpoint written while a step runs (e.g. from inside the closure) still gets the unscaled rates.
+        states = checkpoint.get("optimizer_states")
+        for index, rates in self._user_lrs.items():
+            if states is None or index >= len(states):
+                continue
+            for group, rate in zip(states[index]["param_groups"], rates, strict=False):
+                group["lr"] = rate.clone() if isinstance(rate, torch.Tensor) else rate
+
+    def state_dict(self) -> dict[str, Any]:
+        steps = self._steps if self._steps else (self._restored_steps or [])
+        return {
+            "steps": list(steps),
+            "rule": self.rule,
+            "factor": self.factor,
+            "warmup_steps": self.resolved_warmup_steps,
+            "reference_batch_size": self.reference_batch_size,
+            "effective_batch_size": self.effective_batch_size,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        steps = state_dict.get("steps")
+        self._restored_steps = [int(step) for step in steps] if steps else None
+
+    # ------------------------------------------------------------------ internals
+
+    def _resolve_warmup_steps(self, trainer: pl.Trainer, micro_batches: int) -> int:
+        if self.warmup_steps is not None:
+            return self.warmup_steps
+        if not self.warmup_epochs:
+            return 0
+        batches = trainer.num_training_batches
+        if math.isinf(batches):
+            raise ValueError(
+                f"`warmup_epochs`={self.warmup_epochs!r} needs the number of training batches per epoch, but "
+                "the training dataloader has no length: give `warmup_steps` instead."
+            )
+        steps_per_epoch = math.ceil(batches / micro_batches)
+        return math.floor(self.warmup_epochs * steps_per_epoch + 0.5)
+
+    def _make_pre_hook(self, index: int) -> Any:
+        def scale(optimizer: Optimizer, args: Any, kwargs: Any) -> None:
+            # torch runs the hooks again in every overridden `step` of a subclass chain: scale only once.
+            self._depth[index] += 1
+            if self._depth[index] > 1:
+                return
+            factor = self.factor_at(self._steps[index])
+            saved: list[Any] = []
+            applied: list[Any] = []
+            for group in optimizer.param_groups:
+                rate = group["lr"]
+                if isinstance(rate, torch.Tensor):
+                    saved.append(rate.clone())
+                    rate.mul_(factor)
+                    applied.append(rate.detach().clone())
+                else:
+                    saved.append(rate)
+                    group["lr"] = rate * factor
+                    applied.append(rate * factor)
+            self._user_lrs[index] = saved
+            self._applied[index] = applied
+
+        return scale
+
+    def _make_post_hook(self, index: int) -> Any:
+        def restore(optimizer: Optimizer, args: Any, kwargs: Any) -> None:
+            self._depth[index] -= 1
+            if self._depth[index] > 0:
+                return
+            self._restore(index)
+            self._steps[index] += 1
+            self._log_pending = True
+
+        return restore
+
+    def _restore(self, index: int) -> None:
+        rates = self._user_lrs.pop(index, None)
+        if rates is None:
+            return
+        for group, rate in zip(self._optimizers[index].param_groups, rates, strict=False):
+            if isinstance(rate, torch.Tensor) and isinstance(group["lr"], torch.Tensor):
+                group["lr"].copy_(rate)
+            else:
+                group["lr"] = rate
+
+    def _restore_all(self) -> None:
+        for index in list(self._user_lrs):
+            self._restore(index)
+        self._depth = [0] * len(self._optimizers)
+
+    def _remove_hooks(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
