@@ -267,8 +267,8 @@ class FusionResult:
         if self.from_cache:
             return f"shardplus: tensor fusion: {self.chosen} from {self.source} (no search)"
         chosen = f"{1000 * self.step_s:.2f} ms/step (median)" if self.step_s else "unmeasured"
-        default = f"{1000 * self.default_step_s:.2f} ms/step at" if self.default_step_s else "not measured:"
-        default = f"{default} {self.reference}"
+        default = (f"{1000 * self.default_step_s:.2f} ms/step at {self.reference}" if self.default_step_s
+                   else f"{self.reference} not measured")  # fmt: skip
         gain = f", {100 * (self.gain - 1):+.1f}% steps/s while tuning (paired round by round)" if self.gain else ""
         status = "" if self.complete else " (training ended before the search did: best so far, not cached)"
         return f"shardplus: tensor fusion tuned: {self.chosen}: {chosen} vs {default}{gain}; {self.tuning_steps} " \
