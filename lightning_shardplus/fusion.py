@@ -1,45 +1,10 @@
-"""Tensor-fusion autotuning: DDP's gradient bucket size (``bucket_cap_mb``) chosen by measuring real training
-steps.
+"""Tensor fusion: DDP's gradient bucket size (``bucket_cap_mb``), given or chosen by measuring training steps.
 
-``ShardPlusStrategy(auto_tune_tensor_fusion=True)`` measures the first optimizer steps of training under each
-candidate bucket size and keeps the fastest. Nothing is thrown away: every measured step is a real training
-step; between samples DDP is re-wrapped with the next candidate on every rank at the same optimizer-step
-boundary (never inside an aggregation window), and the communication hook is registered again.
-
-How a decision is reached (Horovod's autotuner, made robust on a noisy machine and bounded in steps):
-
-- A *sample* is ``warmup_steps`` discarded optimizer steps after a re-wrap (DDP cuts its buckets after the first
-  step of a new wrapper; the run's first sample discards 2 more) followed by ``steps_per_sample`` timed steps.
-  A step's time is the wall time between the starts of consecutive optimizer steps (a window of
-  ``aggregation_frequency`` micro-batches); steps that span an epoch end or a validation are not counted. The
-  sample's score is the median step time on each rank, reduced with MAX across ranks (the slowest rank sets the
-  pace): one all_reduce per sample, not per step.
-- The reference is what DDP builds without tuning (:data:`DDP_DEFAULT`: 25 MB buckets, the first one 1 MB, what
-  ``strategy="ddp"`` uses; or the user's ``tensor_fusion_threshold_mb``): it is always raced, and kept unless
-  something is measurably faster.
-- Candidates that give the model the same buckets (e.g. 16, 25 and 64 MB for 6 MB of gradients: one bucket)
-  are one candidate: it is measured once, as the reference where that is among them (:func:`bucket_layout`).
-- Candidates are raced in interleaved rounds (each round visits every remaining candidate, in reverse order every
-  other round, so the machine's drift spreads over all of them); a candidate's time is the median of its samples.
-  After the first round, candidates more than 50% slower than the best are dropped; from ``min_rounds`` on, those
-  slower than the best by more than two standard errors (from the noise measured across samples) and by the medians,
-  and the finalists are measured again. The race stops as soon as one is left, when the finalists are within
-  ``tolerance`` (2%) of each other (a difference not worth more steps), or after ``max_rounds``. The reference (or,
-  for the first bucket, the first stage's winner) is kept unless another is faster by more than the tolerance *and*
-  the noise (two standard errors) *and* by the medians: a change has to be measurably better.
-- Where torch's DDP takes ``bucket_cap_mb_list`` (torch >= 2.13: per-bucket caps, in gradient-ready order) the
-  first bucket is raced next, with the chosen size for the others (settings raced in the first stage already are
-  not raced again): a small first bucket lets the all-reduce start before the backward pass ends.
-- Rank 0 decides and broadcasts the next setting (one broadcast per sample); it also writes one CSV row per
-  sample (``autotune_log``) and caches the result in a JSON file keyed by what determines it (parameter layout,
-  world size, device type, backend, torch version, communication hook, search space), so that the next run
-  with the same key starts with the tuned setting and does not search.
-
-:class:`FusionAutotuner` knows nothing of the Trainer: collectives and the clock are passed in, so the search runs
-in one process in tests. :class:`TensorFusion` is the strategy's component for one fit: it builds the autotuner
-(cache key, log), drives it at optimizer-step boundaries and reports the result; the strategy re-wraps DDP when
-it returns a setting.
-"""
+With ``auto_tune_tensor_fusion`` the candidates, the *reference* (what DDP builds without tuning) among them,
+are raced over ``ROUNDS`` rounds, each measuring every candidate once in alternating order (so that drift
+spreads evenly). A sample: ``warmup_steps`` untimed and ``steps_per_sample`` timed optimizer steps after a
+re-wrap; its score the median step, MAX over ranks (one all_reduce: every rank decides the same, by
+:func:`decide`). The result is cached (JSON), logged (CSV, rank 0) and checkpointed."""
 
 from __future__ import annotations
 
@@ -54,63 +19,44 @@ import os
 import statistics
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
-from torch.nn.parallel import DistributedDataParallel
 
+from lightning_shardplus._torch import DDP_DEFAULT_FIRST_BUCKET_BYTES
 from lightning_shardplus._validation import check_int, check_writable_file
 
 _MB = 1024 * 1024  # DDP's megabyte
-# DDP hands its C++ reducer the bucket size in bytes, int(bucket_cap_mb * 1024 * 1024), as a 64-bit integer: sizes
-# of 2**43 MB and more fail there (a TypeError when DDP is built, inside the worker processes). Exclusive bound.
+# DDP hands its reducer int(bucket_cap_mb * 2**20) as a 64-bit integer: 2**43 MB and more fail there (exclusive).
 MAX_BUCKET_CAP_MB = float(2**63 // _MB)
-# torch's DDP bucket size when none is given
-DEFAULT_BUCKET_CAP_MB = 25.0
-# and its first bucket then (the gradients ready first); torch.distributed private, guarded by
-# tests/test_lightning_private.py
-DDP_FIRST_BUCKET_MB = getattr(dist, "_DEFAULT_FIRST_BUCKET_BYTES", _MB) / _MB  # (absent without distributed)
-# The default candidates (``autotune_candidates_mb=None``) cut the model's gradients into this many buckets: the
-# size that overlaps communication with the backward pass best depends on the model's gradient size.
-DEFAULT_BUCKETS_PER_MODEL: tuple[int, ...] = (1, 2, 4, 8, 16)
-# and DDP's uniform 25 MB, and, where those all cut the gradients one way, the smallest gradient tensor's size
-MAX_DEFAULT_CANDIDATES = len(DEFAULT_BUCKETS_PER_MODEL) + 2
+DEFAULT_BUCKET_CAP_MB = 25.0  # DDP's documented bucket size when none is given
+DDP_FIRST_BUCKET_MB = DDP_DEFAULT_FIRST_BUCKET_BYTES / _MB  # and its first bucket then
+DEFAULT_BUCKETS_PER_MODEL: tuple[int, ...] = (2, 4, 8, 16)  # the default candidates cut the gradients so
 DEFAULT_FIRST_BUCKET_CANDIDATES_MB: tuple[float, ...] = (DDP_FIRST_BUCKET_MB,)
-DEFAULT_CACHE_PATH = Path("~/.cache/lightning_shardplus/fusion.json")
-# Untimed steps added to the first sample of a run: its first steps (data loading starts, allocations) are slower.
-FIRST_SAMPLE_EXTRA_WARMUP = 2
-# Whether this torch's DDP takes per-bucket caps (the first bucket can then be tuned on its own).
-SUPPORTS_FIRST_BUCKET = "bucket_cap_mb_list" in inspect.signature(DistributedDataParallel.__init__).parameters
-
-CSV_COLUMNS = (
-    "sample",
-    "stage",
-    "round",
-    "bucket_cap_mb",
-    "first_bucket_mb",
-    "first_step",
-    "timed_steps",
-    "step_ms",
-    "gradient_bytes_per_s",
-    "note",  # why nothing was raced (one row then: the setting used), else empty
-)
+# Whether this torch's DDP takes per-bucket caps (torch >= 2.13): a first bucket of its own size can be raced.
+SUPPORTS_FIRST_BUCKET = "bucket_cap_mb_list" in inspect.signature(torch.nn.parallel.DistributedDataParallel).parameters
+ROUNDS = 4  # an even number: each candidate as often early as late in a round
+FIRST_SAMPLE_EXTRA_WARMUP = 2  # the run's first steps are slower (loaders start, allocations)
+CHECKPOINT_KEY = "shardplus_tensor_fusion"
+CSV_COLUMNS = ("sample", "stage", "round", "bucket_cap_mb", "first_bucket_mb", "first_step", "timed_steps",
+               "step_ms", "gradient_bytes_per_s", "note")  # fmt: skip
+BUCKET_SIZE_RANGE = f"a finite number > 0 and < {MAX_BUCKET_CAP_MB:.0f} MB (DDP takes the size in bytes as int64)"
 
 
 @dataclass(frozen=True, order=True)
 class BucketSetting:
-    """What the autotuner sets on DDP: the bucket size, and optionally a different size for the first bucket
-    (the first to be all-reduced: the gradients ready first)."""
+    """DDP's bucket size, and optionally another size for the first bucket (the gradients ready first)."""
 
     bucket_cap_mb: float
     first_bucket_mb: float | None = None
 
     def ddp_kwargs(self) -> dict[str, Any]:
-        """The keyword arguments of ``DistributedDataParallel`` that give it this setting (None: leave it out).
-        :data:`DDP_DEFAULT` leaves both out: DDP's own default, exactly what ``strategy="ddp"`` builds, on any torch."""
+        """``DistributedDataParallel``'s arguments for this setting (None: left out). :data:`DDP_DEFAULT` leaves
+        both out: exactly what ``strategy="ddp"`` builds, on any torch."""
         if self == DDP_DEFAULT:
             return {"bucket_cap_mb": None, "bucket_cap_mb_list": None}
         caps = None if self.first_bucket_mb is None else [self.first_bucket_mb, self.bucket_cap_mb]
@@ -122,35 +68,49 @@ class BucketSetting:
         return size if self.first_bucket_mb is None else f"{size} (first bucket {self.first_bucket_mb:g} MB)"
 
 
-def _merged_label(setting: BucketSetting, kept: BucketSetting) -> str:
-    """``setting``'s label beside the one it was merged into: "25 MB (every bucket)" beside "25 MB (first bucket
-    1 MB)", not "25 MB" twice."""
-    same_cap = setting.bucket_cap_mb == kept.bucket_cap_mb and setting.first_bucket_mb is None
-    return f"{setting.label} (every bucket)" if same_cap else setting.label
-
-
-# What DDP builds when no bucket size is given (``strategy="ddp"``, and shardplus without
-# ``tensor_fusion_threshold_mb``): the reference tuning has to beat measurably.
-DDP_DEFAULT = BucketSetting(DEFAULT_BUCKET_CAP_MB, DDP_FIRST_BUCKET_MB)
+DDP_DEFAULT = BucketSetting(DEFAULT_BUCKET_CAP_MB, DDP_FIRST_BUCKET_MB)  # what DDP builds given no size
 DDP_DEFAULT_LABEL = f"DDP's default ({DEFAULT_BUCKET_CAP_MB:g} MB, first bucket {DDP_FIRST_BUCKET_MB:g} MB)"
+
+
+def is_bucket_size(value: Any) -> bool:
+    """A size in MB that DDP takes: a real number > 0 and < :data:`MAX_BUCKET_CAP_MB`."""
+    real = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    return real and math.isfinite(value) and 0 < value < MAX_BUCKET_CAP_MB
+
+
+def check_bucket_size(name: str, value: Any) -> None:
+    """TypeError for what is not a number, ValueError for a size DDP cannot take."""
+    if not is_bucket_size(value):
+        number = isinstance(value, numbers.Real) and not isinstance(value, bool)
+        raise (ValueError if number else TypeError)(f"`{name}`={value!r} is not valid: expected {BUCKET_SIZE_RANGE}.")
+
+
+def _sizes(name: str, values: Any, minimum_count: int) -> tuple[float, ...]:
+    items = list(values) if isinstance(values, Iterable) and not isinstance(values, (str, bytes)) else None
+    if items is None or len(items) < minimum_count or not all(is_bucket_size(v) for v in items):
+        expected = f"at least {minimum_count} bucket size(s) in MB" if minimum_count else "bucket sizes in MB (or none)"
+        raise ValueError(f"`{name}`={values!r} is not valid: expected a list of {expected}, each {BUCKET_SIZE_RANGE}.")
+    return tuple(sorted({float(v) for v in items}))
+
+
+def default_candidates_mb(parameters: Sequence[torch.Tensor]) -> tuple[float, ...]:
+    """The model's gradient bytes over each of :data:`DEFAULT_BUCKETS_PER_MODEL` buckets (2 significant digits),
+    and DDP's uniform 25 MB."""
+    total = sum(p.numel() * p.element_size() for p in parameters if p.requires_grad)
+    sizes = {float(f"{total / buckets / _MB:.2g}") for buckets in DEFAULT_BUCKETS_PER_MODEL} if total else set()
+    return tuple(sorted(s for s in sizes | {DEFAULT_BUCKET_CAP_MB} if is_bucket_size(s)))
 
 
 @dataclass(frozen=True)
 class AutotuneSettings:
     """The search space and its budget; checked on construction (errors name the strategy argument)."""
 
-    candidates_mb: tuple[float, ...] | None = None  # None: chosen from the model's gradient size (for_model)
+    candidates_mb: tuple[float, ...] | None = None  # None: the model's (for_model)
     first_bucket_candidates_mb: tuple[float, ...] = DEFAULT_FIRST_BUCKET_CANDIDATES_MB
     steps_per_sample: int = 8
     warmup_steps: int = 1
-    min_rounds: int = 3  # paired ratios before a candidate can be dropped as slower (2 are too few here)
-    max_rounds: int = 4
-    noise_floor: float = 0.01
-    tolerance: float = 0.02  # finalists this close are as good as each other: stop
-    # after the first round, candidates this much slower than the best are dropped (one sample each: a wide margin)
-    first_round_margin: float = 0.5
-    # set by the user: only the first bucket is searched, with this size for the others
-    fixed_bucket_cap_mb: float | None = None
+    fixed_bucket_cap_mb: float | None = None  # the user's size: only first buckets are raced beside it
+    tolerance: float = 0.02  # a candidate must be faster than the reference by more than this
 
     def __post_init__(self) -> None:
         if self.candidates_mb is not None:
@@ -159,320 +119,67 @@ class AutotuneSettings:
         object.__setattr__(self, "first_bucket_candidates_mb", first)
         object.__setattr__(self, "steps_per_sample", check_int("autotune_steps_per_sample", self.steps_per_sample, 1))
         object.__setattr__(self, "warmup_steps", check_int("autotune_warmup_steps", self.warmup_steps, minimum=1))
-        object.__setattr__(self, "min_rounds", check_int("min_rounds", self.min_rounds, minimum=1))
-        object.__setattr__(self, "max_rounds", check_int("max_rounds", self.max_rounds, minimum=self.min_rounds))
 
     def for_model(self, parameters: Sequence[torch.Tensor]) -> AutotuneSettings:
-        """These settings with the default candidates of a model whose parameters are ``parameters``
-        (:func:`default_candidates_mb`) where none were given; given ones stay as given."""
-        if self.candidates_mb is not None:
-            return self
-        return dataclasses.replace(self, candidates_mb=default_candidates_mb(parameters))
-
-    @property
-    def first_stage(self) -> list[BucketSetting]:
-        """The uniform bucket sizes raced first, and DDP's default: the reference (none when the user fixed the
-        size). The default candidates depend on the model: :meth:`for_model` first."""
-        if self.fixed_bucket_cap_mb is not None:
-            return []
-        if self.candidates_mb is None:
-            raise ValueError("AutotuneSettings: the default candidates depend on the model: call for_model() first")
-        return [BucketSetting(size) for size in self.candidates_mb] + [DDP_DEFAULT]
+        """These settings with the model's default candidates where none were given."""
+        given = self.candidates_mb is not None
+        return self if given else dataclasses.replace(self, candidates_mb=default_candidates_mb(parameters))
 
     @property
     def reference(self) -> BucketSetting:
-        """What DDP would use without tuning: the user's size, else DDP's default."""
-        if self.fixed_bucket_cap_mb is not None:
-            return BucketSetting(self.fixed_bucket_cap_mb)
-        return DDP_DEFAULT
+        """What DDP uses without tuning: the user's size, else DDP's default."""
+        return DDP_DEFAULT if self.fixed_bucket_cap_mb is None else BucketSetting(self.fixed_bucket_cap_mb)
 
-    def second_stage(self, chosen: BucketSetting) -> list[BucketSetting]:
-        """``chosen``, its bucket size uniform and with each smaller first bucket (empty where torch cannot set a
-        first bucket or none is smaller)."""
-        cap = chosen.bucket_cap_mb
-        smaller = [f for f in self.first_bucket_candidates_mb if f < cap]
-        if not SUPPORTS_FIRST_BUCKET or not smaller:
-            return []
-        stage = [BucketSetting(cap)] + [BucketSetting(cap, f) for f in smaller]
-        return stage if chosen in stage else [chosen, *stage]
+    @property
+    def candidates(self) -> list[BucketSetting]:
+        """The settings raced, the reference last: the uniform sizes (none beside a user's size), then the
+        reference's size with each smaller first bucket."""
+        if self.candidates_mb is None and self.fixed_bucket_cap_mb is None:
+            raise ValueError("AutotuneSettings: the default candidates depend on the model: call for_model() first")
+        reference, cap = self.reference, self.reference.bucket_cap_mb
+        uniform = [BucketSetting(s) for s in self.candidates_mb or ()] if self.fixed_bucket_cap_mb is None else []
+        firsts = [BucketSetting(cap, f) for f in self.first_bucket_candidates_mb if f < cap and SUPPORTS_FIRST_BUCKET]
+        return [s for s in dict.fromkeys(uniform + firsts) if s != reference] + [reference]
 
     @property
     def max_tuning_steps(self) -> int:
-        """Optimizer steps the search takes at most (it usually stops earlier), not counting steps that span an
-        epoch end or a validation (they are not timed)."""
-        sample = self.warmup_steps + self.steps_per_sample
-        if self.candidates_mb is None and self.fixed_bucket_cap_mb is None:  # the model's: at most this many
-            # any default candidate, as far as the second stage goes, is at most a size above every first bucket
-            stage = [BucketSetting(math.inf)] * MAX_DEFAULT_CANDIDATES + [DDP_DEFAULT]
-        else:
-            stage = self.first_stage
-        first = len(stage) * self.max_rounds * sample
-        # the first stage's winner decides the second stage: the largest one it can be
-        second = max(len(self.second_stage(chosen)) for chosen in stage or [self.reference])
-        return first + second * self.max_rounds * sample + FIRST_SAMPLE_EXTRA_WARMUP
-
-    def describe(self) -> dict[str, Any]:
-        """The search space, as it enters the cache key."""
-        return {
-            "candidates_mb": None if self.candidates_mb is None else list(self.candidates_mb),
-            "first_bucket_candidates_mb": list(self.first_bucket_candidates_mb) if SUPPORTS_FIRST_BUCKET else [],
-            "fixed_bucket_cap_mb": self.fixed_bucket_cap_mb,
-            "reference": self.reference.label,
-        }
+        """Optimizer steps the race takes at most (for any model where its candidates are the model's), not
+        counting steps that span an epoch end or a validation."""
+        most = dataclasses.replace(self, candidates_mb=tuple(range(1, len(DEFAULT_BUCKETS_PER_MODEL) + 2)))
+        count = len((self if self.candidates_mb is not None else most).candidates)
+        return count * ROUNDS * (self.warmup_steps + self.steps_per_sample) + FIRST_SAMPLE_EXTRA_WARMUP
 
 
-def is_bucket_size(value: Any) -> bool:
-    """Whether ``value`` is a bucket size in MB that DDP takes: a number > 0 and < :data:`MAX_BUCKET_CAP_MB`."""
-    return (
-        isinstance(value, numbers.Real)
-        and not isinstance(value, bool)
-        and math.isfinite(value)
-        and 0 < value < MAX_BUCKET_CAP_MB
-    )
+def decide(times: dict[BucketSetting, list[float]], reference: BucketSetting, tolerance: float
+           ) -> tuple[BucketSetting, float | None]:  # fmt: skip
+    """The setting to keep, from one score per candidate and round (``times[c][r]``; the last round may be short),
+    and reference / it paired: the median of their per-round ratios (None: the reference was not measured). The
+    lowest median replaces ``reference`` only if faster than it by more than ``tolerance`` by the medians and
+    paired (a change of load between rounds cancels there)."""
+    if not times.get(reference):
+        return reference, None
+    best = min((c for c in times if times[c]), key=lambda c: statistics.median(times[c]))
+    gain = statistics.median(mine / theirs for mine, theirs in zip(times[reference], times[best], strict=False))
+    faster = statistics.median(times[best]) < (1 - tolerance) * statistics.median(times[reference])
+    return (best, gain) if faster and gain > 1 / (1 - tolerance) else (reference, 1.0)
 
 
-BUCKET_SIZE_RANGE = (
-    f"a finite number > 0 and < {MAX_BUCKET_CAP_MB:.0f} MB (2**43: DDP's bucket size in bytes is a 64-bit integer)"
-)
-
-
-def check_bucket_size(name: str, value: Any) -> None:
-    """Refuse a bucket size in MB that DDP cannot take (:func:`is_bucket_size`): TypeError for what is not a
-    number, ValueError for a number out of range (as the other arguments' checks)."""
-    if not is_bucket_size(value):
-        number = isinstance(value, numbers.Real) and not isinstance(value, bool)
-        raise (ValueError if number else TypeError)(f"`{name}`={value!r} is not valid: expected {BUCKET_SIZE_RANGE}.")
-
-
-def _sizes(name: str, values: Any, minimum_count: int) -> tuple[float, ...]:
-    items = None
-    if not isinstance(values, (str, bytes)):
-        try:
-            items = list(values)
-        except TypeError:  # not a collection
-            items = None
-    valid = items is not None and len(items) >= minimum_count and all(is_bucket_size(v) for v in items)
-    if not valid:
-        expected = f"at least {minimum_count} bucket size(s) in MB" if minimum_count else "bucket sizes in MB (or none)"
-        raise ValueError(f"`{name}`={values!r} is not valid: expected a list of {expected}, each {BUCKET_SIZE_RANGE}.")
-    return tuple(sorted({float(v) for v in items}))
-
-
-def default_candidates_mb(parameters: Sequence[torch.Tensor]) -> tuple[float, ...]:
-    """The default bucket sizes of a model: its gradient bytes divided by each of :data:`DEFAULT_BUCKETS_PER_MODEL`
-    (2 significant digits), DDP's uniform 25 MB, and, where these and DDP's default all cut the gradients the same
-    way, the smallest gradient tensor's size (one bucket per tensor): more than one tensor then has >= 2 layouts.
-    Sizes with the same layout are raced once (:func:`merge_equivalent`)."""
-    grads = [p for p in parameters if p.requires_grad]
-    sizes = [p.numel() * p.element_size() for p in grads if p.numel()]
-    if not sizes:
-        return (DEFAULT_BUCKET_CAP_MB,)
-    total = sum(sizes)
-    candidates = {float(f"{total / buckets / _MB:.2g}") for buckets in DEFAULT_BUCKETS_PER_MODEL}
-    candidates.add(DEFAULT_BUCKET_CAP_MB)
-    layouts = {bucket_layout(grads, BucketSetting(size)) for size in candidates}
-    if len(layouts | {bucket_layout(grads, DDP_DEFAULT)}) < 2:
-        candidates.add(min(sizes) / _MB)  # exact: _MB is a power of 2, DDP gets back min(sizes) bytes
-    return tuple(sorted(size for size in candidates if is_bucket_size(size)))
-
-
-# ---------------------------------------------------------------------------------------------------- search
-
-
-def bucket_layout(parameters: Sequence[torch.Tensor], setting: BucketSetting) -> tuple[Any, ...]:
-    """The buckets (parameter indices) DDP builds under ``setting``, with DDP's own bucketing, for the gradients
-    taken in reverse registration order (the usual backward order, in which DDP rebuilds its buckets after the
-    first step) and in registration order (the other extreme). Settings with the same layout in both orders
-    are the same setting for this model, whatever order the gradients really come in."""
-    limits = [int(mb * _MB) for mb in (setting.first_bucket_mb, setting.bucket_cap_mb) if mb is not None]
-    grads = [p for p in parameters if p.requires_grad]
-    if not grads:
-        return (), ()
-    shapes = [torch.empty(p.numel(), dtype=p.dtype, device="meta") for p in grads]  # sizes and dtypes only
-
-    def buckets(order: list[torch.Tensor]) -> tuple[tuple[int, ...], ...]:
-        # torch.distributed private (guarded by tests/test_lightning_private.py)
-        assignment, _ = dist._compute_bucket_assignment_by_size(order, limits, [False] * len(order))
-        return tuple(tuple(bucket) for bucket in assignment)
-
-    return buckets(shapes[::-1]), buckets(shapes)
-
-
-def merge_equivalent(
-    candidates: Sequence[BucketSetting],
-    layout: Callable[[BucketSetting], Any] | None,
-    preferred: Sequence[BucketSetting] = (),
-) -> tuple[list[BucketSetting], dict[BucketSetting, list[BucketSetting]]]:
-    """One candidate per distinct ``layout`` (all of them without one): the first of ``preferred`` in a group,
-    else the group's first; and, per kept candidate, the others it stands for."""
-    if layout is None:
-        return list(candidates), {}
-    groups: dict[Any, list[BucketSetting]] = {}
-    for candidate in candidates:
-        groups.setdefault(layout(candidate), []).append(candidate)
-    kept, merged = [], {}
-    for group in groups.values():
-        representative = next((p for p in preferred if p in group), group[0])
-        kept.append(representative)
-        if len(group) > 1:
-            merged[representative] = [c for c in group if c != representative]
-    return kept, merged
-
-
-
-class CandidateRace:
-    """Successive elimination over bucket settings, from one score (seconds per step) per sample.
-
-    :meth:`next_setting` says what to measure next (None: decided), :meth:`record` takes its score. Rounds visit the
-    remaining candidates in alternating order. Candidates are compared *paired*: by the median over the rounds that
-    measured both of the ratio of their scores (:meth:`ratio`), so that a change of the machine's load between
-    rounds cancels. After each round from ``min_rounds`` on, candidates slower than the leader by more than two
-    standard errors (:meth:`margin`, from ``noise``: the median relative deviation of the paired ratios, at least
-    ``noise_floor``), and slower by the medians of their scores, are dropped (a round or two of outliers can make
-    the two measures disagree: then nothing is concluded); the race ends with one candidate left, with all finalists
-    within ``tolerance`` of the leader (a difference not worth more steps), or after ``max_rounds``. After the first
-    round, with one sample each, only candidates slower than the leader by more than ``first_round_margin`` are
-    dropped."""
-
-    def __init__(
-        self,
-        candidates: Sequence[BucketSetting],
-        min_rounds: int,
-        max_rounds: int,
-        noise_floor: float,
-        preferred: BucketSetting | None = None,
-        first_round_margin: float = math.inf,
-        tolerance: float = 0.02,
-    ) -> None:
-        if not candidates:
-            raise ValueError("CandidateRace needs at least one candidate")
-        self.live = list(candidates)
-        self.samples: dict[BucketSetting, list[float]] = {c: [] for c in candidates}
-        self.by_round: dict[BucketSetting, dict[int, float]] = {c: {} for c in candidates}
-        self.min_rounds, self.max_rounds, self.noise_floor = min_rounds, max_rounds, noise_floor
-        self.preferred = preferred
-        self.first_round_margin, self.tolerance = first_round_margin, tolerance
-        self.round = 0
-        self.winner: BucketSetting | None = candidates[0] if len(candidates) == 1 else None
-        self._queue = list(self.live)
-
-    def next_setting(self) -> BucketSetting | None:
-        if self.winner is not None:
-            return None
-        if not self._queue:
-            self._end_round()
-            if self.winner is not None:
-                return None
-        return self._queue[0]
-
-    def record(self, setting: BucketSetting, seconds_per_step: float) -> None:
-        if not self._queue or self._queue[0] != setting:
-            raise RuntimeError(f"CandidateRace: expected a sample of {self._queue[:1]}, got {setting}")
-        self._queue.pop(0)
-        self.samples[setting].append(seconds_per_step)
-        self.by_round[setting][self.round] = seconds_per_step
-
-    def median(self, setting: BucketSetting) -> float:
-        """The median of ``setting``'s scores (seconds per step), for reports."""
-        samples = [s for s in self.samples.get(setting, ()) if math.isfinite(s)]
-        return statistics.median(samples) if samples else math.inf
-
-    def _ratios(self, setting: BucketSetting, reference: BucketSetting) -> list[float]:
-        mine, theirs = self.by_round.get(setting, {}), self.by_round.get(reference, {})
-        return [mine[r] / theirs[r] for r in mine if r in theirs and theirs[r] > 0]
-
-    def ratio(self, setting: BucketSetting, reference: BucketSetting) -> float:
-        """Median over the rounds that measured both of ``setting``'s score / ``reference``'s (1.05: 5% slower);
-        inf when they share no round."""
-        if setting == reference:
-            return 1.0
-        ratios = self._ratios(setting, reference)
-        return statistics.median(ratios) if ratios else math.inf
-
-    def leader(self) -> BucketSetting:
-        """The fastest remaining candidate: the lowest median, unless another is faster paired with it."""
-        leader = min(self.live, key=self.median)
-        challenger = min(self.live, key=lambda c: self.ratio(c, leader))
-        return challenger if self.ratio(challenger, leader) < 1 else leader
-
-    @property
-    def noise(self) -> float:
-        """The median relative deviation of paired ratios (against the leader) from their median."""
-        leader, deviations = self.leader(), []
-        for setting in self.samples:
-            ratios = self._ratios(setting, leader) if setting != leader else []
-            if len(ratios) > 1:
-                middle = statistics.median(ratios)
-                deviations += [abs(r - middle) / middle for r in ratios]
-        return max(self.noise_floor, statistics.median(deviations) if deviations else 0.0)
-
-    def margin(self, setting: BucketSetting, leader: BucketSetting) -> float:
-        """How much slower than ``leader`` (relative) ``setting`` may measure and still be as fast: two standard
-        errors of their paired ratio."""
-        return 2 * self.noise / math.sqrt(max(len(self._ratios(setting, leader)), 1))
-
-    def best(self) -> BucketSetting:
-        """The leader; the preferred candidate where it is not measurably slower: within ``tolerance`` of the
-        leader, within the noise (:meth:`margin`), or no slower by the medians (the two measures disagree). A
-        preferred candidate dropped earlier (slower than the leader then) is still chosen over a final leader that
-        is no faster than it in the rounds both ran."""
-        leader, preferred = self.leader(), self.preferred
-        if preferred is None or preferred == leader:
-            return leader
-        if preferred in self.live:
-            if self.ratio(preferred, leader) <= 1 + self.tolerance or not self._slower(preferred, leader):
-                return preferred
-        elif self._ratios(preferred, leader) and self.ratio(preferred, leader) <= 1:
-            return preferred
-        return leader
-
-    def _slower(self, setting: BucketSetting, leader: BucketSetting) -> bool:
-        """Measurably slower than ``leader``: paired by more than the noise, and by the medians (never when they
-        share no round: not measured is not slower)."""
-        if setting != leader and not self._ratios(setting, leader):
-            return False
-        paired = self.ratio(setting, leader) > 1 + self.margin(setting, leader)
-        return paired and self.median(setting) > self.median(leader)
-
-    def _end_round(self) -> None:
-        self.round += 1
-        if self.round == 1 and self.round < self.min_rounds:
-            leader = self.leader()  # one sample each: the default is not dropped on it
-            margin = 1 + self.first_round_margin
-            self.live = [c for c in self.live if c == self.preferred or self.ratio(c, leader) <= margin]
-        if self.round >= self.min_rounds or len(self.live) == 1:
-            leader = self.leader()
-            self.live = [c for c in self.live if not self._slower(c, leader)]
-            close = all(self.ratio(c, leader) <= 1 + self.tolerance for c in self.live)
-            if len(self.live) == 1 or close or self.round >= self.max_rounds:
-                self.winner = self.best()
-                return
-        order = self.live if self.round % 2 == 0 else list(reversed(self.live))
-        self._queue = list(order)
-
-
-# ---------------------------------------------------------------------------------------------------- cache
+def default_cache_path() -> Path:
+    """``$XDG_CACHE_HOME/lightning_shardplus/fusion.json``; ``~/.cache/...`` where XDG_CACHE_HOME is unset, empty
+    or relative (the XDG spec ignores a relative one)."""
+    base = os.environ.get("XDG_CACHE_HOME", "")
+    root = Path(base) if os.path.isabs(base) else Path("~/.cache").expanduser()
+    return root / "lightning_shardplus" / "fusion.json"
 
 
 def cache_key(
-    parameters: Iterable[torch.Tensor],
-    world_size: int,
-    device_type: str,
-    backend: str,
-    extra: dict[str, Any] | None = None,
+    parameters: Iterable[torch.Tensor], world_size: int, device_type: str, backend: str, extra: dict | None = None
 ) -> str:
-    """A hash of what determines the best bucket size: the shapes and dtypes of the parameters that get
-    gradients, in registration order (DDP's bucket order follows it), world size, device type, backend, torch
-    version, and ``extra`` (the communication hook, the search space)."""
+    """A hash of what determines the best setting: the shapes and dtypes of the parameters with gradients in
+    registration order, world size, device type, backend, torch version, and ``extra`` (hook, search space)."""
     layout = [[list(p.shape), str(p.dtype)] for p in parameters if p.requires_grad]
-    described = {
-        "parameters": layout,
-        "world_size": world_size,
-        "device_type": device_type,
-        "backend": backend,
-        "torch": torch.__version__,
-        "extra": extra or {},
-    }
+    described = {"parameters": layout, "world_size": world_size, "device_type": device_type, "backend": backend,
+                 "torch": torch.__version__, "extra": extra or {}}  # fmt: skip
     return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()[:32]
 
 
@@ -481,34 +188,27 @@ class NotACacheError(ValueError):
 
 
 def read_cache(path: Path) -> dict[str, Any]:
-    """The entries of the autotune cache at ``path``: {} where there is no file or an empty one. Raises
-    :class:`NotACacheError` for a file that is not a cache (not JSON, or not an object whose values are entries
-    with a ``bucket_cap_mb``): such a file is someone else's, and is not overwritten."""
+    """The entries of the cache at ``path`` ({} for no file or an empty one); :class:`NotACacheError` for a file
+    that is not a JSON object of entries each with a ``bucket_cap_mb`` (someone else's: never overwritten)."""
     try:
-        text = Path(path).read_text()
+        text = Path(path).read_bytes()
     except FileNotFoundError:
         return {}
-    except UnicodeDecodeError:
-        raise NotACacheError("not text") from None
-    if not text.strip():
-        return {}
     try:
-        entries = json.loads(text)
-    except ValueError:
+        entries = json.loads(text) if text.strip() else {}
+    except ValueError:  # a UnicodeDecodeError too
         raise NotACacheError("not JSON") from None
-    if not isinstance(entries, dict) or not all(
-        isinstance(entry, dict) and "bucket_cap_mb" in entry for entry in entries.values()
-    ):
+    if not isinstance(entries, dict) or not all(isinstance(e, dict) and "bucket_cap_mb" in e for e in entries.values()):
         raise NotACacheError("JSON, but not an object of tuned settings each with a `bucket_cap_mb`")
     return entries
 
 
 def check_cache_file(name: str, cache: str | os.PathLike | bool) -> Path:
-    """Refuse an ``autotune_cache`` that cannot be written, or an existing file that is not a cache (it would be
-    overwritten); True stands for :data:`DEFAULT_CACHE_PATH`. Returns the path."""
-    path = DEFAULT_CACHE_PATH if cache is True else None
+    """Refuse an ``autotune_cache`` that cannot be written or is an existing file that is not a cache; True
+    stands for :func:`default_cache_path`. Returns the path."""
     expected = "a writable file path, or False (no cache)"
-    path = check_writable_file(name, cache, path, replaced=True, expected=expected)
+    path = check_writable_file(name, cache, default_cache_path() if cache is True else None, replaced=True,
+                               expected=expected)  # fmt: skip
     given = f"`{name}`={cache!r}" + (f" ({path})" if cache is True else "")
     try:
         read_cache(path)
@@ -522,44 +222,19 @@ def check_cache_file(name: str, cache: str | os.PathLike | bool) -> Path:
     return path
 
 
-def load_cached(path: Path, key: str) -> dict[str, Any] | None:
-    """The cached entry of ``key`` as stored (see :func:`cached_setting`), or None (no file, no entry, or a file
-    that cannot be read or is not a cache)."""
-    try:
-        return read_cache(Path(path).expanduser()).get(key)
-    except (OSError, NotACacheError):
-        return None
-
-
 def cached_setting(entry: dict[str, Any]) -> BucketSetting:
-    """The setting of a cache or checkpoint entry; ValueError, saying what is wrong, when it is not one DDP takes
-    (the file may have been edited by hand)."""
+    """The setting of a cache or checkpoint entry; ValueError saying what is wrong (a hand-edited file)."""
     cap, first = entry.get("bucket_cap_mb"), entry.get("first_bucket_mb")
-    for name, value in (("bucket_cap_mb", cap), ("first_bucket_mb", first)):
-        if (value is not None or name == "bucket_cap_mb") and not is_bucket_size(value):
-            optional = " or null" if name == "first_bucket_mb" else ""
-            raise ValueError(f"`{name}`: {value!r}, expected {BUCKET_SIZE_RANGE}{optional}")
+    if not is_bucket_size(cap) or not (first is None or is_bucket_size(first)):
+        raise ValueError(f"`bucket_cap_mb` {cap!r}, `first_bucket_mb` {first!r}: expected {BUCKET_SIZE_RANGE} or null")
     return BucketSetting(float(cap), None if first is None else float(first))
 
 
-CHECKPOINT_KEY = "shardplus_tensor_fusion"
-
-
-def checkpoint_entry(result: FusionResult | None, key: str | None) -> dict[str, Any] | None:
-    """What the strategy stores under ``checkpoint[CHECKPOINT_KEY]``: a finished tuning's setting and the key it
-    holds for, so that a resumed run goes on with it instead of searching again (None while tuning)."""
-    if result is None or not result.complete or key is None:
-        return None
-    return {"cache_key": key, **result.cache_entry()}
-
-
 def store_cached(path: Path, key: str, entry: dict[str, Any]) -> None:
-    """Add ``entry`` under ``key`` to the JSON cache file (written whole to a temporary file, then renamed).
-    Raises :class:`NotACacheError` (and leaves the file alone) when the file is not a cache."""
-    path = Path(path).expanduser()
-    entries = read_cache(path)
+    """Add ``entry`` under ``key`` (the file written whole beside it, then renamed); :class:`NotACacheError`,
+    the file left alone, when it is not a cache."""
+    entries = read_cache(path) | {key: entry}
     path.parent.mkdir(parents=True, exist_ok=True)
-    entries[key] = entry
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         temporary.write_text(json.dumps(entries, indent=1, sort_keys=True))
@@ -568,582 +243,257 @@ def store_cached(path: Path, key: str, entry: dict[str, Any]) -> None:
         temporary.unlink(missing_ok=True)
 
 
-# ---------------------------------------------------------------------------------------------------- autotuner
-
-
 @dataclass
 class FusionResult:
-    """What tuning decided (or found in the cache), and what it measured."""
+    """What tuning decided (or found without a search), and what it measured."""
 
     setting: BucketSetting
     step_s: float | None = None  # the chosen setting's median step time
-    default_step_s: float | None = None  # the reference's: DDP's default or the user's size (None: not measured)
+    default_step_s: float | None = None  # the reference's (None: not measured)
     tuning_steps: int = 0
     tuning_s: float = 0.0  # wall time of the tuning steps, re-wraps included
-    from_cache: bool = False  # known without a search: from the cache, or from the checkpoint resumed
+    from_cache: bool = False  # known without a search: cache, checkpoint, or nothing to race
     source: str = "the autotune cache"
     complete: bool = True
-    paired_gain: float | None = None  # the default's step time / the chosen one's, paired round by round
-    reference: str = DDP_DEFAULT_LABEL  # what the default is: DDP's own, or the user's bucket size
-
-    @property
-    def gain(self) -> float | None:
-        """Default step time / chosen step time (1.10: 10% more steps per second): paired within rounds where
-        measured so, else the ratio of the medians."""
-        if self.paired_gain is not None and math.isfinite(self.paired_gain):
-            return self.paired_gain
-        if not self.step_s or not self.default_step_s:
-            return None
-        return self.default_step_s / self.step_s
+    gain: float | None = None  # reference / chosen step time, the median of their per-round ratios
+    reference: str = DDP_DEFAULT_LABEL
 
     @property
     def chosen(self) -> str:
-        """The setting, in words."""
         return DDP_DEFAULT_LABEL if self.setting == DDP_DEFAULT else f"bucket {self.setting.label}"
 
     def summary(self) -> str:
-        """One readable line: chosen size, its step time, the default's, the gain."""
+        """One readable line: the setting, its step time, the reference's, the gain."""
         if self.from_cache:
             return f"shardplus: tensor fusion: {self.chosen} from {self.source} (no search)"
         chosen = f"{1000 * self.step_s:.2f} ms/step (median)" if self.step_s else "unmeasured"
-        default = (
-            f"{1000 * self.default_step_s:.2f} ms/step at {self.reference}"
-            if self.default_step_s
-            else f"{self.reference} not measured"
-        )
-        paired = " (paired round by round)" if self.paired_gain is not None else ""
-        gain = f", {100 * (self.gain - 1):+.1f}% steps/s while tuning{paired}" if self.gain else ""
+        default = (f"{1000 * self.default_step_s:.2f} ms/step at {self.reference}" if self.default_step_s
+                   else f"{self.reference} not measured")  # fmt: skip
+        gain = f", {100 * (self.gain - 1):+.1f}% steps/s while tuning (paired round by round)" if self.gain else ""
         status = "" if self.complete else " (training ended before the search did: best so far, not cached)"
-        return (
-            f"shardplus: tensor fusion tuned: {self.chosen}: {chosen} vs {default}{gain}; "
-            f"{self.tuning_steps} tuning steps{status}"
-        )
+        return f"shardplus: tensor fusion tuned: {self.chosen}: {chosen} vs {default}{gain}; {self.tuning_steps} " \
+               f"tuning steps{status}"  # fmt: skip
 
     def metrics(self) -> dict[str, float]:
-        """For the Lightning logger."""
-        values = {"fusion/bucket_cap_mb": self.setting.bucket_cap_mb}
-        if self.setting.first_bucket_mb is not None:
-            values["fusion/first_bucket_mb"] = self.setting.first_bucket_mb
-        if self.step_s:
-            values["fusion/step_ms"] = 1000 * self.step_s
-        if self.default_step_s:
-            values["fusion/default_step_ms"] = 1000 * self.default_step_s
-        if self.gain:
-            values["fusion/gain"] = self.gain
-        return values
+        """For the Lightning logger (what is known of them)."""
+        values = {"bucket_cap_mb": self.setting.bucket_cap_mb, "first_bucket_mb": self.setting.first_bucket_mb,
+                  "step_ms": self.step_s and 1000 * self.step_s, "gain": self.gain,
+                  "default_step_ms": self.default_step_s and 1000 * self.default_step_s}  # fmt: skip
+        return {f"fusion/{name}": value for name, value in values.items() if value}
 
     def cache_entry(self) -> dict[str, Any]:
-        return {
-            "bucket_cap_mb": self.setting.bucket_cap_mb,
-            "first_bucket_mb": self.setting.first_bucket_mb,
-            "step_ms": None if self.step_s is None else 1000 * self.step_s,
-            "default_step_ms": None if self.default_step_s is None else 1000 * self.default_step_s,
-            "tuning_steps": self.tuning_steps,
-            "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        }
+        step_ms, default_ms = (None if s is None else 1000 * s for s in (self.step_s, self.default_step_s))
+        return {"bucket_cap_mb": self.setting.bucket_cap_mb, "first_bucket_mb": self.setting.first_bucket_mb,
+                "step_ms": step_ms, "default_step_ms": default_ms, "tuning_steps": self.tuning_steps,
+                "created": time.strftime("%Y-%m-%dT%H:%M:%S")}  # fmt: skip
 
 
-@dataclass
-class Collectives:
-    """The two collectives the autotuner needs, so that tests can run it in one process."""
-
-    is_decider: bool = True  # rank 0
-    reduce_max: Callable[[float], float] = lambda value: value
-    broadcast: Callable[[list[float]], list[float]] = lambda values: values
-
-    @classmethod
-    def torch_distributed(cls, device: torch.device) -> Collectives:
-        """MAX all_reduce and broadcast from rank 0 over the default process group, on ``device``."""
-        import torch.distributed as dist
-
-        if not (dist.is_available() and dist.is_initialized()):
-            return cls()
-
-        def reduce_max(value: float) -> float:
-            tensor = torch.tensor([value], dtype=torch.float64, device=device)
-            dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-            return float(tensor.item())
-
-        def broadcast(values: list[float]) -> list[float]:
-            tensor = torch.tensor(values, dtype=torch.float64, device=device)
-            dist.broadcast(tensor, src=0)
-            return tensor.tolist()
-
-        return cls(dist.get_rank() == 0, reduce_max, broadcast)
-
-
-@dataclass
-class _Sample:
-    setting: BucketSetting
-    first_step: int
-    warmup_left: int
-    intervals: list[float] = field(default_factory=list)
-
-
-class FusionAutotuner:
-    """Runs the search at optimizer-step boundaries; the strategy applies the settings it returns.
-
-    Call :meth:`start` once DDP is wrapped with :attr:`initial_setting`, then :meth:`on_step_boundary` at the
-    start of every optimizer step on every rank (``counted=False`` when the step that just ended spans an epoch
-    end or a validation), and :meth:`interrupt` before anything that is not a training step. When it returns a
-    setting, re-wrap DDP with it before the step runs. :attr:`result` is set once tuning is over."""
-
-    def __init__(
-        self,
-        settings: AutotuneSettings,
-        collectives: Collectives | None = None,
-        log_path: str | os.PathLike | None = None,
-        cache_path: str | os.PathLike | None = None,
-        cache_key: str | None = None,
-        gradient_bytes: int = 0,
-        clock: Callable[[], float] = time.perf_counter,
-        checkpointed: dict[str, Any] | None = None,
-        layout: Callable[[BucketSetting], Any] | None = None,
-        gradient_tensors: int | None = None,
-    ) -> None:
-        if settings.candidates_mb is None and settings.fixed_bucket_cap_mb is None:
-            raise ValueError("FusionAutotuner: the default candidates depend on the model: settings.for_model() first")
-        self.settings = settings
-        self.gradient_tensors = gradient_tensors  # parameter tensors with gradients, for the reason of no search
-        self.collectives = collectives or Collectives()
-        self.log_path = None if log_path is None else Path(log_path).expanduser()
-        self.cache_path = None if cache_path is None else Path(cache_path).expanduser()
-        self.cache_key = cache_key
-        self.gradient_bytes = gradient_bytes
-        self.clock = clock
-        self.checkpointed = checkpointed
-        self.layout = layout  # a setting's buckets for this model (bucket_layout): equal layouts are raced once
-        self.merged: dict[BucketSetting, list[BucketSetting]] = {}  # a raced candidate: those it stands for
-        self.result: FusionResult | None = None
-        self.samples_taken = 0
-        self._race: CandidateRace | None = None
-        self._first_stage: CandidateRace | None = None
-        self._sample: _Sample | None = None
-        self._last_boundary: float | None = None
-        self._steps = 0
-        self._started_at = 0.0
-        self.initial_setting = self._lookup_cache()
-        if self.result is not None:  # nothing to race: the log says why
-            self._log_no_search(self.result)
-
-    # -- cache
-
-    def _lookup_cache(self) -> BucketSetting:
-        """The setting to wrap DDP with first: the one of the checkpoint being resumed, or the cached one (tuning
-        is then over), else the first candidate. Rank 0 looks and broadcasts what it found."""
-        found = [0.0, 0.0, -1.0]  # (0: nothing, 1: cache, 2: checkpoint), bucket size, first bucket or -1
-        if self.collectives.is_decider and self.cache_key is not None:
-            candidates = []
-            if (self.checkpointed or {}).get("cache_key") == self.cache_key:
-                candidates.append((self.checkpointed, 2.0, "the checkpoint resumed"))
-            if self.cache_path is not None:
-                candidates.append((load_cached(self.cache_path, self.cache_key), 1.0, f"the cache {self.cache_path}"))
-            for entry, where, source in candidates:
-                if entry is None:
-                    continue
-                try:
-                    setting = cached_setting(entry)
-                except ValueError as reason:  # a hand-edited file; checked here, on rank 0, before the broadcast
-                    rank_zero_warn(
-                        f"shardplus: the tuned bucket setting in {source} for this setup is not valid ({reason}): it "
-                        "is ignored and the bucket size is searched again."
-                    )
-                    continue
-                found = [where, setting.bucket_cap_mb, _encode_first(setting)]
-                break
-        where, cap, first = self.collectives.broadcast(found)
-        if where:
-            setting = BucketSetting(cap, None if first < 0 else first)
-            source = "the checkpoint resumed" if where == 2.0 else "the autotune cache"
-            self.result = FusionResult(setting, from_cache=True, source=source)
-            return setting
-        reference = self.settings.reference
-        # equal layouts: raced as DDP's default where it is among them, else as the uniform 25 MB
-        preferred = (reference, BucketSetting(DEFAULT_BUCKET_CAP_MB))
-        stage, self.merged = merge_equivalent(self.settings.first_stage, self.layout, preferred)
-        if len(stage) > 1:
-            self._first_stage = self._race = self._new_race(stage, preferred=reference)
-        else:  # the user's size, or one layout for every candidate: only the first bucket is left to race
-            chosen = stage[0] if stage else reference
-            self._race = self.second_stage(chosen)
-            if self._race is None:  # nothing to search
-                source = (
-                    "`tensor_fusion_threshold_mb` (no first bucket to race)"
-                    if not stage
-                    else "the candidates, which all give this model the same buckets"
-                    + (" (it has one parameter tensor)" if self.gradient_tensors == 1 else "")
-                )
-                self.result = FusionResult(chosen, from_cache=True, source=source)
-                return self.result.setting
-        return self._race.live[0]
-
-    def _new_race(self, candidates: list[BucketSetting], preferred: BucketSetting) -> CandidateRace:
-        settings = self.settings
-        return CandidateRace(
-            candidates,
-            settings.min_rounds,
-            settings.max_rounds,
-            settings.noise_floor,
-            preferred=preferred,
-            first_round_margin=settings.first_round_margin,
-            tolerance=settings.tolerance,
-        )
-
-    def second_stage(self, chosen: BucketSetting, raced: Iterable[BucketSetting] = ()) -> CandidateRace | None:
-        """``chosen`` against the first buckets of its size that the first stage did not race (``raced``; nor one
-        with the same buckets): it stays unless one is measurably faster. None when there is nothing to race."""
-        layout = self.layout or (lambda setting: setting)
-        already = {layout(c) for c in raced if c != chosen}
-        candidates = [c for c in self.settings.second_stage(chosen) if c == chosen or layout(c) not in already]
-        stage, merged = merge_equivalent(candidates, self.layout, (chosen,))
-        for kept, others in merged.items():
-            listed = self.merged.setdefault(kept, [])
-            listed.extend(other for other in others if other not in listed)
-        return self._new_race(stage, preferred=chosen) if len(stage) > 1 else None
-
-    # -- driving
-
-    @property
-    def tuning(self) -> bool:
-        return self.result is None
-
-    @property
-    def stage(self) -> str:
-        """``"bucket"`` while the bucket size is raced, ``"first_bucket"`` while the first bucket is."""
-        return "bucket" if self._race is self._first_stage else "first_bucket"
-
-    @property
-    def measuring(self) -> BucketSetting | None:
-        """The setting the sample in progress measures (None when not tuning)."""
-        return self._sample.setting if self.tuning and self._sample is not None else None
-
-    @property
-    def sample_intervals(self) -> list[float]:
-        """The step times counted so far in the sample in progress (warm-up steps are not counted)."""
-        return list(self._sample.intervals) if self._sample is not None else []
-
-    @property
-    def candidates(self) -> list[BucketSetting]:
-        """The settings raced now (the first stage's while it runs)."""
-        return list(self._race.live) if self._race is not None else []
-
-    def start(self, global_step: int = 0) -> None:
-        """DDP is wrapped with :attr:`initial_setting`; the first sample starts at the next step boundary."""
-        if self.tuning:
-            warmup = self.settings.warmup_steps + FIRST_SAMPLE_EXTRA_WARMUP
-            self._sample = _Sample(self.initial_setting, global_step, warmup)
-            self._started_at = self.clock()
-            if self.log_path is not None and self.collectives.is_decider:
-                self._write_log_row(CSV_COLUMNS, "w")
-
-    def interrupt(self) -> None:
-        """Something other than training steps runs now (validation): the step in progress is not timed."""
-        self._last_boundary = None
-
-    def on_step_boundary(self, global_step: int, counted: bool = True) -> BucketSetting | None:
-        """An optimizer step starts (the previous one, if any, has ended). Returns the setting to re-wrap DDP
-        with before this step, or None to keep the current one."""
-        if not self.tuning or self._sample is None:
-            return None
-        now = self.clock()
-        previous, self._last_boundary = self._last_boundary, now
-        if previous is None:
-            return None  # the first boundary, or after an interruption: nothing ended that can be timed
-        self._steps += 1
-        sample = self._sample
-        if sample.warmup_left > 0:
-            sample.warmup_left -= 1
-            return None
-        if counted:
-            sample.intervals.append(now - previous)
-        if len(sample.intervals) < self.settings.steps_per_sample:
-            return None
-        return self._end_sample(global_step)
-
-    def _end_sample(self, global_step: int) -> BucketSetting | None:
-        sample = self._sample
-        assert sample is not None and self._race is not None
-        score = self.collectives.reduce_max(statistics.median(sample.intervals))
-        payload = [0.0, 0.0, -1.0]
-        if self.collectives.is_decider:
-            self._log_row(sample, score)
-            self._race.record(sample.setting, score)
-            next_setting = self._race.next_setting()
-            if next_setting is None and self._race is self._first_stage:
-                assert self._race.winner is not None
-                self._race = self.second_stage(self._race.winner, self._race.samples) or self._race
-                next_setting = self._race.next_setting()
-            more = next_setting is not None
-            setting = next_setting if next_setting is not None else self._race.winner
-            assert setting is not None
-            payload = [float(more), setting.bucket_cap_mb, _encode_first(setting)]
-        self.samples_taken += 1
-        more, cap, first = self.collectives.broadcast(payload)
-        setting = BucketSetting(cap, None if first < 0 else first)
-        if not more:
-            self._finish(setting, complete=True)
-        changed = setting != sample.setting
-        if more:
-            self._sample = _Sample(setting, global_step, self.settings.warmup_steps if changed else 0)
-        return setting if changed else None
-
-    def finish_early(self) -> FusionResult | None:
-        """Training ends while tuning: the best setting measured so far, rank 0's choice on every rank (a
-        broadcast: call it on every rank; not cached)."""
-        if self.tuning and self._race is not None:
-            best = self._race.best()
-            _, cap, first = self.collectives.broadcast([0.0, best.bucket_cap_mb, _encode_first(best)])
-            self._finish(BucketSetting(cap, None if first < 0 else first), complete=False)
-        return self.result
-
-    def _finish(self, winner: BucketSetting, complete: bool) -> None:
-        """Record the result; rank 0 (which holds the timings) caches it."""
-        reference = self.settings.reference
-        stages = [stage for stage in (self._first_stage, self._race) if stage is not None]
-        step_s, default_s, paired_gain = measured_against(stages, winner, reference)
-        decider = self.collectives.is_decider
-        self.result = FusionResult(
-            winner,
-            step_s=step_s if decider else None,
-            default_step_s=default_s if decider else None,
-            tuning_steps=self._steps,
-            tuning_s=self.clock() - self._started_at,
-            complete=complete,
-            paired_gain=paired_gain if decider else None,
-            reference=DDP_DEFAULT_LABEL if reference == DDP_DEFAULT else f"the given {reference.label}",
-        )
-        self._race = self._first_stage = None
-        if complete and self.collectives.is_decider and self.cache_path is not None and self.cache_key is not None:
-            try:
-                store_cached(self.cache_path, self.cache_key, self.result.cache_entry())
-            except NotACacheError as reason:  # checked at construction; someone wrote another file there since
-                rank_zero_warn(
-                    f"shardplus: {self.cache_path} is not an autotune cache ({reason}), and it is not overwritten: "
-                    "the tuned setting is used in this run but not cached."
-                )
-            except OSError as error:  # checked at construction; a file system can change or fill up since
-                rank_zero_warn(
-                    f"shardplus: could not write the autotune cache {self.cache_path} ({error}): the tuned setting "
-                    "is used in this run but not cached."
-                )
-
-    def _log_row(self, sample: _Sample, score: float) -> None:
-        if self.log_path is None:
-            return
-        stage = self.stage
-        bytes_per_s = self.gradient_bytes / score if score > 0 else 0.0
-        row = [
-            self.samples_taken,
-            stage,
-            self._race.round if self._race is not None else "",
-            f"{sample.setting.bucket_cap_mb:g}",
-            "" if sample.setting.first_bucket_mb is None else f"{sample.setting.first_bucket_mb:g}",
-            sample.first_step,
-            len(sample.intervals),
-            f"{1000 * score:.3f}",
-            f"{bytes_per_s:.0f}",
-            "",
-        ]
-        self._write_log_row(row, "a")
-
-    def _log_no_search(self, result: FusionResult) -> None:
-        """The log of a run that races nothing: the header and one row, the setting used and why (rank 0)."""
-        if self.log_path is None or not self.collectives.is_decider:
-            return
-        setting = result.setting
-        first = "" if setting.first_bucket_mb is None else f"{setting.first_bucket_mb:g}"
-        note = f"no search: {result.chosen} from {result.source}"
-        self._write_log_row(CSV_COLUMNS, "w")
-        if self.log_path is not None:  # still: the header could be written
-            self._write_log_row(["", "none", "", f"{setting.bucket_cap_mb:g}", first, "", 0, "", "", note], "a")
-
-    def _write_log_row(self, row: Sequence[Any], mode: str) -> None:
-        assert self.log_path is not None
-        try:
-            self.log_path.parent.mkdir(parents=True, exist_ok=True)
-            with open(self.log_path, mode, newline="") as f:
-                csv.writer(f).writerow(row)
-        except OSError as error:  # checked at construction; a file system can change or fill up since
-            rank_zero_warn(f"shardplus: could not write the autotune log {self.log_path} ({error}): logging stops.")
-            self.log_path = None
-
-
-def measured_against(
-    stages: Sequence[CandidateRace], winner: BucketSetting, reference: BucketSetting
-) -> tuple[float | None, float | None, float | None]:
-    """The winner's and the reference's median step times on one time base (the machine's speed drifts between
-    stages and rounds) and reference / winner paired round by round: from the rounds both ran in the last stage
-    that raced both; else through the first stage's winner (raced against the reference in the first stage,
-    against the winner in the second), the winner's time being its time divided by their paired ratio; else
-    what was measured, unpaired (None: not measured)."""
-    for stage in reversed(stages):
-        mine, theirs = stage.by_round.get(winner, {}), stage.by_round.get(reference, {})
-        shared = [r for r in mine if r in theirs]
-        if shared:
-            times = statistics.median(mine[r] for r in shared), statistics.median(theirs[r] for r in shared)
-            return *times, stage.ratio(reference, winner)
-    first, second = stages[0], stages[-1]
-    chosen = first.winner
-    if second is not first and chosen is not None and first.samples.get(reference):
-        factor = second.ratio(chosen, winner)  # inf when they share no round
-        step, gain = first.median(chosen) / factor, first.ratio(reference, chosen) * factor
-        if math.isfinite(gain) and step > 0:
-            return step, first.median(reference), gain
-    measured = {s: stage.median(s) for stage in stages for s in (winner, reference) if stage.samples.get(s)}
-    return measured.get(winner), measured.get(reference), None
-
-
-def _encode_first(setting: BucketSetting) -> float:
-    return -1.0 if setting.first_bucket_mb is None else setting.first_bucket_mb
-
-
-# ---------------------------------------------------------------------------------------------------- component
+def _all_ranks(values: list[float], device: torch.device | None, reduce_max: bool) -> list[float]:
+    """``values`` MAX over the ranks, or rank 0's (a broadcast); as they are without a process group."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return values
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    if reduce_max:
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    else:
+        dist.broadcast(tensor, src=0)
+    return tensor.tolist()
 
 
 class TensorFusion:
-    """DDP's bucket setting for one fit: the configured one, or, with ``tune``, the one a :class:`FusionAutotuner`
-    chooses by measurement. Owns the search, its cache key, CSV log, summary line and logged result.
+    """DDP's bucket setting for one fit: ``settings.reference``, or with ``tune`` the winner of the race. The
+    strategy wraps DDP with :meth:`initial_setting`, calls :meth:`on_train_start`, :meth:`at_batch_start` before
+    every training micro-batch (re-wrapping DDP with the setting it returns, on every rank), :meth:`interrupt`
+    before validation and :meth:`on_train_end`. ``cache_extra``: what else the best setting depends on."""
 
-    The strategy wraps DDP with :meth:`initial_setting`, calls :meth:`on_train_start` once, :meth:`at_batch_start`
-    before every training micro-batch (re-wrapping DDP when it returns a setting), :meth:`interrupt` before
-    validation and :meth:`on_train_end`. ``state_dict`` holds a finished tuning's setting, so that a resumed run
-    goes on with it instead of searching again.
-
-    Args:
-        trainer: the Trainer of the fit (its step counters, and its loggers for the result).
-        settings: the search space; ``settings.reference`` is the setting without tuning.
-        tune: search (``auto_tune_tensor_fusion``); False: DDP keeps ``settings.reference``.
-        log_path / cache: ``autotune_log`` and ``autotune_cache`` (True: :data:`DEFAULT_CACHE_PATH`).
-        cache_extra: what else the best setting depends on (communication hook, DDP flags, micro-batches per
-            step), beside the parameters, world size, device, backend and torch version.
-    """
-
-    def __init__(
-        self,
-        trainer: Any,
-        settings: AutotuneSettings,
-        *,
-        tune: bool = False,
-        log_path: str | os.PathLike | None = None,
-        cache: str | os.PathLike | bool = True,
-        cache_extra: dict[str, Any] | None = None,
-    ) -> None:
-        self.trainer, self.settings, self.tune, self.log_path = trainer, settings, tune, log_path
-        self.cache_path = DEFAULT_CACHE_PATH if cache is True else (cache or None)
-        self.cache_extra = dict(cache_extra or {})
-        self.tuner: FusionAutotuner | None = None
-        self._checkpointed: dict[str, Any] | None = None  # the tuned setting of a checkpoint being resumed
-        self._reported = False
-
-    @property
-    def result(self) -> FusionResult | None:
-        """What tuning decided (None without tuning, or while it measures)."""
-        return None if self.tuner is None else self.tuner.result
+    def __init__(self, trainer: Any, settings: AutotuneSettings, *, tune: bool = False,
+                 log_path: str | os.PathLike | None = None, cache: str | os.PathLike | bool = True,
+                 cache_extra: dict[str, Any] | None = None, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.trainer, self.settings, self.tune, self.clock = trainer, settings, tune, clock
+        self.log_path = None if log_path is None else Path(log_path).expanduser()
+        self.cache_path = default_cache_path() if cache is True else Path(cache).expanduser() if cache else None
+        self.cache_extra, self.cache_key, self.device = dict(cache_extra or {}), None, None
+        self.result: FusionResult | None = None  # once decided (None without tuning)
+        self.times: dict[BucketSetting, list[float]] = {}  # per candidate, in race order: one score per round
+        self.schedule: list[BucketSetting] = []  # the samples to take, in order
+        self.samples_taken = self.gradient_bytes = self._steps = 0
+        self.measuring: BucketSetting | None = None  # the setting of the sample in progress
+        self.sample_intervals: list[float] = []  # its timed steps so far
+        self._warmup_left, self._first_step, self._last_boundary, self._started_at = 0, 0, None, 0.0
+        self._checkpointed, self._reported = None, False  # the tuned setting of a checkpoint being resumed
 
     @property
     def tuning(self) -> bool:
-        """Whether the search is still measuring (DDP may be re-wrapped at the next optimizer step)."""
-        return self.tuner is not None and self.tuner.tuning
+        """Whether the race is still measuring (DDP may be re-wrapped at the next optimizer step)."""
+        return self.result is None and bool(self.schedule)
 
-    def initial_setting(
-        self, module: torch.nn.Module, world_size: int, device: torch.device, backend: str
-    ) -> BucketSetting:
-        """The setting to wrap DDP with first: the checkpoint's or the cached tuned one, else the first to measure
-        (a broadcast from rank 0 when tuning: call it on every rank)."""
+    def initial_setting(self, module: torch.nn.Module, world_size: int, device: torch.device, backend: str):
+        """The setting to wrap DDP with first: without ``tune`` the reference; else the checkpoint's or the
+        cached one, or the race's first (rank 0 reads the files and broadcasts: call it on every rank)."""
         if not self.tune:
             return self.settings.reference
         parameters = [p for p in module.parameters() if p.requires_grad]
-        # the default candidates are the model's; the key holds the sizes raced, so that a result found among
-        # other candidates (another default) is not taken for this search's
-        self.settings = self.settings.for_model(parameters)
-        extra = {"search": self.settings.describe(), **self.cache_extra}
-        key = cache_key(parameters, world_size, device.type, backend, extra)
-        self.tuner = FusionAutotuner(
-            self.settings,
-            Collectives.torch_distributed(device),
-            log_path=self.log_path,
-            cache_path=self.cache_path,
-            cache_key=key,
-            gradient_bytes=sum(p.numel() * p.element_size() for p in parameters),
-            checkpointed=self._checkpointed,
-            # with find_unused_parameters DDP keeps its first-iteration buckets (other cuts): no merging then
-            layout=None if self.cache_extra.get("find_unused_parameters") else _partial_layout(parameters),
-            gradient_tensors=len(parameters),
-        )
-        return self.tuner.initial_setting
+        self.settings, self.device = self.settings.for_model(parameters), device  # the key holds the sizes raced
+        extra = {"candidates": [s.label for s in self.settings.candidates], "rounds": ROUNDS, **self.cache_extra}
+        self.cache_key = cache_key(parameters, world_size, device.type, backend, extra)
+        self.gradient_bytes = sum(p.numel() * p.element_size() for p in parameters)
+        self.times = {c: [] for c in self.settings.candidates}
+        self.result = self._known_result(len(parameters))
+        if self.result is not None:
+            if self.log_path is not None and self.trainer.is_global_zero:  # the log says why nothing is raced
+                setting, note = self.result.setting, f"no search: {self.result.chosen} from {self.result.source}"
+                self._write_rows([CSV_COLUMNS, ["", "none", "", *_csv_sizes(setting), "", 0, "", "", note]], "w")
+            return self.result.setting
+        self.schedule = [c for r in range(ROUNDS) for c in list(self.times)[:: -1 if r % 2 else 1]]
+        return self.schedule[0]
+
+    def _known_result(self, gradient_tensors: int) -> FusionResult | None:
+        """The result known without a race: the resumed checkpoint's or the cached setting, or the reference
+        when there is nothing to race (one gradient tensor: one bucket whatever the size)."""
+        found = [0.0, 0.0, -1.0]  # where (1: cache, 2: checkpoint), bucket size, first bucket or -1
+        for where, entry, source in self._stored() if self.trainer.is_global_zero else ():
+            try:
+                setting = cached_setting(entry)
+            except ValueError as reason:  # a hand-edited file: checked on rank 0, before the broadcast
+                rank_zero_warn(f"shardplus: the tuned bucket setting in {source} for this setup is not valid "
+                               f"({reason}): it is ignored and the bucket size is searched again.")  # fmt: skip
+                continue
+            found = [where, setting.bucket_cap_mb, setting.first_bucket_mb or -1.0]
+            break
+        where, cap, first = _all_ranks(found, self.device, reduce_max=False)
+        if where:
+            source = "the checkpoint resumed" if where == 2 else "the autotune cache"
+            return FusionResult(BucketSetting(cap, None if first < 0 else first), from_cache=True, source=source)
+        if gradient_tensors == 1:
+            source = "the candidates, which all give this model the same buckets (it has one parameter tensor)"
+        elif len(self.times) == 1:
+            source = "`tensor_fusion_threshold_mb` (no first bucket to race)"
+        else:
+            return None
+        return FusionResult(self.settings.reference, from_cache=True, source=source)
+
+    def _stored(self) -> list[tuple[int, dict[str, Any], str]]:
+        """This key's entries: the resumed checkpoint's, then the cache's (a file that cannot be read has none)."""
+        checkpointed = self._checkpointed if (self._checkpointed or {}).get("cache_key") == self.cache_key else None
+        try:
+            cached = None if self.cache_path is None else read_cache(self.cache_path).get(self.cache_key)
+        except (OSError, NotACacheError):
+            cached = None
+        stored = [(2, checkpointed, "the checkpoint resumed"), (1, cached, f"the cache {self.cache_path}")]
+        return [(where, entry, source) for where, entry, source in stored if entry is not None]
 
     def on_train_start(self) -> None:
-        """Start measuring, or report the setting found without a search."""
-        tuner = self.tuner
-        if tuner is None:
-            return
-        if not tuner.tuning:
-            self._report()
-            return
-        tuner.start(self.trainer.global_step)
-        raced = tuner.candidates or [self.settings.reference]
-        same = "".join(
-            f"; {', '.join(_merged_label(o, kept) for o in others)}: the same buckets as {kept.label} for this model"
-            for kept, others in tuner.merged.items()
-        )
-        rank_zero_info(
-            f"shardplus: tuning the tensor-fusion bucket size among {', '.join(s.label for s in raced)}{same}: at "
-            f"most {self.settings.max_tuning_steps} optimizer steps"
-        )
-        total = self.trainer.estimated_stepping_batches
-        if math.isfinite(total) and total < self.settings.max_tuning_steps:
-            rank_zero_warn(
-                f"shardplus: this run has {int(total)} optimizer steps, tensor-fusion tuning may take up to "
-                f"{self.settings.max_tuning_steps}: it may end before tuning does (then nothing is cached). Give fewer "
-                "`autotune_candidates_mb` or a smaller `autotune_steps_per_sample`."
-            )
+        """Start the race, or report the setting found without one."""
+        if not self.schedule:
+            return self._report()
+        self._begin_sample(self.schedule[0], self.settings.warmup_steps + FIRST_SAMPLE_EXTRA_WARMUP)
+        self._started_at = self.clock()
+        if self.log_path is not None and self.trainer.is_global_zero:
+            self._write_rows([CSV_COLUMNS], "w")
+        bound, total = self.settings.max_tuning_steps, self.trainer.estimated_stepping_batches
+        rank_zero_info(f"shardplus: tuning the tensor-fusion bucket size among {', '.join(s.label for s in self.times)}"
+                       f": at most {bound} optimizer steps")  # fmt: skip
+        if math.isfinite(total) and total < bound:
+            rank_zero_warn(f"shardplus: this run has {int(total)} optimizer steps, tensor-fusion tuning up to {bound}: "
+                           "it may end first (nothing cached then). Give fewer `autotune_candidates_mb` or a smaller "
+                           "`autotune_steps_per_sample`.")  # fmt: skip
 
-    def at_batch_start(self, batch_idx: int) -> BucketSetting | None:
-        """A training micro-batch starts: at an optimizer-step boundary while tuning, time the step that ended;
-        returns the setting to re-wrap DDP with before this step (a collective then: every rank gets it)."""
-        tuner = self.tuner
-        if tuner is None or not tuner.tuning or batch_idx % self.trainer.accumulate_grad_batches:
-            return None  # inside an aggregation window: DDP is re-wrapped only between optimizer steps
-        # the step that ended at an epoch's first batch spans the epoch end: not timed
-        setting = tuner.on_step_boundary(self.trainer.global_step, counted=batch_idx > 0)
-        if not tuner.tuning:
-            self._report()
-        return setting
+    def _begin_sample(self, setting: BucketSetting, warmup: int) -> None:
+        self.measuring, self._warmup_left, self.sample_intervals = setting, warmup, []
+        self._first_step = self.trainer.global_step  # where the sample starts, for the log
 
     def interrupt(self) -> None:
         """Something other than a training step runs now (validation): the step in progress is not timed."""
-        if self.tuner is not None:
-            self.tuner.interrupt()
+        self._last_boundary = None
+
+    def at_batch_start(self, batch_idx: int) -> BucketSetting | None:
+        """A training micro-batch starts. At an optimizer-step boundary while tuning: time the step that ended
+        (not when it spans an epoch end: ``batch_idx`` 0); returns the setting to re-wrap DDP with, or None."""
+        if self.measuring is None or batch_idx % self.trainer.accumulate_grad_batches:
+            return None  # inside an aggregation window DDP is never re-wrapped
+        now = self.clock()
+        previous, self._last_boundary = self._last_boundary, now
+        if previous is None:
+            return None  # the first boundary, or after an interruption: nothing that ended can be timed
+        self._steps += 1
+        if self._warmup_left > 0:
+            self._warmup_left -= 1
+        elif batch_idx > 0:
+            self.sample_intervals.append(now - previous)
+        if len(self.sample_intervals) < self.settings.steps_per_sample:
+            return None
+        setting: BucketSetting = self.measuring  # type: ignore[assignment]
+        score = _all_ranks([statistics.median(self.sample_intervals)], self.device, reduce_max=True)[0]
+        self.times[setting].append(score)
+        if self.log_path is not None and self.trainer.is_global_zero:
+            round_, rate = self.samples_taken // len(self.times), self.gradient_bytes / score if score else 0.0
+            self._write_rows([[self.samples_taken, "bucket", round_, *_csv_sizes(setting), self._first_step,
+                               len(self.sample_intervals), f"{1000 * score:.3f}", f"{rate:.0f}", ""]])  # fmt: skip
+        self.samples_taken += 1
+        if self.samples_taken < len(self.schedule):
+            following = self.schedule[self.samples_taken]
+            self._begin_sample(following, self.settings.warmup_steps if following != setting else 0)
+        else:
+            following = self._finish(complete=True)
+        return following if following != setting else None
 
     def on_train_end(self) -> None:
-        """Training ends while tuning: the best setting so far (a broadcast: every rank), not cached."""
-        if self.tuner is not None and self.tuner.tuning:
-            self.tuner.finish_early()
-            self._report()
+        """Training ends while tuning: the best setting so far (every rank decides the same), not cached."""
+        if self.tuning:
+            self._finish(complete=False)
+
+    def _finish(self, complete: bool) -> BucketSetting:
+        """Decide, report, and cache a complete result (rank 0)."""
+        reference = self.settings.reference
+        winner, gain = decide(self.times, reference, self.settings.tolerance)
+        medians = {s: statistics.median(t) for s, t in self.times.items() if t}
+        label = DDP_DEFAULT_LABEL if reference == DDP_DEFAULT else f"the given {reference.label}"
+        self.result = FusionResult(winner, medians.get(winner), medians.get(reference), self._steps,
+                                   self.clock() - self._started_at, complete=complete, gain=gain, reference=label)
+        self.measuring = None
+        if complete and self.trainer.is_global_zero and self.cache_path is not None:
+            try:
+                store_cached(self.cache_path, self.cache_key, self.result.cache_entry())  # type: ignore[arg-type]
+            except (NotACacheError, OSError) as error:  # checked at construction; the file may have changed since
+                why = f"is not an autotune cache ({error}), and it is not overwritten" if isinstance(
+                    error, NotACacheError) else f"could not be written ({error})"  # fmt: skip
+                rank_zero_warn(f"shardplus: the autotune cache {self.cache_path} {why}: the tuned setting is used in "
+                               "this run but not cached.")  # fmt: skip
+        self._report()
+        return winner
 
     def _report(self) -> None:
-        """The summary line, and the result to the Lightning loggers (rank 0, which holds the timings)."""
+        """The summary line, and the result to the Lightning loggers (rank 0)."""
         result = self.result
         if result is None or self._reported:
             return
         self._reported = True
-        where = []
-        if self.log_path:
-            where.append(f"{'why' if result.from_cache else 'samples'} in {self.log_path}")
-        if self.tuner is not None and self.tuner.cache_path is not None and result.complete:
-            if result.source == "the autotune cache":
-                where.append(f"cache {self.tuner.cache_path}")
+        where = [f"{'why' if result.from_cache else 'samples'} in {self.log_path}"] if self.log_path else []
+        if result.complete and result.source == "the autotune cache" and self.cache_path is not None:
+            where.append(f"cache {self.cache_path}")
         rank_zero_info(result.summary() + (f" ({'; '.join(where)})" if where else ""))
         if self.trainer.is_global_zero:
             for logger in self.trainer.loggers:
                 logger.log_metrics(result.metrics(), step=self.trainer.global_step)
 
+    def _write_rows(self, rows: list[Sequence[Any]], mode: str = "a") -> None:
+        assert self.log_path is not None
+        try:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.log_path, mode, newline="") as f:
+                csv.writer(f).writerows(rows)
+        except OSError as error:  # checked at construction; a file system can change or fill up since
+            rank_zero_warn(f"shardplus: could not write the autotune log {self.log_path} ({error}): logging stops.")
+            self.log_path = None
+
     def state_dict(self) -> dict[str, Any] | None:
-        return None if self.tuner is None else checkpoint_entry(self.result, self.tuner.cache_key)
+        """A finished tuning's setting and the key it holds for: a resumed run goes on with it (None otherwise)."""
+        complete = self.result is not None and self.result.complete and self.cache_key is not None
+        return {"cache_key": self.cache_key, **self.result.cache_entry()} if complete else None  # type: ignore
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._checkpointed = state
 
 
-def _partial_layout(parameters: list[torch.Tensor]) -> Callable[[BucketSetting], Any]:
-    return lambda setting: bucket_layout(parameters, setting)
+def _csv_sizes(setting: BucketSetting) -> list[str]:
+    return [f"{setting.bucket_cap_mb:g}", "" if setting.first_bucket_mb is None else f"{setting.first_bucket_mb:g}"]

@@ -57,13 +57,14 @@ class ShardPlusStrategy(DDPStrategy):
         autotune_log: CSV file with one row per measured sample, or one saying why nothing was raced (written by
             rank 0); None: no log.
         autotune_candidates_mb: bucket sizes raced. None (printed ``null``): chosen from the model's gradient size,
-            its gradient bytes over 1, 2, 4, 8 and 16 buckets, and 25 MB (``fusion.default_candidates_mb``).
-        autotune_first_bucket_candidates_mb: first-bucket sizes raced against the chosen size (None: 1 MB).
+            its gradient bytes over 2, 4, 8 and 16 buckets, and 25 MB (``fusion.default_candidates_mb``).
+        autotune_first_bucket_candidates_mb: first-bucket sizes raced with the reference's bucket size (DDP's 25 MB
+            or ``tensor_fusion_threshold_mb``) in the same race (None: 1 MB, DDP's own first bucket).
         autotune_steps_per_sample: timed optimizer steps per sample.
         autotune_warmup_steps: optimizer steps not timed after each re-wrap.
-        autotune_cache: JSON cache of tuned results: True (``~/.cache/lightning_shardplus/fusion.json``), a path,
-            or False. An existing file that is not such a cache is refused, never overwritten; an entry that is not
-            valid (edited by hand) is ignored with a warning and the bucket size searched again.
+        autotune_cache: JSON cache of tuned results: True (``$XDG_CACHE_HOME/lightning_shardplus/fusion.json``,
+            else ``~/.cache/...``), a path, or False. An existing file that is not such a cache is refused, never
+            overwritten; an entry that is not valid (edited by hand) is ignored with a warning and searched again.
         average_training_metrics: training values logged with ``on_step=True`` are averaged over all ranks once per
             optimizer step, inside DDP's gradient all-reduce where it can be; False: Lightning's behaviour.
         uneven_inputs: training streams (iterable datasets) of different lengths per rank: ``"join"`` (every sample

@@ -1,16 +1,16 @@
-"""Tensor-fusion autotuning: the candidate race and the autotuner in one process (fake clock and timings), then
+"""Tensor-fusion autotuning: the decision rule and the race in one process (fake clock and timings), then
 tuning on 2 ranks: it finishes within its step bound, logs and caches, keeps the ranks' weights in sync through
 every re-wrap, keeps the communication hook, trains the same weights as without tuning, and a second run starts
 from the cache without re-wrapping."""
 
 import csv
-import functools
 import json
 import math
 import os
 import re
 import warnings
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -22,97 +22,53 @@ from test_compression import MLP, PARAMETERS, counts, flat, loader
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
 from lightning_shardplus import ShardPlusStrategy, _lightning, fusion
+from lightning_shardplus.fusion import ROUNDS, AutotuneSettings, BucketSetting, TensorFusion, decide
 from lightning_shardplus.diagnostics import CommunicationCounter
-from lightning_shardplus.fusion import (
-    AutotuneSettings,
-    BucketSetting,
-    CandidateRace,
-    FusionAutotuner,
-)
 
 # ---------------------------------------------------------------------------------------------- one process
 
-A, B, C, PREFERRED = (BucketSetting(size) for size in (1.0, 4.0, 16.0, 25.0))
-UNIFORM_25, DDP_DEFAULT = PREFERRED, fusion.DDP_DEFAULT  # 25 MB buckets; DDP's default: the first one 1 MB
+A, B, C, UNIFORM_25 = (BucketSetting(size) for size in (1.0, 4.0, 16.0, 25.0))
+DDP_DEFAULT = fusion.DDP_DEFAULT  # 25 MB buckets, the first one 1 MB
+REFERENCE = DDP_DEFAULT
+MODEL = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))  # 4 tensors with gradients, 136 bytes
+GRADIENT_BYTES = 4 * (16 + 4 + 8 + 2)
 
 
-def race_with(times, rounds=(2, 4), noise_floor=0.01, preferred=PREFERRED, jitter=None):
-    """Run a race where setting ``s`` measures ``times[s]`` times ``jitter[k]`` on its k-th sample (``jitter``: a
-    list for all settings, the same load in a round; or a list per setting)."""
-    race = CandidateRace(list(times), *rounds, noise_floor, preferred=preferred)
-    seen = {s: 0 for s in times}
-    order = []
-    while (setting := race.next_setting()) is not None:
-        factors = (jitter.get(setting, [1.0]) if isinstance(jitter, dict) else jitter) or [1.0]
-        factor = factors[seen[setting] % len(factors)]
-        race.record(setting, times[setting] * factor)
-        seen[setting] += 1
-        order.append(setting)
-    return race, order
+def rounds_of(times, loads=None, jitter=None):
+    """``times[s]`` per round, times the round's load (``loads[r]``) and the setting's own ``jitter[s][r]``."""
+    loads = loads or [1.0] * ROUNDS
+    return {s: [t * load * (jitter or {}).get(s, [1.0] * len(loads))[r] for r, load in enumerate(loads)]
+            for s, t in times.items()}  # fmt: skip
 
 
-def test_the_race_interleaves_drops_the_slow_and_stops_once_one_is_left():
-    race, order = race_with({A: 1.3, B: 1.0, C: 1.005, PREFERRED: 1.2}, jitter=[1.0, 1.004])
-    assert order[:8] == [A, B, C, PREFERRED, PREFERRED, C, B, A]  # every round visits all, alternating order
-    assert race.winner == B
-    assert set(race.live) == {B, C} and race.round == 2  # the slow two dropped; B and C within noise: stop
-    assert len(order) == 8
+def test_the_decision_rule_keeps_the_reference_unless_a_candidate_is_faster_by_the_medians_and_paired():
+    # the rule, over synthetic timings of fixed rounds: the lowest median replaces the reference only if faster than
+    # it by more than the tolerance (2%) both by the medians and by the median of the per-round ratios
+    assert decide(rounds_of({B: 1.0, C: 1.03, REFERENCE: 1.2}), REFERENCE, 0.02) == (B, pytest.approx(1.2))
+    assert decide(rounds_of({B: 1.0, REFERENCE: 1.019}), REFERENCE, 0.02) == (REFERENCE, 1.0)  # within tolerance
+    assert decide(rounds_of({B: 1.0, REFERENCE: 1.021}), REFERENCE, 0.02)[0] == B
+    assert decide(rounds_of({B: 1.0, REFERENCE: 1.005}), REFERENCE, 0.02)[0] == REFERENCE  # within noise
+    assert decide(rounds_of({B: 1.0, REFERENCE: 1.1}), REFERENCE, 0.02)[0] == B
+    # a load change between rounds (another job took the CPU) cancels in the paired comparison
+    winner, gain = decide(rounds_of({B: 1.0, C: 1.03, REFERENCE: 1.2}, loads=[1.0, 1.5, 1.0, 1.5]), REFERENCE, 0.02)
+    assert winner == B and gain == pytest.approx(1.2)
+    # one burst of contention in one of B's samples does not decide the race: B is 10% faster
+    burst = {B: [1.0, 1.8, 1.0, 1.01], REFERENCE: [1.1, 1.1, 1.11, 1.1]}
+    assert decide(burst, REFERENCE, 0.02)[0] == B
 
 
 def test_a_candidate_faster_paired_but_slower_by_the_medians_does_not_replace_the_default():
-    # A is 10% faster in 3 of 5 rounds (no spread there: the noise estimate is ~0) but far slower in two rounds
-    # where the default was fast: by the medians it is the slower one. Nothing is concluded: the default stays.
-    jitter = {A: [0.9, 4.5, 4.5, 10.0, 10.0], PREFERRED: [1.0, 5.0, 5.0, 0.1, 0.1]}
-    race, _ = race_with({A: 1.0, PREFERRED: 1.0}, rounds=(5, 5), noise_floor=0.0, jitter=jitter)
-    assert race.ratio(A, PREFERRED) == pytest.approx(0.9) and race.median(A) > race.median(PREFERRED)
-    assert set(race.live) == {A, PREFERRED} and race.winner == PREFERRED
+    # A is 10% faster in 3 of 5 rounds but far slower in two rounds where the default was fast: by the medians it
+    # is the slower one. Nothing is concluded: the default stays.
+    jitter = {A: [0.9, 4.5, 4.5, 10.0, 10.0], REFERENCE: [1.0, 5.0, 5.0, 0.1, 0.1]}
+    times = rounds_of({A: 1.0, REFERENCE: 1.0}, loads=[1.0] * 5, jitter=jitter)
+    assert decide(times, REFERENCE, 0.02)[0] == REFERENCE
     # the same paired gain with medians that agree: A replaces the default
-    agreeing = {A: [0.9, 4.5, 4.5, 0.2, 0.2], PREFERRED: [1.0, 5.0, 5.0, 0.1, 0.1]}
-    race, _ = race_with({A: 1.0, PREFERRED: 1.0}, rounds=(5, 5), noise_floor=0.0, jitter=agreeing)
-    assert race.winner == A
-
-
-def test_the_race_remeasures_finalists_and_is_bounded_by_max_rounds():
-    # B and C 3% apart with 4% noise of their own: neither dropped nor within tolerance after round 2
-    jitter = {B: [1.0, 1.04, 1.0], C: [1.04, 1.0, 1.0]}
-    race, order = race_with({A: 2.0, B: 1.0, C: 1.03}, rounds=(2, 5), jitter=jitter)
-    assert race.winner == B and race.round <= 5
-    assert order.count(A) == 2 and order.count(B) > 2
-    # 10% apart, paired ratios 1.1 x (1 +- 0.12): kept, not close; the third round is the last
-    jitter = {A: [1.0, 1.12, 1.0], B: [1.12, 1.0, 1.0]}
-    race, order = race_with({A: 1.0, B: 1.1}, rounds=(2, 3), noise_floor=0.0, jitter=jitter)
-    assert race.round == 3 and len(order) == 6 and race.winner == A
-
-
-def test_after_one_round_only_the_clearly_slower_are_dropped():
-    race = CandidateRace([A, B, C], 2, 4, 0.01, first_round_margin=0.3)
-    for setting, seconds in ((A, 1.4), (B, 1.0), (C, 1.25)):
-        assert race.next_setting() == setting
-        race.record(setting, seconds)
-    assert race.next_setting() == C and race.live == [B, C]  # A is 40% slower; C, 25%, gets a second sample
-
-
-def test_one_burst_of_contention_does_not_decide_the_race():
-    # B is 10% faster, but its second sample ran while another process took the CPU
-    race = CandidateRace([B, PREFERRED], 2, 4, 0.01, preferred=PREFERRED)
-    samples = {B: iter([1.0, 1.8, 1.0, 1.01, 1.0]), PREFERRED: iter([1.1, 1.1, 1.11, 1.1, 1.1])}
-    while (setting := race.next_setting()) is not None:
-        race.record(setting, next(samples[setting]))
-    assert race.winner == B and race.round >= 3  # measured again rather than decided on the burst
-
-
-def test_a_load_change_between_rounds_cancels_in_the_paired_comparison():
-    # the second round runs 50% slower for everyone (another job took the CPU): B is still 3% faster than C
-    race, order = race_with({B: 1.0, C: 1.03, PREFERRED: 1.2}, rounds=(2, 4), jitter=[1.0, 1.5])
-    assert race.winner == B and race.round == 2 and len(order) == 6
-    assert race.ratio(C, B) == pytest.approx(1.03) and race.noise == 0.01  # the floor: no noise left
-
-
-def test_within_noise_the_default_is_kept():
-    race, _ = race_with({B: 1.0, PREFERRED: 1.005})
-    assert race.winner == PREFERRED
-    race, _ = race_with({B: 1.0, PREFERRED: 1.1})
-    assert race.winner == B
+    agreeing = {A: [0.9, 4.5, 4.5, 0.2, 0.2], REFERENCE: [1.0, 5.0, 5.0, 0.1, 0.1]}
+    assert decide(rounds_of({A: 1.0, REFERENCE: 1.0}, loads=[1.0] * 5, jitter=agreeing), REFERENCE, 0.02)[0] == A
+    # faster by the medians but not paired (its fast samples fell in rounds where the default was fast too): kept
+    unpaired = {A: [0.5, 0.5, 2.0, 2.0], REFERENCE: [0.4, 0.4, 2.1, 2.1]}
+    assert decide(unpaired, REFERENCE, 0.02)[0] == REFERENCE
 
 
 class FakeClock:
@@ -128,143 +84,134 @@ class FakeClock:
         self.now += self.times[self.setting]
 
 
-def drive(tuner, clock, max_steps=500):
-    """What the strategy does: a boundary per optimizer step, the returned setting applied. Returns the step at
+def trainer(**kwargs):
+    """What TensorFusion reads of the Trainer: its step counter, accumulation, length, rank and loggers."""
+    defaults = dict(global_step=0, accumulate_grad_batches=1, estimated_stepping_batches=math.inf, is_global_zero=True)
+    return SimpleNamespace(**(defaults | {"loggers": []} | kwargs))
+
+
+def tuner(settings, clock=None, log=None, cache=False, checkpointed=None, model=MODEL, world_size=1):
+    """A tuning TensorFusion set up for ``model`` (DDP wrapped with its initial setting)."""
+    clock = clock or FakeClock({})
+    tensor_fusion = TensorFusion(trainer(), settings, tune=True, log_path=log, cache=cache, clock=clock)
+    if checkpointed is not None:
+        tensor_fusion.load_state_dict(checkpointed)
+    tensor_fusion.first = tensor_fusion.initial_setting(model, world_size, torch.device("cpu"), "gloo")
+    return tensor_fusion
+
+
+def drive(tensor_fusion, clock, max_steps=500):
+    """What the strategy does: a batch start per optimizer step, the returned setting applied. Returns the step at
     which tuning finished and the settings applied (re-wraps)."""
-    clock.setting = tuner.initial_setting
-    tuner.start()
+    clock.setting = tensor_fusion.first
+    tensor_fusion.on_train_start()
     rewraps = []
     for step in range(max_steps):
-        if not tuner.tuning:
+        if not tensor_fusion.tuning:
             return step, rewraps
-        setting = tuner.on_step_boundary(step)
-        if setting is not None:
+        tensor_fusion.trainer.global_step = step
+        if (setting := tensor_fusion.at_batch_start(step + 1)) is not None:  # not an epoch's first batch
             rewraps.append(setting)
             clock.setting = setting
         clock.step()
     raise AssertionError("tuning did not finish")
 
 
-def test_bucket_layout_is_ddps_bucketing_in_backward_and_registration_order():
-    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 256), torch.nn.Linear(256, 10))
-    parameters = list(model.parameters())  # 256 kB, 1 kB, 256 kB, 1 kB, 10 kB, 40 B
-    backward, forward = fusion.bucket_layout(parameters, BucketSetting(25.0))
-    assert backward == forward == (tuple(range(6)),)  # one bucket, whatever the order
-    backward, forward = fusion.bucket_layout(parameters, BucketSetting(0.25))
-    assert backward == ((0, 1, 2, 3), (4, 5))  # indices into the reversed list; a bucket closes at >= 0.25 MB
-    assert forward == ((0,), (1, 2), (3, 4, 5))
-    assert fusion.bucket_layout(parameters, BucketSetting(25.0, 0.001))[0] == ((0, 1), (2, 3, 4, 5))
-    # the same cuts as a DDP wrapper builds (its initial assignment, before the rebuild in backward order)
-    buckets, _ = dist._compute_bucket_assignment_by_size(parameters[::-1], [int(0.25 * 2**20)], [False] * 6)
-    assert tuple(tuple(b) for b in buckets) == backward
-    # sizes that cut the gradients the same way in one order but not the other are not merged: 10, 10, 1 MB
-    big = [torch.empty(n, device="meta", requires_grad=True) for n in (2_621_440, 2_621_440, 262_144)]
-    sixteen, twenty_five = (fusion.bucket_layout(big, BucketSetting(s)) for s in (16.0, 25.0))
-    assert sixteen[0] == twenty_five[0] and sixteen != twenty_five
-
-
-def test_candidates_with_the_same_buckets_are_raced_once_as_the_default(tmp_path):
-    layouts = {1.0: "many", 4.0: "two", 16.0: "one", 25.0: "one", 64.0: "one"}
-
-    def layout(setting):
-        return (layouts[setting.bucket_cap_mb], setting.first_bucket_mb)
-
-    kept, merged = fusion.merge_equivalent([BucketSetting(s) for s in layouts], layout, (PREFERRED,))
-    assert kept == [A, B, PREFERRED] and merged == {PREFERRED: [C, BucketSetting(64.0)]}
-    assert fusion.merge_equivalent([A, B], None) == ([A, B], {})
-
-    times = {BucketSetting(s): t for s, t in ((1.0, 0.9), (4.0, 0.5), (16.0, 0.6), (25.0, 0.6), (64.0, 0.6))}
-    times[DDP_DEFAULT] = 0.6
-    settings = AutotuneSettings(candidates_mb=tuple(layouts), first_bucket_candidates_mb=(), steps_per_sample=2)
+def test_every_round_measures_every_candidate_once_in_alternating_order(tmp_path):
+    times = {A: 0.9, B: 0.5, UNIFORM_25: 0.7, DDP_DEFAULT: 0.68}
+    settings = AutotuneSettings(candidates_mb=(25, 1, 4), steps_per_sample=2, warmup_steps=1)
     clock = FakeClock(times)
-    tuner = FusionAutotuner(settings, None, tmp_path / "log.csv", None, None, clock=clock, layout=layout)
-    # DDP's default is always raced: the reference
-    assert tuner.candidates == [A, B, UNIFORM_25, DDP_DEFAULT]
-    assert tuner.merged == {UNIFORM_25: [C, BucketSetting(64.0)]}
-    clock.setting = tuner.initial_setting
-    drive(tuner, clock)
+    tensor_fusion = tuner(settings, clock, log=tmp_path / "log.csv")
+    assert tensor_fusion.first == A  # candidates are sorted, the reference last
+    step, rewraps = drive(tensor_fusion, clock)
     rows = list(csv.DictReader(open(tmp_path / "log.csv")))
-    measured = {(float(row["bucket_cap_mb"]), row["first_bucket_mb"]) for row in rows}
-    assert measured == {(1.0, ""), (4.0, ""), (25.0, ""), (25.0, "1")} and tuner.result.setting == B
-
-    # every candidate the same buckets, DDP's default too, and no first bucket to race: nothing to measure
-    same = FusionAutotuner(settings, None, None, None, None, clock=clock, layout=lambda setting: "one")
-    assert not same.tuning and same.initial_setting == DDP_DEFAULT and same.result.tuning_steps == 0
-    assert same.result.summary() == (
-        "shardplus: tensor fusion: DDP's default (25 MB, first bucket 1 MB) from the candidates, which all give this "
-        "model the same buckets (no search)"
-    )
-
-
-def test_the_default_is_not_dropped_on_the_first_rounds_single_sample():
-    race = CandidateRace([A, B, PREFERRED], 2, 4, 0.01, preferred=PREFERRED, first_round_margin=0.5)
-    for setting, seconds in ((A, 1.0), (B, 1.6), (PREFERRED, 2.0)):
-        assert race.next_setting() == setting
-        race.record(setting, seconds)
-    assert race.next_setting() is not None and race.live == [A, PREFERRED]  # B dropped, the preferred kept
+    order = [BucketSetting(float(r["bucket_cap_mb"]), float(r["first_bucket_mb"]) if r["first_bucket_mb"] else None)
+             for r in rows]  # fmt: skip
+    forward = [A, B, UNIFORM_25, DDP_DEFAULT]
+    assert order == (forward + forward[::-1]) * (ROUNDS // 2)  # no candidate dropped, no round skipped
+    assert [int(r["round"]) for r in rows] == [r for r in range(ROUNDS) for _ in forward]
+    # a re-wrap at every change of setting, none between a round's last sample and the next round's first
+    assert len(rewraps) == len(order) - ROUNDS + 1 and tensor_fusion.result.setting == B == rewraps[-1]
+    assert step <= settings.max_tuning_steps and tensor_fusion.result.tuning_steps == step - 1
 
 
 def test_the_autotuner_finds_the_fastest_logs_each_sample_and_caches(tmp_path):
-    times = {BucketSetting(s): t for s, t in ((1.0, 0.9), (4.0, 0.5), (25.0, 0.7))}
-    times[BucketSetting(4.0, 1.0)], times[DDP_DEFAULT] = 0.45, 0.68
+    times = {A: 0.9, B: 0.5, UNIFORM_25: 0.7, DDP_DEFAULT: 0.68}
     settings = AutotuneSettings(candidates_mb=(25, 1, 4), steps_per_sample=3, warmup_steps=1)
     clock = FakeClock(times)
     cache = tmp_path / "cache.json"
-    tuner = FusionAutotuner(settings, None, tmp_path / "log.csv", cache, "key", gradient_bytes=1000, clock=clock)
-    assert tuner.initial_setting == BucketSetting(1.0)  # candidates are sorted
-    step, rewraps = drive(tuner, clock)
-    result = tuner.result
-    assert result.setting == BucketSetting(4.0, 1.0) == rewraps[-1]
-    assert result.step_s == pytest.approx(0.45) and result.default_step_s == pytest.approx(0.68)
-    assert result.gain == pytest.approx(0.68 / 0.45) and result.complete  # against DDP's default, paired
+    tensor_fusion = tuner(settings, clock, log=tmp_path / "log.csv", cache=cache)
+    step, rewraps = drive(tensor_fusion, clock)
+    result = tensor_fusion.result
+    assert result.setting == B == rewraps[-1]
+    assert result.step_s == pytest.approx(0.5) and result.default_step_s == pytest.approx(0.68)
+    assert result.gain == pytest.approx(0.68 / 0.5) and result.complete  # against DDP's default, paired
     assert step <= settings.max_tuning_steps and result.tuning_steps == step - 1  # steps that ended
-    line = result.summary()
     assert (
-        "bucket 4 MB (first bucket 1 MB): 450.00 ms/step (median) vs 680.00 ms/step at DDP's default (25 MB, first "
-        "bucket 1 MB), +51.1% steps/s while tuning (paired round by round)"
-    ) in line
+        "bucket 4 MB: 500.00 ms/step (median) vs 680.00 ms/step at DDP's default (25 MB, first bucket 1 MB), +36.0% "
+        "steps/s while tuning (paired round by round)"
+    ) in result.summary()
     rows = list(csv.DictReader(open(tmp_path / "log.csv")))
-    assert len(rows) == tuner.samples_taken and rows[0]["bucket_cap_mb"] == "1" and rows[0]["timed_steps"] == "3"
-    assert {row["stage"] for row in rows} == {"bucket", "first_bucket"}
-    assert float(rows[0]["step_ms"]) == pytest.approx(900) and float(rows[0]["gradient_bytes_per_s"]) == 1111
-    assert json.loads(cache.read_text())["key"]["bucket_cap_mb"] == 4.0
+    assert len(rows) == tensor_fusion.samples_taken == 4 * ROUNDS and rows[0]["bucket_cap_mb"] == "1"
+    assert {row["stage"] for row in rows} == {"bucket"} and rows[0]["timed_steps"] == "3"
+    assert float(rows[0]["step_ms"]) == pytest.approx(900)
+    assert float(rows[0]["gradient_bytes_per_s"]) == round(GRADIENT_BYTES / 0.9)
+    (entry,) = json.loads(cache.read_text()).values()
+    assert entry["bucket_cap_mb"] == 4.0 and entry["first_bucket_mb"] is None
 
-    again = FusionAutotuner(settings, None, tmp_path / "log2.csv", cache, "key", clock=clock)
-    assert not again.tuning and again.result.from_cache and again.initial_setting == BucketSetting(4.0, 1.0)
+    again = tuner(settings, clock, log=tmp_path / "log2.csv", cache=cache)
+    assert not again.tuning and again.result.from_cache and again.first == B
     assert drive(again, clock) == (0, [])
     assert "from the autotune cache" in again.result.summary()
-    other = FusionAutotuner(settings, None, None, cache, "another key", clock=clock)
+    (row,) = csv.DictReader(open(tmp_path / "log2.csv"))  # the log says why nothing was raced
+    assert row["stage"] == "none" and row["note"] == "no search: bucket 4 MB from the autotune cache"
+    other = tuner(settings, clock, cache=cache, world_size=2)  # another key
     assert other.tuning
 
 
 def test_a_fixed_bucket_size_is_not_searched():
     settings = AutotuneSettings(fixed_bucket_cap_mb=8.0, first_bucket_candidates_mb=(1.0, 16.0))
-    assert settings.first_stage == [] and settings.reference == BucketSetting(8.0)
-    assert settings.second_stage(BucketSetting(8.0)) == [BucketSetting(8.0), BucketSetting(8.0, 1.0)]
-    times = {BucketSetting(8.0): 1.0, BucketSetting(8.0, 1.0): 2.0}
-    clock = FakeClock(times)
-    tuner = FusionAutotuner(settings, clock=clock)
-    _, rewraps = drive(tuner, clock)
-    assert tuner.result.setting == BucketSetting(8.0) and all(s.bucket_cap_mb == 8.0 for s in rewraps)
-    nothing = FusionAutotuner(AutotuneSettings(fixed_bucket_cap_mb=8.0, first_bucket_candidates_mb=()))
-    assert not nothing.tuning and nothing.initial_setting == BucketSetting(8.0)
+    assert settings.reference == BucketSetting(8.0)
+    assert settings.candidates == [BucketSetting(8.0, 1.0), BucketSetting(8.0)]  # first buckets below 8 MB only
+    clock = FakeClock({BucketSetting(8.0): 1.0, BucketSetting(8.0, 1.0): 2.0})
+    tensor_fusion = tuner(settings, clock)
+    _, rewraps = drive(tensor_fusion, clock)
+    assert tensor_fusion.result.setting == BucketSetting(8.0) and all(s.bucket_cap_mb == 8.0 for s in rewraps)
+    nothing = tuner(AutotuneSettings(fixed_bucket_cap_mb=8.0, first_bucket_candidates_mb=()))
+    assert not nothing.tuning and nothing.first == BucketSetting(8.0)
+    assert nothing.result.summary() == (
+        "shardplus: tensor fusion: bucket 8 MB from `tensor_fusion_threshold_mb` (no first bucket to race) (no search)"
+    )
+
+
+def test_a_model_with_one_gradient_tensor_races_nothing():
+    one = tuner(AutotuneSettings(candidates_mb=(1, 4)), model=torch.nn.Linear(4, 4, bias=False))
+    assert not one.tuning and one.first == DDP_DEFAULT and one.result.tuning_steps == 0
+    assert one.result.summary() == (
+        "shardplus: tensor fusion: DDP's default (25 MB, first bucket 1 MB) from the candidates, which all give this "
+        "model the same buckets (it has one parameter tensor) (no search)"
+    )
 
 
 def test_steps_that_span_an_interruption_are_not_timed():
-    clock = FakeClock({BucketSetting(1.0): 1.0, BucketSetting(2.0): 1.0})
-    tuner = FusionAutotuner(AutotuneSettings(candidates_mb=(1, 2), steps_per_sample=2, warmup_steps=1), clock=clock)
-    clock.setting = tuner.initial_setting
-    tuner.start()
-    tuner.on_step_boundary(0)
+    clock = FakeClock({A: 1.0, BucketSetting(2.0): 1.0, DDP_DEFAULT: 1.0})
+    tensor_fusion = tuner(AutotuneSettings(candidates_mb=(1, 2), steps_per_sample=2, warmup_steps=1), clock)
+    clock.setting = tensor_fusion.first
+    tensor_fusion.on_train_start()
+    tensor_fusion.at_batch_start(1)
     clock.now += 100  # a validation
-    tuner.interrupt()
+    tensor_fusion.interrupt()
     # 1: nothing ended that can be timed; 2-4: the warm-up (1, and 2 more in the run's first sample); 5: timed
     for step in range(1, 6):
-        tuner.on_step_boundary(step)
+        tensor_fusion.at_batch_start(step + 1)
         clock.step()
-    tuner.on_step_boundary(6, counted=False)  # an epoch end
+    tensor_fusion.at_batch_start(0)  # an epoch's first batch: the step that ended spans the epoch end
     clock.step()
-    assert tuner.sample_intervals == [1.0]  # the warm-up, then one counted step
+    assert tensor_fusion.sample_intervals == [1.0]  # the warm-up, then one counted step
+    # inside an aggregation window nothing is timed and DDP is never re-wrapped
+    tensor_fusion.trainer.accumulate_grad_batches = 3
+    assert [tensor_fusion.at_batch_start(i) for i in (1, 2, 4, 5)] == [None] * 4
+    assert tensor_fusion.sample_intervals == [1.0]
 
 
 def test_cache_key_follows_the_parameter_layout_and_the_setup():
@@ -290,40 +237,20 @@ def test_first_bucket_tuning_follows_what_ddp_takes():
     )
 
 
-def test_the_first_bucket_is_raced_for_the_chosen_size_unless_the_first_stage_raced_it():
-    settings = AutotuneSettings(candidates_mb=(1, 4, 25))
-    # 4 MB won: 4 MB against 4 MB with a 1 MB first bucket
-    tuner = FusionAutotuner(settings)
-    race = tuner.second_stage(B, [A, B, UNIFORM_25, DDP_DEFAULT])
-    assert race.live == [B, BucketSetting(4.0, 1.0)] and race.preferred == B
-    # DDP's default won: its first bucket was raced against the uniform 25 MB already
-    assert tuner.second_stage(DDP_DEFAULT, [A, B, UNIFORM_25, DDP_DEFAULT]) is None
-    # ... unless other first buckets are asked for: those against DDP's default
-    other = FusionAutotuner(AutotuneSettings(candidates_mb=(1, 4, 25), first_bucket_candidates_mb=(0.5, 1.0)))
-    race = other.second_stage(DDP_DEFAULT, [A, B, UNIFORM_25, DDP_DEFAULT])
-    assert set(race.live) == {DDP_DEFAULT, BucketSetting(25.0, 0.5)} and race.preferred == DDP_DEFAULT
-    # 16 MB won, and 16 MB with a 1 MB first bucket cuts the gradients as DDP's default does (raced already)
-    layouts = {16.0: "one", 25.0: "one"}
-
-    def layout(setting):
-        return (layouts.get(setting.bucket_cap_mb, setting.bucket_cap_mb), setting.first_bucket_mb)
-
-    tuner = FusionAutotuner(AutotuneSettings(candidates_mb=(1, 16)), layout=layout)
-    assert tuner.candidates == [A, C, DDP_DEFAULT]
-    assert tuner.second_stage(C, [A, C, DDP_DEFAULT]) is None
+def test_first_buckets_are_raced_with_the_references_size_in_the_same_race():
+    # DDP's default is 25 MB with a 1 MB first bucket: the default first-bucket candidate is DDP's default itself
+    assert AutotuneSettings(candidates_mb=(1, 4, 25)).candidates == [A, B, UNIFORM_25, DDP_DEFAULT]
+    other = AutotuneSettings(candidates_mb=(1, 4, 25), first_bucket_candidates_mb=(0.5, 1.0))
+    assert other.candidates == [A, B, UNIFORM_25, BucketSetting(25.0, 0.5), DDP_DEFAULT]
+    assert AutotuneSettings(candidates_mb=(1,), first_bucket_candidates_mb=()).candidates == [A, DDP_DEFAULT]
 
 
-def test_the_step_bound_counts_the_largest_second_stage_the_first_can_lead_to():
+def test_the_step_bound_counts_every_candidate_in_every_round():
     sample = 1 + 8
-    # tiny sizes have no smaller first bucket; DDP's default can win, and leads to 25 MB against 25 MB (first 1 MB)
-    tiny = AutotuneSettings(candidates_mb=(0.0002, 0.001))
-    assert len(tiny.first_stage) == 3 and tiny.second_stage(DDP_DEFAULT) == [UNIFORM_25, DDP_DEFAULT]
-    assert tiny.max_tuning_steps == (3 + 2) * 4 * sample + 2
-    # first buckets of 0.5 and 2 MB: DDP's default against 25 MB uniform, first 0.5 and first 2 MB
+    assert AutotuneSettings(candidates_mb=(0.0002, 0.001)).max_tuning_steps == 3 * ROUNDS * sample + 2
     other = AutotuneSettings(candidates_mb=(1, 4), first_bucket_candidates_mb=(0.5, 2))
-    assert len(other.second_stage(DDP_DEFAULT)) == 4
-    assert other.max_tuning_steps == (3 + 4) * 4 * sample + 2
-    assert AutotuneSettings(fixed_bucket_cap_mb=8.0).max_tuning_steps == 2 * 4 * sample + 2
+    assert other.max_tuning_steps == 5 * ROUNDS * sample + 2
+    assert AutotuneSettings(fixed_bucket_cap_mb=8.0).max_tuning_steps == 2 * ROUNDS * sample + 2
     # the default candidates are the model's: the bound before the model is known holds for any model
     bound = AutotuneSettings().max_tuning_steps
     for sizes in ([10], [10, 10], [2_621_440, 2_621_440, 262_144], [256 * 256, 256] * 24, [1 << 26, 1 << 24]):
@@ -331,17 +258,25 @@ def test_the_step_bound_counts_the_largest_second_stage_the_first_can_lead_to():
         assert AutotuneSettings().for_model(parameters).max_tuning_steps <= bound
 
 
+def test_the_default_candidates_cut_the_gradients_into_2_to_16_buckets_and_25_mb():
+    parameters = list(torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(24)]).parameters())  # 6 MB
+    assert fusion.default_candidates_mb(parameters) == (0.38, 0.75, 1.5, 3.0, 25.0)
+    assert fusion.default_candidates_mb([torch.zeros(3)]) == (25.0,)  # no gradients
+
+
 def test_a_cached_or_checkpointed_ddp_default_gives_ddp_no_bucket_size(tmp_path):
     cache = tmp_path / "cache.json"
-    fusion.store_cached(cache, "key", {"bucket_cap_mb": 25.0, "first_bucket_mb": 1.0})
-    tuner = FusionAutotuner(AutotuneSettings(candidates_mb=(1, 4)), cache_path=cache, cache_key="key")
-    assert not tuner.tuning and tuner.initial_setting == DDP_DEFAULT
+    clock = FakeClock({A: 0.9, B: 0.9, DDP_DEFAULT: 0.5})
+    drive(tuner(AutotuneSettings(candidates_mb=(1, 4)), clock, cache=cache), clock)  # DDP's default wins, cached
+    cached = tuner(AutotuneSettings(candidates_mb=(1, 4)), cache=cache)
+    assert not cached.tuning and cached.first == DDP_DEFAULT
     strategy = ShardPlusStrategy(auto_tune_tensor_fusion=True)
     _lightning.set_ddp_kwargs(strategy, BucketSetting(4.0, 1.0).ddp_kwargs())  # as the strategy's re-wrap does
-    assert strategy._ddp_kwargs["bucket_cap_mb_list"] == [1.0, 4.0]
-    _lightning.set_ddp_kwargs(strategy, tuner.initial_setting.ddp_kwargs())
-    assert "bucket_cap_mb" not in strategy._ddp_kwargs and "bucket_cap_mb_list" not in strategy._ddp_kwargs
-    assert tuner.initial_setting.bucket_cap_mb == 25.0
+    assert _lightning.ddp_kwargs(strategy)["bucket_cap_mb_list"] == [1.0, 4.0]
+    _lightning.set_ddp_kwargs(strategy, cached.first.ddp_kwargs())
+    assert "bucket_cap_mb" not in _lightning.ddp_kwargs(strategy)
+    assert "bucket_cap_mb_list" not in _lightning.ddp_kwargs(strategy)
+    assert cached.first.bucket_cap_mb == 25.0
 
 
 @pytest.mark.parametrize(
@@ -418,37 +353,47 @@ def test_an_autotune_file_in_a_read_only_directory_is_refused_at_construction(tm
         ShardPlusStrategy(auto_tune_tensor_fusion=True, **{argument: path})
 
 
+def test_the_default_cache_follows_xdg_cache_home(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert fusion.default_cache_path() == tmp_path / "xdg" / "lightning_shardplus" / "fusion.json"
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    for unset in ("", "relative/cache"):  # the XDG spec ignores an empty or relative value
+        monkeypatch.setenv("XDG_CACHE_HOME", unset)
+        assert fusion.default_cache_path() == tmp_path / "home" / ".cache" / "lightning_shardplus" / "fusion.json"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert fusion.default_cache_path() == tmp_path / "home" / ".cache" / "lightning_shardplus" / "fusion.json"
+
+
 def test_the_default_cache_is_checked_only_when_tuning(tmp_path, monkeypatch):
-    monkeypatch.setattr(fusion, "DEFAULT_CACHE_PATH", tmp_path)  # a directory
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    (tmp_path / "lightning_shardplus" / "fusion.json").mkdir(parents=True)  # a directory
     ShardPlusStrategy()  # not tuning: the default cache is not used
-    with pytest.raises(ValueError, match=r"`autotune_cache`=True \(" + re.escape(str(tmp_path)) + r"\) .*False"):
+    default = str(tmp_path / "lightning_shardplus" / "fusion.json")
+    with pytest.raises(ValueError, match=r"`autotune_cache`=True \(" + re.escape(default) + r"\) .*False"):
         ShardPlusStrategy(auto_tune_tensor_fusion=True)
 
 
 def test_missing_directories_of_the_autotune_files_are_created(tmp_path):
     cache, log = tmp_path / "a" / "cache.json", tmp_path / "b" / "c" / "log.csv"
     ShardPlusStrategy(auto_tune_tensor_fusion=True, autotune_cache=str(cache), autotune_log=str(log))
-    times = {BucketSetting(1.0): 0.5, DDP_DEFAULT: 0.7}
-    clock = FakeClock(times)
-    settings = AutotuneSettings(candidates_mb=(1,), steps_per_sample=2)
-    tuner = FusionAutotuner(settings, None, log, cache, "k", clock=clock)
-    drive(tuner, clock)
-    assert json.loads(cache.read_text())["k"]["bucket_cap_mb"] == 1.0 and log.read_text().startswith("sample,")
+    clock = FakeClock({A: 0.5, DDP_DEFAULT: 0.7})
+    drive(tuner(AutotuneSettings(candidates_mb=(1,), steps_per_sample=2), clock, log=log, cache=cache), clock)
+    (entry,) = json.loads(cache.read_text()).values()
+    assert entry["bucket_cap_mb"] == 1.0 and log.read_text().startswith("sample,")
 
 
 def test_autotune_files_that_cannot_be_written_while_tuning_are_a_warning_not_a_crash(tmp_path):
     cache, log = tmp_path / "cache.json", tmp_path / "log.csv"
+    clock = FakeClock({A: 0.5, DDP_DEFAULT: 0.7})
+    tensor_fusion = tuner(AutotuneSettings(candidates_mb=(1,), steps_per_sample=2), clock, log=log, cache=cache)
     cache.mkdir()  # became directories after the strategy checked them
     log.mkdir()
-    clock = FakeClock({BucketSetting(1.0): 0.5, DDP_DEFAULT: 0.7})
-    settings = AutotuneSettings(candidates_mb=(1,), steps_per_sample=2)
-    tuner = FusionAutotuner(settings, None, log, cache, "k", clock=clock)
     with pytest.warns(UserWarning) as warned:
-        drive(tuner, clock)
+        drive(tensor_fusion, clock)
     messages = [str(w.message) for w in warned]
     assert any(re.search(r"could not write the autotune log .*log.csv.*logging stops", m) for m in messages)
-    assert any(re.search(r"could not write the autotune cache .*cache.json", m) for m in messages)
-    assert tuner.result.complete and tuner.result.setting == BucketSetting(1.0)
+    assert any(re.search(r"the autotune cache .*cache.json could not be written", m) for m in messages)
+    assert tensor_fusion.result.complete and tensor_fusion.result.setting == A
     assert sorted(tmp_path.iterdir()) == sorted([cache, log])  # no temporary file left behind
 
 
@@ -471,21 +416,24 @@ def test_a_cached_setting_that_does_not_validate_is_ignored_with_one_warning_and
     tmp_path, entry, source
 ):
     cache = tmp_path / "cache.json"
-    checkpointed = {"cache_key": "key", **entry} if source == "checkpoint" else None
-    cached = {"other": {"bucket_cap_mb": 8.0}} | ({"key": entry} if source == "cache" else {})
-    cache.write_text(json.dumps(cached))  # NaN written as JSON's NaN
-    clock = FakeClock({BucketSetting(1.0): 0.5, DDP_DEFAULT: 0.7})
+    clock = FakeClock({A: 0.5, DDP_DEFAULT: 0.7})
     settings = AutotuneSettings(candidates_mb=(1,), steps_per_sample=2)
+    first = tuner(settings, clock, cache=cache)
+    drive(first, clock)  # a search, cached (and checkpointed) under this setup's key
+    (key,) = json.loads(cache.read_text())
+    edited = {"cache_key": key, **entry}  # edited by hand
+    checkpointed = edited if source == "checkpoint" else None
+    cache.write_text(json.dumps({"other": {"bucket_cap_mb": 8.0}} | ({key: entry} if source == "cache" else {})))
     with warnings.catch_warnings(record=True) as warned:
         warnings.simplefilter("always")
-        tuner = FusionAutotuner(settings, None, None, cache, "key", clock=clock, checkpointed=checkpointed)
+        again = tuner(settings, clock, cache=cache, checkpointed=checkpointed)
     messages = [str(w.message) for w in warned if "not valid" in str(w.message)]
     assert len(messages) == 1 and "searched again" in messages[0], messages
     assert ("checkpoint" in messages[0]) == (source == "checkpoint")
-    assert tuner.tuning and tuner.initial_setting == BucketSetting(1.0)
-    drive(tuner, clock)
+    assert again.tuning and again.first == A
+    drive(again, clock)
     entries = json.loads(cache.read_text())
-    assert entries["key"]["bucket_cap_mb"] == 1.0 and entries["other"] == {"bucket_cap_mb": 8.0}
+    assert entries[key]["bucket_cap_mb"] == 1.0 and entries["other"] == {"bucket_cap_mb": 8.0}
 
 
 @pytest.mark.parametrize(
@@ -506,12 +454,11 @@ def test_an_existing_file_that_is_not_an_autotune_cache_is_refused_and_never_ove
     with pytest.raises(ValueError, match=message):
         ShardPlusStrategy(autotune_cache=str(path))
     # a file that becomes something else after the check is not overwritten either
-    clock = FakeClock({BucketSetting(1.0): 0.5, DDP_DEFAULT: 0.7})
-    settings = AutotuneSettings(candidates_mb=(1,), steps_per_sample=2)
-    tuner = FusionAutotuner(settings, None, None, path, "k", clock=clock)
+    clock = FakeClock({A: 0.5, DDP_DEFAULT: 0.7})
+    tensor_fusion = tuner(AutotuneSettings(candidates_mb=(1,), steps_per_sample=2), clock, cache=path)
     with pytest.warns(UserWarning, match=r"is not an autotune cache .*not overwritten"):
-        drive(tuner, clock)
-    assert path.read_bytes() == content.encode("latin-1") and tuner.result.complete
+        drive(tensor_fusion, clock)
+    assert path.read_bytes() == content.encode("latin-1") and tensor_fusion.result.complete
 
 
 def test_an_empty_file_or_a_cache_is_taken_as_the_autotune_cache(tmp_path):
@@ -550,7 +497,7 @@ def test_the_default_buckets_are_ddps_own_unless_a_size_is_given(tmp_path):
     from torch.nn.parallel import DistributedDataParallel
 
     default = ShardPlusStrategy()
-    assert "bucket_cap_mb" not in default._ddp_kwargs and default.config.bucket_setting == DDP_DEFAULT
+    assert "bucket_cap_mb" not in _lightning.ddp_kwargs(default) and default.config.bucket_setting == DDP_DEFAULT
     assert DDP_DEFAULT.bucket_cap_mb == 25.0
     assert DDPStrategy()._ddp_kwargs.get("bucket_cap_mb") is None
     strategy = ShardPlusStrategy(auto_tune_tensor_fusion=True, tensor_fusion_threshold_mb=8)
@@ -558,34 +505,32 @@ def test_the_default_buckets_are_ddps_own_unless_a_size_is_given(tmp_path):
     assert settings.fixed_bucket_cap_mb == 8.0 and strategy.config.tensor_fusion_threshold_mb == 8.0
     assert settings.reference == BucketSetting(8.0) == strategy.config.bucket_setting
 
-    # the buckets DDP builds (after its rebuild in backward order) under each setting, and as bucket_layout says
-    model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(24)])  # 6 MB of gradients
-    parameters = list(model.parameters())
+    # the buckets DDP builds (after its rebuild in backward order) under each setting's ddp_kwargs
+    model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(24)])  # 24 layers of 0.25 MB + 1 kB
 
     def rebuilt_buckets(ddp_kwargs):
         ddp = DistributedDataParallel(model, **ddp_kwargs)
         for _ in range(3):  # DDP rebuilds its buckets at the second step
             ddp(torch.ones(2, 256)).sum().backward()
-        indices = ddp._get_ddp_logging_data()["rebuilt_per_bucket_param_indices"]  # "47 46, 45 ...": last first
-        return tuple(tuple(len(parameters) - 1 - int(i) for i in bucket.split()) for bucket in indices.split(", "))
+        return ddp._get_ddp_logging_data()["rebuilt_per_bucket_param_indices"].split(", ")
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
         plain_ddp = rebuilt_buckets({})
         assert len(plain_ddp) == 2  # a 1 MB first bucket, then the rest
-        assert rebuilt_buckets(default._ddp_kwargs | DDP_DEFAULT.ddp_kwargs()) == plain_ddp
-        assert fusion.bucket_layout(parameters, DDP_DEFAULT)[0] == plain_ddp
-        for setting in (UNIFORM_25, BucketSetting(1.0), BucketSetting(4.0, 1.0)):
+        assert rebuilt_buckets(_lightning.ddp_kwargs(default) | DDP_DEFAULT.ddp_kwargs()) == plain_ddp
+        # one bucket; 4 layers (>= 1 MB) per bucket; a first bucket of 4 layers, then 16 (>= 4 MB), then the rest
+        for setting, buckets in ((UNIFORM_25, 1), (A, 6), (BucketSetting(4.0, 1.0), 3)):
             kwargs = {k: v for k, v in setting.ddp_kwargs().items() if v is not None}
-            assert rebuilt_buckets(kwargs) == fusion.bucket_layout(parameters, setting)[0]
-        assert len(fusion.bucket_layout(parameters, UNIFORM_25)[0]) == 1  # what shardplus built before
+            assert len(rebuilt_buckets(kwargs)) == buckets, setting
     finally:
         dist.destroy_process_group()
 
 
 # ---------------------------------------------------------------------------------------------- 2 ranks
 
-# the MLP's gradients are 3.2 kB: sizes in MB that cut them into 4, 2 and 1 bucket(s) (distinct layouts)
+# the MLP's gradients are 3.2 kB: sizes in MB that cut them into 4, 2 and 1 bucket(s); and a first bucket of
+# 0.0002 MB with 25 MB for the others, raced in the same rounds as these and DDP's default
 CANDIDATES = [0.00002, 0.001, 25.0]
 TUNING = dict(
     auto_tune_tensor_fusion=True,
@@ -738,11 +683,12 @@ def test_the_default_candidates_follow_the_gradient_size_and_other_candidates_ca
     assert wrappers(runs[0]) > 2
     rows = list(csv.DictReader(open(log)))
     assert rows and {row["stage"] for row in rows} == {"bucket"} and not any(row["note"] for row in rows)
-    # 3.2 kB of gradients: the sizes raced beside DDP's default cut them into 2 to 16 buckets of about equal bytes
+    # 3.2 kB of gradients: the sizes raced beside DDP's default cut them into 2 to 16 buckets of about equal
+    # bytes, or are DDP's uniform 25 MB
     gradient_mb = 4 * PARAMETERS / 2**20
     uniform = {logged_setting(row) for row in rows} - {DDP_DEFAULT}
-    assert len(uniform) >= 2 and DDP_DEFAULT in {logged_setting(row) for row in rows}
-    for setting in uniform:
+    assert len(uniform) == 5 and DDP_DEFAULT in {logged_setting(row) for row in rows} and UNIFORM_25 in uniform
+    for setting in uniform - {UNIFORM_25}:
         buckets = gradient_mb / setting.bucket_cap_mb
         assert setting.first_bucket_mb is None and any(abs(buckets / k - 1) < 0.05 for k in (2, 4, 8, 16))
     assert len(json.loads(cache.read_text())) == 2  # each search under its own key
@@ -819,12 +765,18 @@ def test_the_communication_hook_runs_through_tuning_and_after_it(tmp_path):
 
 
 @pytest.mark.timeout(120)
-def test_a_fixed_bucket_size_is_kept_while_the_first_bucket_is_tuned(tmp_path):
-    runs, _ = tuned_fit(tmp_path, "fixed", epochs=3, tensor_fusion_threshold_mb=25.0, autotune_cache=False, **TUNING)
+def test_a_fixed_bucket_size_is_kept_while_the_first_bucket_is_tuned_and_cached_under_xdg_cache_home(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))  # the default cache (autotune_cache=True)
+    runs, _ = tuned_fit(tmp_path, "fixed", epochs=3, tensor_fusion_threshold_mb=25.0, **TUNING)
     assert all(step["caps"][0] == 25 * 2**20 for run in runs for step in run["steps"])  # the size is kept
     assert runs[0]["result"]["complete"] and runs[0]["result"]["setting"]["bucket_cap_mb"] == 25.0
     raced = {json.dumps(step["caps"]) for step in runs[0]["steps"]}
     assert raced == {json.dumps(caps_of({"bucket_cap_mb": 25.0, "first_bucket_mb": f})) for f in (None, 0.0002)}
+    (entry,) = json.loads((tmp_path / "xdg" / "lightning_shardplus" / "fusion.json").read_text()).values()
+    assert entry["bucket_cap_mb"] == 25.0
+    assert entry["first_bucket_mb"] == runs[0]["result"]["setting"]["first_bucket_mb"]
 
 
 @pytest.mark.timeout(120)
@@ -849,127 +801,37 @@ def test_tuning_with_aggregation_rewraps_only_between_optimizer_steps(tmp_path):
 
 
 def test_a_run_that_ends_while_tuning_reports_the_best_so_far_and_caches_nothing(tmp_path):
-    times = {BucketSetting(s): t for s, t in ((1.0, 0.9), (4.0, 0.5), (25.0, 0.7))} | {DDP_DEFAULT: 0.7}
-    clock = FakeClock(times)
+    clock = FakeClock({A: 0.9, B: 0.5, UNIFORM_25: 0.7, DDP_DEFAULT: 0.7})
     settings = AutotuneSettings(candidates_mb=(1, 4, 25), steps_per_sample=2, warmup_steps=1)
-    tuner = FusionAutotuner(settings, None, None, tmp_path / "cache.json", "key", clock=clock)
-    clock.setting = tuner.initial_setting
-    tuner.start()
+    tensor_fusion = tuner(settings, clock, cache=tmp_path / "cache.json")
+    clock.setting = tensor_fusion.first
+    tensor_fusion.on_train_start()
     for step in range(16):  # the first round only
-        if (setting := tuner.on_step_boundary(step)) is not None:
+        if (setting := tensor_fusion.at_batch_start(step + 1)) is not None:
             clock.setting = setting
         clock.step()
-    assert tuner.tuning
-    result = tuner.finish_early()
-    assert result.setting == BucketSetting(4.0) and not result.complete
+    assert tensor_fusion.tuning and tensor_fusion.samples_taken == 4
+    tensor_fusion.on_train_end()
+    result = tensor_fusion.result
+    assert result.setting == B and not result.complete and not tensor_fusion.tuning
     assert "best so far, not cached" in result.summary() and not (tmp_path / "cache.json").exists()
+    assert tensor_fusion.state_dict() is None  # nor checkpointed: a resumed run searches again
 
 
 def test_a_run_that_ends_before_the_default_was_measured_keeps_the_default():
-    times = {BucketSetting(s): t for s, t in ((1.0, 0.5), (4.0, 0.6), (25.0, 0.7))} | {DDP_DEFAULT: 0.7}
-    clock = FakeClock(times)
-    tuner = FusionAutotuner(AutotuneSettings(candidates_mb=(1, 4, 25), steps_per_sample=2), clock=clock)
-    clock.setting = tuner.initial_setting
-    tuner.start()
+    clock = FakeClock({A: 0.5, B: 0.6, UNIFORM_25: 0.7, DDP_DEFAULT: 0.7})
+    tensor_fusion = tuner(AutotuneSettings(candidates_mb=(1, 4, 25), steps_per_sample=2), clock)
+    clock.setting = tensor_fusion.first
+    tensor_fusion.on_train_start()
     for step in range(9):  # 1 MB and 4 MB measured, DDP's default not yet
-        if (setting := tuner.on_step_boundary(step)) is not None:
+        if (setting := tensor_fusion.at_batch_start(step + 1)) is not None:
             clock.setting = setting
         clock.step()
-    assert tuner.samples_taken == 2
-    result = tuner.finish_early()
+    assert tensor_fusion.samples_taken == 2
+    tensor_fusion.on_train_end()
+    result = tensor_fusion.result
     assert result.setting == DDP_DEFAULT and not result.complete  # not measured is not slower
     assert result.default_step_s is None and "not measured" in result.summary()
-
-
-def test_the_summary_compares_times_measured_in_the_same_stage():
-    # the machine runs 30% slower once the first-bucket stage starts: 4 MB's time in the summary is the one
-    # measured beside DDP's default, not the later one
-    times = {BucketSetting(s): t for s, t in ((1.0, 0.9), (4.0, 0.5), (25.0, 0.7))}
-    times |= {DDP_DEFAULT: 0.7, BucketSetting(4.0, 1.0): 0.6}
-    clock = FakeClock(times)
-    tuner = FusionAutotuner(AutotuneSettings(candidates_mb=(1, 4, 25), steps_per_sample=3), clock=clock)
-    clock.setting = tuner.initial_setting
-    tuner.start()
-    step, second_stage_steps = 0, 0
-    while tuner.tuning:
-        if (setting := tuner.on_step_boundary(step)) is not None:
-            clock.setting = setting
-        slower = tuner.tuning and tuner.stage == "first_bucket"
-        second_stage_steps += slower
-        clock.now += times[clock.setting] * (1.3 if slower else 1.0)
-        step += 1
-    result = tuner.result
-    assert second_stage_steps > 0 and result.setting == B
-    assert result.step_s == pytest.approx(0.5) and result.default_step_s == pytest.approx(0.7)
-    assert result.gain == pytest.approx(0.7 / 0.5)
-    # a winner raced only in the second stage: its time on the first stage's base, through the paired ratio
-    times[BucketSetting(4.0, 1.0)] = 0.45
-    clock, step = FakeClock(times), 0
-    tuner = FusionAutotuner(AutotuneSettings(candidates_mb=(1, 4, 25), steps_per_sample=3), clock=clock)
-    clock.setting = tuner.initial_setting
-    tuner.start()
-    while tuner.tuning:
-        if (setting := tuner.on_step_boundary(step)) is not None:
-            clock.setting = setting
-        slower = tuner.tuning and tuner.stage == "first_bucket"
-        clock.now += times[clock.setting] * (1.3 if slower else 1.0)
-        step += 1
-    assert tuner.result.setting == BucketSetting(4.0, 1.0)
-    assert tuner.result.step_s == pytest.approx(0.45) and tuner.result.default_step_s == pytest.approx(0.7)
-    assert tuner.result.gain == pytest.approx(0.7 / 0.45)  # the same factor as the times
-
-
-def test_a_dropped_default_is_kept_over_a_final_leader_no_faster_than_it():
-    race = CandidateRace([A, B, PREFERRED], 3, 4, 0.01, preferred=PREFERRED)
-
-    def measured(setting, scores):
-        race.samples[setting], race.by_round[setting] = list(scores), dict(enumerate(scores))
-
-    measured(A, [1.0, 1.0, 1.0, 1.5])
-    measured(B, [1.2] * 4)
-    measured(PREFERRED, [1.1] * 3)  # dropped after the third round
-    race.live = [A, B]
-    assert race.leader() == A and race.best() == A  # faster than the default in the rounds both ran
-    measured(A, [1.2, 1.4, 1.4, 0.2])  # median 1.3
-    assert race.leader() == B and race.best() == PREFERRED  # the final leader is slower than the default was
-    # the times in a summary come from the rounds both ran (A's median there is 1.4, not 1.3)
-    assert fusion.measured_against([race], A, PREFERRED)[:2] == (pytest.approx(1.4), pytest.approx(1.1))
-
-
-RECORDED_CANDIDATES = (1, 4, 16, 25, 64)  # the default candidates when these runs were recorded
-
-
-@pytest.mark.parametrize("run", [1, 2, 3, 4])
-def test_the_recorded_benchmark_runs_replay_to_the_same_choices(run):
-    # docs/bench/fusion-2cpu-run*.json hold each tuning sample (the autotune CSV) and the setting the run chose: fed
-    # to the race as it is now, in the order it asks for them, they lead to that setting. A change of the race that
-    # would decide otherwise fails here: run the benchmark again (and update the figures in docs/).
-    from lightning_shardplus.demo import ClassifierModule
-
-    path = Path(__file__).parents[1] / "docs" / "bench" / f"fusion-2cpu-run{run}.json"
-    shapes = {"many-small": (256, 256, 24), "few-large": (1024, 2048, 3)}
-    for row in json.loads(path.read_text())["fusion_rows"]:
-        input_dim, hidden, layers = shapes[row["shape"]]
-        parameters = list(ClassifierModule(input_dim=input_dim, hidden_dims=[hidden] * layers).parameters())
-        recorded = [
-            (BucketSetting(float(r["bucket_cap_mb"]), float(r["first_bucket_mb"]) if r["first_bucket_mb"] else None),
-             float(r["step_ms"]) / 1000)
-            for r in csv.DictReader(row["csv"])
-        ]
-        clock = FakeClock(times=None)  # advanced by hand below
-        layout = functools.partial(fusion.bucket_layout, parameters)
-        tuner = FusionAutotuner(AutotuneSettings(candidates_mb=RECORDED_CANDIDATES), clock=clock, layout=layout)
-        tuner.start()
-        step = 0
-        while tuner.tuning:  # every step of a sample takes the time that sample measured
-            tuner.on_step_boundary(step)
-            if tuner.tuning:
-                setting, seconds = recorded[tuner.samples_taken]
-                assert tuner.measuring == setting  # the race asks for the sample that was measured
-                clock.now += seconds
-                step += 1
-        assert tuner.samples_taken == len(recorded)  # decided on these samples, no more
-        assert tuner.result.setting.label == row["tuned"].split(" = ")[0]
 
 
 class MarkRank(Callback):

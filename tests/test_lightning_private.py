@@ -359,25 +359,16 @@ def test_the_trainer_and_ddp_kwargs_are_read_where_lightning_keeps_them():
     assert _lightning.ddp_kwargs(strategy)["bucket_cap_mb"] == 4 and _lightning.ddp_kwargs(strategy)["static_graph"]
 
 
-def test_torch_computes_ddp_bucket_assignments_from_sizes_and_limits():
-    # fusion.bucket_layout calls torch.distributed's private bucketing (the one DDP uses) on meta tensors
-    import torch
-    import torch.distributed as dist
-
-    sizes = [torch.empty(n, device="meta") for n in (300_000, 300_000, 10)]  # 1.2 MB, 1.2 MB, 40 B
-    buckets, limits = dist._compute_bucket_assignment_by_size(sizes, [2**20, 25 * 2**20], [False] * 3)
-    assert [list(b) for b in buckets] == [[0], [1, 2]] and list(limits) == [2**20, 25 * 2**20]
-
-
 def test_ddps_default_first_bucket_is_read_where_torch_keeps_it():
-    # fusion.DDP_FIRST_BUCKET_MB is torch.distributed's private _DEFAULT_FIRST_BUCKET_BYTES, the first bucket DDP
-    # builds when no bucket size is given (tests/test_fusion.py checks the buckets DDP really builds)
+    # _torch.DDP_DEFAULT_FIRST_BUCKET_BYTES is torch.distributed's private _DEFAULT_FIRST_BUCKET_BYTES, the first
+    # bucket DDP builds when no bucket size is given (tests/test_fusion.py counts the buckets DDP really builds)
     import torch.distributed as dist
     import torch.nn.parallel.distributed as ddp_module
 
-    from lightning_shardplus import fusion
+    from lightning_shardplus import _torch, fusion
 
-    assert dist._DEFAULT_FIRST_BUCKET_BYTES == 2**20 and fusion.DDP_FIRST_BUCKET_MB == 1.0
+    assert dist._DEFAULT_FIRST_BUCKET_BYTES == 2**20 == _torch.DDP_DEFAULT_FIRST_BUCKET_BYTES
+    assert fusion.DDP_FIRST_BUCKET_MB == 1.0
     assert "dist._DEFAULT_FIRST_BUCKET_BYTES" in inspect.getsource(ddp_module)  # what DDP reads
 
 

@@ -13,7 +13,6 @@ import json
 import statistics
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,9 +30,7 @@ from lightning_shardplus.fusion import (
     DEFAULT_BUCKET_CAP_MB,
     AutotuneSettings,
     BucketSetting,
-    bucket_layout,
     default_candidates_mb,
-    merge_equivalent,
 )
 from lightning_shardplus.strategy import ShardPlusStrategy
 
@@ -115,37 +112,6 @@ class _InterleavedBuckets(Callback):
             )
 
 
-@dataclass(frozen=True)
-class _FixedSettings:
-    """The fixed bucket settings measured on one model: what tuning races first, one per distinct bucket layout
-    (sizes that cut this model's gradients the same way are one setting): the candidates, DDP's default (plain
-    "ddp") and a uniform 25 MB."""
-
-    settings: list[BucketSetting]
-    merged: dict[BucketSetting, list[BucketSetting]]  # a measured setting -> the others with its layout
-    uniform: BucketSetting
-
-    @classmethod
-    def of(cls, parameters: list[torch.nn.Parameter], autotune: AutotuneSettings) -> _FixedSettings:
-        """The settings of ``autotune``'s first stage that cut ``parameters`` differently."""
-        uniform = BucketSetting(DEFAULT_BUCKET_CAP_MB)
-        settings, merged = merge_equivalent(
-            autotune.first_stage, lambda setting: bucket_layout(parameters, setting), (DDP_DEFAULT, uniform)
-        )
-        return cls(settings, merged, uniform)
-
-    def display(self, label: str) -> str:
-        """``label`` with the labels of the settings it stands for ("25 MB = 64 MB"); other labels as they are."""
-        setting = next((s for s in self.settings if s.label == label), None)
-        if setting is None:
-            return label
-        return label + "".join(f" = {other.label}" for other in self.merged.get(setting, []))
-
-    def label_of(self, setting: BucketSetting) -> str | None:
-        """The label of the measured setting that stands for ``setting``; None when none cuts the gradients so."""
-        return next((s.label for s in self.settings if setting in (s, *self.merged.get(s, []))), None)
-
-
 def run_fusion_shape(shape: tuple[str, int, int, int], rounds: int, args: argparse.Namespace) -> dict[str, Any]:
     """Tune, then measure ``rounds`` interleaved rounds, on one model shape; returns the row."""
     name, input_dim, hidden_dim, layers = shape
@@ -155,7 +121,7 @@ def run_fusion_shape(shape: tuple[str, int, int, int], rounds: int, args: argpar
     autotune = AutotuneSettings(
         candidates_mb=tuple(candidates), steps_per_sample=args.fusion_steps, warmup_steps=args.fusion_warmup
     )
-    fixed = _FixedSettings.of(parameters, autotune)
+    fixed = autotune.candidates  # what tuning races: the candidates and DDP's default
     report = _tune_and_measure(model, input_dim, candidates, autotune, fixed, rounds, args)
     return _fusion_row(name, sum(p.numel() for p in parameters), fixed, report)
 
@@ -165,7 +131,7 @@ def _tune_and_measure(
     input_dim: int,
     candidates: list[float],
     autotune: AutotuneSettings,
-    fixed: _FixedSettings,
+    fixed: list[BucketSetting],
     rounds: int,
     args: argparse.Namespace,
 ) -> dict[str, Any]:
@@ -183,9 +149,9 @@ def _tune_and_measure(
             autotune_cache=False,
             autotune_log=str(log),
         )
-        measured = (len(fixed.settings) + 2) * rounds * (args.fusion_warmup + args.fusion_steps)
+        measured = (len(fixed) + 2) * rounds * (args.fusion_warmup + args.fusion_steps)
         max_steps = autotune.max_tuning_steps + measured + 10
-        interleaved = _InterleavedBuckets(fixed.settings, args.fusion_steps, args.fusion_warmup, rounds, out)
+        interleaved = _InterleavedBuckets(fixed, args.fusion_steps, args.fusion_warmup, rounds, out)
         with quiet_run():
             trainer = bench_trainer("cpu", args.devices, strategy, max_steps, [interleaved, *thread_callbacks(args)])
         datamodule = SyntheticDataModule(
@@ -201,23 +167,24 @@ def _tune_and_measure(
     return report
 
 
-def _fusion_row(name: str, parameters: int, fixed: _FixedSettings, report: dict[str, Any]) -> dict[str, Any]:
+def _fusion_row(name: str, parameters: int, fixed: list[BucketSetting], report: dict[str, Any]) -> dict[str, Any]:
     """The row of one shape from its measurements: step times per setting and the tuned setting's ratios."""
     step_s = {label: statistics.median(values) for label, values in report["samples_s"].items()}
-    fixed_s = {s.label: step_s[s.label] for s in fixed.settings}
+    fixed_s = {s.label: step_s[s.label] for s in fixed}
     best_fixed = min(fixed_s, key=fixed_s.__getitem__)
     tuned_s = step_s[report["tuned"]]
-    default_label = fixed.label_of(DDP_DEFAULT)
-    uniform_label = fixed.label_of(fixed.uniform)  # None when no candidate cuts the gradients as a uniform 25 MB does
+    default_label = DDP_DEFAULT.label
+    uniform = BucketSetting(DEFAULT_BUCKET_CAP_MB)
+    uniform_label = uniform.label if uniform in fixed else None  # None when 25 MB is not among the candidates
     control = _InterleavedBuckets.CONTROL
     return {
         "shape": name,
         "parameters": parameters,
-        "tuned": fixed.display(report["tuned"]),
-        "best_fixed": fixed.display(best_fixed),
-        "ms_per_step": {fixed.display(label): 1000 * seconds for label, seconds in step_s.items()},
+        "tuned": report["tuned"],
+        "best_fixed": best_fixed,
+        "ms_per_step": {label: 1000 * seconds for label, seconds in step_s.items()},
         "samples_ms": {
-            fixed.display(label): [round(1000 * v, 2) for v in values] for label, values in report["samples_s"].items()
+            label: [round(1000 * v, 2) for v in values] for label, values in report["samples_s"].items()
         },
         # throughput ratios (tuned / other): from the medians, and paired round by round; the default is DDP's
         # (25 MB, first bucket 1 MB: what strategy="ddp" uses), the uniform 25 MB beside it
