@@ -1,33 +1,25 @@
 """Averaged training metrics: the values each rank logs while training, replaced by their reduction over all ranks.
 
-By default Lightning logs rank 0's own training values; with ``sync_dist=True`` it pays a barrier plus an
-all_reduce per value per step. With ``ShardPlusStrategy(average_training_metrics=True)`` every tensor logged with
-``on_step=True`` from ``training_step``, the training-batch hooks and the backward and optimizer hooks is collected
-on each rank and, at the start of ``on_train_batch_end`` of the last micro-batch of each optimizer step (every
-batch in manual optimization), replaced by its reduction over the ranks:
-
-- plain values (and ``sync_dist=True`` ones with ``reduce_fx="mean"``): the mean over ranks weighted by batch size
-  (``self.log(..., batch_size=...)``, else the size Lightning infers from the batch, else 1), over every
-  micro-batch of the step; ``on_epoch`` means accumulate the same global sums, so epoch values are over ranks too;
-- ``sync_dist=True`` values with ``reduce_fx`` ``"sum"``, ``"max"`` or ``"min"``: that reduction over ranks
-  (Lightning's own per-value sync is skipped).
-
-Left to Lightning: torchmetrics ``Metric`` objects, ``rank_zero_only`` values, values synced over a
-``sync_dist_group``, ``on_step=False`` values, and values logged in ``on_train_batch_end`` (this rank's own, with a
-warning: this callback, first in the Trainer's callbacks, reduces the step there before other callbacks read it).
+With ``ShardPlusStrategy(average_training_metrics=True)`` every tensor logged with ``on_step=True`` from
+``training_step``, the training-batch hooks and the backward and optimizer hooks is collected on each rank and, at
+the start of ``on_train_batch_end`` of the last micro-batch of each optimizer step (every batch in manual
+optimization), replaced by its reduction over the ranks: plain values (and ``sync_dist=True`` ones with
+``reduce_fx="mean"``) by the mean weighted by batch size (``self.log(..., batch_size=...)``, else the size Lightning
+infers, else 1) over every micro-batch of the step, epoch means by the same global sums; ``sync_dist=True`` values
+with ``reduce_fx`` ``"sum"``, ``"max"`` or ``"min"`` by that reduction (Lightning's own sync is skipped). Left to
+Lightning: torchmetrics ``Metric`` objects, ``rank_zero_only`` values, syncs over a ``sync_dist_group``,
+``on_step=False`` values, and values logged in ``on_train_batch_end`` (this rank's own, with a warning).
 
 Protocol. The ranks agree on a layout, the sorted (key, reduction) pairs (state declared once per name, as
-torchmetrics' ``add_state``), by ``all_gather_object`` at the first reduced step. Each step, every rank packs its
-values into that layout behind a header of two 0/1 slots (it has data; its names differ from the layout) and
-starts ONE SUM ``all_reduce`` (float64, on the strategy's root device), plus one MAX ``all_reduce`` in layouts with
-max/min names (min as the max of the negation; NaN as a flag); the results are written back as device tensors: no
-host read. The summed "differ" slot is added to a device counter, read where the loggers read the values anyway
-and at each epoch end: non-zero raises :class:`MetricMismatchError` on every rank, naming the first step and the
-names that differed. A rank whose names differ from the layout (or that has no data in the step,
-``uneven_inputs="join"``) reads the step's header at once: if every rank with data differs (they run the same
-code: a name logged from some step on, or no longer), the ranks agree again and reduce the step in the new layout;
-else the step keeps the old layout (names outside it stay this rank's own, with a warning) and the next check
-raises.
+torchmetrics' ``add_state``), by ``all_gather_object`` at the first step. Each step every rank packs its values
+into it behind two 0/1 header slots (it has data; its names differ from the layout) and runs ONE SUM
+``all_reduce`` on the root device (plus one MAX in layouts with max/min names: min as the max of the negation),
+written back as device tensors: no host read. The summed "differ" slot accumulates in a device counter read where
+the loggers read the values anyway and at each epoch end: non-zero raises :class:`MetricMismatchError` on every
+rank, naming the first such step and the names. A rank whose names differ from the layout (or without data,
+``uneven_inputs="join"``) reads the step's header at once: if every rank with data differs (the same code runs
+everywhere: a name logged from some step on), the ranks agree again and reduce the step again in the new layout;
+else the old layout stays (names outside it are this rank's own, with a warning) and the next check raises.
 """
 
 from __future__ import annotations
@@ -45,7 +37,7 @@ from torch import Tensor
 
 from lightning_shardplus import _lightning
 
-_F64 = torch.float64
+_F64, _INF = torch.float64, float("inf")
 _HEADER = 2  # summed over ranks: the ranks with data, the ranks whose names differ from the layout
 Signature = tuple[tuple[str, str], ...]  # sorted (key, reduction)
 EpochState = tuple[Tensor, Tensor | None]
@@ -56,19 +48,11 @@ class MetricMismatchError(RuntimeError):
 
 
 class _Observed:
-    """What this rank logged since the last reduction, in order: key, value (0-dim, on the device), weight."""
+    """What this rank logged since the last reduction: each name's reduction, and (key, value, weight) in order."""
 
     def __init__(self) -> None:
         self.reductions: dict[str, str] = {}
-        self.keys: list[str] = []
-        self.values: list[Tensor] = []
-        self.weights: list[float] = []
-
-    def add(self, key: str, reduction: str, value: Tensor, weight: float) -> None:
-        self.reductions[key] = reduction
-        self.keys.append(key)
-        self.values.append(value)
-        self.weights.append(weight)
+        self.rows: list[tuple[str, Tensor, float]] = []  # values: 0-dim float64 on the device
 
     def signature(self) -> Signature:
         return tuple(sorted(self.reductions.items()))
@@ -97,21 +81,20 @@ class _Layout:
         self.slots |= {key: i for i, key in enumerate(self.extremes)}
         self.numel = _HEADER + 2 * self.means + self.sums
         n = len(self.extremes)
-        self.identity = _on(device, [float("-inf")] * n + [0.0] * n) if n else None
+        self.identity = _on(device, [-_INF] * n + [0.0] * n) if n else None
         self.signs = _on(device, [1.0 if self.reductions[key] == "max" else -1.0 for key in self.extremes])
         self._plan: tuple[Any, tuple[Any, ...]] | None = None  # for the last order of observations
 
     def _plan_for(self, observed: _Observed, differs: bool) -> tuple[Any, ...]:
         """The device constants that put ``observed`` into the buffers, kept while the steps repeat the order and
-        weights: the SUM buffer's header and weights; for the mean/sum observations and for the max/min ones, which
-        observations, their slots, and their factors (weight, 1) or signs (+1 max, -1 min)."""
-        cache_key = (tuple(observed.keys), tuple(observed.weights))
+        weights: the SUM buffer's header and weights; (observations, slots, factors) of the mean/sum observations
+        (factor: the weight, or 1) and of the max/min ones (factor: +1 for max, -1 for min)."""
+        cache_key = tuple((key, weight) for key, _, weight in observed.rows)
         if self._plan is not None and self._plan[0] == cache_key:
             return self._plan[1]
         constants = [1.0, float(differs)] + [0.0] * (self.numel - _HEADER)
-        summed: tuple[list[Any], ...] = ([], [], [])
-        maxed: tuple[list[Any], ...] = ([], [], [])
-        for i, (key, weight) in enumerate(zip(observed.keys, observed.weights, strict=True)):
+        summed, maxed = [], []
+        for i, (key, weight) in enumerate(cache_key):
             reduction = self.reductions.get(key)
             if reduction != observed.reductions[key]:
                 continue  # not in the layout: this rank's own value
@@ -119,48 +102,38 @@ class _Layout:
             if reduction == "mean":
                 constants[slot + 1] += weight
             if reduction in ("mean", "sum"):
-                row = (summed, (i, slot, weight if reduction == "mean" else 1.0))
+                summed.append((i, slot, weight if reduction == "mean" else 1.0))
             else:
-                row = (maxed, (i, slot, 1.0 if reduction == "max" else -1.0))
-            for column, number in zip(*row, strict=True):
-                column.append(number)
-        maxed[1].extend([slot + len(self.extremes) for slot in maxed[1]])  # the NaN flags' slots
-
-        def on_device(part: tuple[list[Any], ...]) -> tuple[Tensor, Tensor, Tensor] | None:
-            rows, slots, factors = part
-            return (_on(self.device, rows, torch.long), _on(self.device, slots, torch.long), _on(self.device, factors))
-
-        plan = (
-            _on(self.device, constants),
-            on_device(summed) if summed[0] else None,
-            on_device(maxed) if maxed[0] else None,
-        )
+                maxed.append((i, slot, 1.0 if reduction == "max" else -1.0))
+        plan = (_on(self.device, constants), self._columns(summed), self._columns(maxed))
         self._plan = (cache_key, plan)
         return plan
+
+    def _columns(self, rows: list[tuple[int, int, float]]) -> tuple[Tensor, Tensor, Tensor] | None:
+        if not rows:
+            return None
+        observations, slots, factors = zip(*rows, strict=True)
+        on = self.device
+        return _on(on, list(observations), torch.long), _on(on, list(slots), torch.long), _on(on, list(factors))
 
     def pack(self, observed: _Observed | None, differs: bool) -> tuple[Tensor, Tensor | None]:
         """This rank's SUM buffer and MAX buffer (None in a layout without max/min names); ``observed`` None: a rank
         without data in the step, which contributes nothing."""
+        maxed = None if self.identity is None else self.identity.clone()
         if observed is None:
-            maxed = None if self.identity is None else self.identity.clone()
             return torch.zeros(self.numel, dtype=_F64, device=self.device), maxed
         constants, summed_part, maxed_part = self._plan_for(observed, differs)
         summed = constants.clone()
-        maxed = None if self.identity is None else self.identity.clone()
-        if summed_part is None and maxed_part is None:
-            return summed, maxed
-        values = observed.values
-        if len({value.dtype for value in values}) > 1:
-            values = [value.to(_F64) for value in values]
-        stacked = torch.stack(values).to(_F64)
+        if summed_part is not None or maxed_part is not None:
+            stacked = torch.stack([value for _, value, _ in observed.rows])
         if summed_part is not None:
             rows, slots, factors = summed_part
             summed.index_add_(0, slots, stacked.index_select(0, rows) * factors)
         if maxed is not None and maxed_part is not None:
             rows, slots, signs = maxed_part
             signed = stacked.index_select(0, rows) * signs
-            finite = signed.nan_to_num(nan=-float("inf"), posinf=float("inf"), neginf=-float("inf"))
-            maxed.scatter_reduce_(0, slots, torch.cat((finite, signed.isnan().to(_F64))), "amax")
+            maxed.scatter_reduce_(0, slots, signed.nan_to_num(nan=-_INF, posinf=_INF, neginf=-_INF), "amax")
+            maxed.scatter_reduce_(0, slots + len(self.extremes), signed.isnan().to(_F64), "amax")
         return summed, maxed
 
     def values(self, summed: Tensor, maxed: Tensor | None) -> Tensor:
@@ -199,16 +172,13 @@ class AverageTrainingMetrics(Callback):
         self._results: Any = None
         self._device = torch.device("cpu")
         self._layout: _Layout | None = None  # agreed by every rank; None before the first reduced step
-        self._observed = _Observed()
-        self._pending: dict[str, _Pending] = {}
+        self._observed, self._pending, self._without_data, self._weight = _Observed(), {}, False, None
         self._followed: dict[str, _Pending] = {}  # logged in this rank's last step with data
         self._last: dict[str, Tensor] = {}  # each name's last reduced step value
         self._labels: dict[str, str] = {}
         self._differ: Tensor | None = None  # summed "names differ" flags since the last check, on the device
         self._first_difference: tuple[int, str, list[tuple[str, str, str]]] | None = None  # (step, where, names)
         self._steps = self._epoch = 0
-        self._weight: float | None = None  # the size of the batch being trained, once inferred
-        self._without_data = False
         self._warned: set[str] = set()
 
     def abstain_this_step(self) -> None:
@@ -225,15 +195,9 @@ class AverageTrainingMetrics(Callback):
         self._restore = _lightning.intercept_training_logs(self._results, self._take, self._taken)
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # a batch skipped by `on_train_batch_start` returning -1 ends the epoch before `on_train_batch_end`: what it
-        # logged does not go into the next epoch's first step
+        # what a batch skipped by `on_train_batch_start` returning -1 logged stays out of the next epoch
         self._epoch = trainer.current_epoch
         self._clear()
-
-    def on_train_batch_start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
-    ) -> None:
-        self._weight = None
 
     def _take(self, log: _lightning.TrainingLog) -> bool:
         if not log.on_step or not log.is_tensor or log.rank_zero_only:
@@ -255,10 +219,8 @@ class AverageTrainingMetrics(Callback):
         log = logged.log
         reduction = logged.reduce_fx if log.sync_dist and logged.reduce_fx != "mean" else "mean"
         weight = float(log.batch_size) if log.batch_size is not None else self._batch_weight()
-        value = logged.value.detach().reshape(())
-        if value.device != self._device:
-            value = value.to(self._device)
-        self._observed.add(log.key, reduction, value, weight)
+        self._observed.reductions[log.key] = reduction
+        self._observed.rows.append((log.key, logged.value.detach().reshape(()).to(self._device, _F64), weight))
         self._labels[log.key] = f"`{log.name}` (from {log.fx})"
         previous = self._pending.get(log.key)
         self._pending[log.key] = _Pending(logged, reduction, previous.before if previous else logged.epoch_state_before)
@@ -274,7 +236,7 @@ class AverageTrainingMetrics(Callback):
     ) -> None:
         if self._restore is None:
             return
-        self._weight = None
+        self._weight = None  # the next batch's size is inferred anew
         if not _lightning.logs_this_step(trainer):
             # inside an accumulation window: the previous step's values until this window is reduced
             for key, pending in self._pending.items():
@@ -293,7 +255,7 @@ class AverageTrainingMetrics(Callback):
 
     def _reduce(self, where: str) -> None:
         """Every rank, once per optimizer step: reduce the step in the agreed layout and write the values back."""
-        observed = None if self._without_data and not self._observed.keys else self._observed
+        observed = None if self._without_data and not self._observed.rows else self._observed
         self._steps += 1
         if self._layout is None:
             self._agree(observed, where)
@@ -311,13 +273,11 @@ class AverageTrainingMetrics(Callback):
         self._write(summed, maxed, observed is None)
 
     def _collect(self, observed: _Observed | None, differs: bool) -> tuple[Tensor, Tensor | None]:
-        """This rank's buffers, reduced over the ranks: the collectives are started together and waited for
-        together (on NCCL the wait holds the device's stream, not the host)."""
+        """This rank's buffers reduced over the ranks (on NCCL ``wait`` holds the device's stream, not the host)."""
         assert self._layout is not None
         summed, maxed = self._layout.pack(observed, differs)
         works = [dist.all_reduce(summed, op=dist.ReduceOp.SUM, async_op=True)]
-        if maxed is not None:
-            works.append(dist.all_reduce(maxed, op=dist.ReduceOp.MAX, async_op=True))
+        works += [] if maxed is None else [dist.all_reduce(maxed, op=dist.ReduceOp.MAX, async_op=True)]
         for work in works:
             work.wait()
         return summed, maxed
@@ -328,9 +288,7 @@ class AverageTrainingMetrics(Callback):
     def _agree(self, observed: _Observed | None, where: str) -> None:
         """Every rank: the names of every rank with data in this step become the layout, if they are the same."""
         gathered = _gather(None if observed is None else self._entries(observed.signature()))
-        signatures = {
-            tuple((key, reduction) for key, reduction, _ in entries) for entries in gathered if entries is not None
-        }
+        signatures = {tuple((k, r) for k, r, _ in entries) for entries in gathered if entries is not None}
         if len(signatures) > 1:
             raise MetricMismatchError(describe_mismatch([entries or [] for entries in gathered], where))
         self._layout = _Layout(signatures.pop() if signatures else (), self._device)
@@ -340,9 +298,7 @@ class AverageTrainingMetrics(Callback):
         assert self._layout is not None
         if self._first_difference is None:
             self._first_difference = (self._steps, where, self._entries(self._observed.signature()))
-        outside = [
-            key for key, reduction in self._observed.reductions.items() if self._layout.reductions.get(key) != reduction
-        ]
+        outside = [k for k, r in self._observed.reductions.items() if self._layout.reductions.get(k) != r]
         if outside:
             warnings.warn(
                 f"shardplus: rank {dist.get_rank()} logged {', '.join(self._labels[key] for key in outside)} at "
@@ -373,13 +329,7 @@ class AverageTrainingMetrics(Callback):
         values = layout.values(summed, maxed)
         if self._pending:
             self._followed = dict(self._pending)
-        pending = self._pending
-        if without_data:
-            pending = {
-                key: p._replace(before=_lightning.epoch_state(p.logged.metric) if p.before is not None else None)
-                for key, p in self._followed.items()
-            }
-        for key, (logged, reduction, before) in pending.items():
+        for key, (logged, reduction, before) in (self._followed if without_data else self._pending).items():
             if layout.reductions.get(key) != reduction:
                 continue  # not in the layout: this rank's own value (warned)
             local = logged.value
@@ -390,30 +340,22 @@ class AverageTrainingMetrics(Callback):
             _lightning.set_step_value(logged.metric, step)
             self._last[key] = step
             if before is not None:
+                before = _lightning.epoch_state(logged.metric) if without_data else before  # nothing logged: as it is
                 slot = layout.slots[key]
                 _lightning.set_epoch_state(
                     logged.metric, *_epoch_state(logged.reduce_fx, before, step, summed[slot : slot + 2])
                 )
 
     def _clear(self) -> None:
-        self._observed = _Observed()
-        self._pending = {}
-        self._without_data = False
+        self._observed, self._pending, self._without_data, self._weight = _Observed(), {}, False, None
 
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._stop()
-
-    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        self._stop()
-
-    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._stop()
-
-    def _stop(self) -> None:
+    def _stop(self, *_: Any, **__: Any) -> None:
         if self._restore is not None:
             self._restore()
         self._restore = None
         self._reset()
+
+    on_train_end = on_exception = teardown = _stop
 
 
 def _epoch_state(reduce_fx: str, before: EpochState, step: Tensor, sums: Tensor) -> EpochState:
@@ -449,8 +391,7 @@ def describe_mismatch(per_rank: Sequence[Sequence[tuple[str, str, str]]], where:
         lines.append(f"{label} (reduced as {reduction}): logged on rank(s) {on}, not on rank(s) {off}")
     detail = "; ".join(lines) if lines else "the ranks' metric names differ"
     return (
-        f"shardplus: ranks logged different training metrics at {where}, so they cannot be averaged without "
-        f"mixing unrelated values: {detail}. Log the same names (with the same reduce_fx and sync_dist) on "
-        "every rank, log rank-specific values with `rank_zero_only=True`, or set "
-        "`average_training_metrics=False`."
+        f"shardplus: ranks logged different training metrics at {where}, so they cannot be averaged without mixing "
+        f"unrelated values: {detail}. Log the same names (with the same reduce_fx and sync_dist) on every rank, log "
+        "rank-specific values with `rank_zero_only=True`, or set `average_training_metrics=False`."
     )
