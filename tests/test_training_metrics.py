@@ -273,6 +273,38 @@ def test_one_collective_per_step_for_any_number_of_metrics(tmp_path, count_colle
             assert row["callback"][f"m{last:03d}"] == (value(0, i, last) + value(1, i, last)) / 2
 
 
+class BatchNormModule(LoggingModule):
+    """A BatchNorm model on fixed per-rank data (its own loader on each rank), saving its final weights."""
+
+    def __init__(self, directory: Path, name: str) -> None:
+        super().__init__([4, 4], batches=4)
+        self.directory, self.name = directory, name
+        torch.manual_seed(0)
+        self.layer = nn.Sequential(nn.Linear(2, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 1))
+
+    def train_dataloader(self):
+        inputs = torch.randn(16, 2, generator=torch.Generator().manual_seed(self.global_rank))
+        return DataLoader(TensorDataset(inputs), batch_size=4)
+
+    def log_values(self, r, i):
+        self.log("loss_value", value(r, i), on_epoch=True)
+
+    def on_train_end(self):
+        torch.save(self.state_dict(), self.directory / f"{self.name}{self.global_rank}.pt")
+
+
+@pytest.mark.timeout(120)
+def test_averaging_leaves_the_training_bit_identical_to_plain_ddp(tmp_path):
+    from lightning.pytorch.strategies import DDPStrategy
+
+    for name, strategy in (("ddp", DDPStrategy(start_method="fork")), ("shardplus", None)):
+        fit(tmp_path, BatchNormModule(tmp_path, name), 2, strategy)
+    for rank in range(2):
+        ddp, shardplus = (torch.load(tmp_path / f"{name}{rank}.pt") for name in ("ddp", "shardplus"))
+        assert list(ddp) == list(shardplus)
+        assert all(torch.equal(ddp[key], shardplus[key]) for key in ddp)
+
+
 @pytest.mark.timeout(120)
 def test_without_averaging_lightning_behaviour_is_kept(tmp_path, count_collectives):
     class Module(LoggingModule):
