@@ -197,7 +197,7 @@ def set_computed(result_metric: Any, value: Any) -> None:
 
 
 # ==========================================================================================================
-# Training metrics (`lightning_shardplus.metrics`): the logged values of the training loop.
+# Training metrics (`lightning_shardplus.training_metrics`): the logged values of the training loop.
 #
 # Lightning has no public hook between "a value was logged" and "loggers, the progress bar and
 # callback_metrics read it", and its per-value sync (`sync_dist=True`) runs inside `_ResultCollection.log`.
@@ -270,34 +270,28 @@ def intercept_training_logs(
 ) -> Callable[[], None]:
     """Route every ``self.log`` into ``results`` through ``take``; returns the function that undoes it.
 
-    ``LightningModule.log`` ends in ``results.log(...)`` (private ``_ResultCollection.log``), which builds
-    the value's metadata, syncs the step value if ``sync_dist`` and accumulates the epoch state. For a call
-    ``take`` accepts, Lightning's sync function is replaced by the identity (no barrier, no all_reduce: the
-    caller reduces the value later) and ``taken`` receives the stored value with the epoch state it had
-    before. Other calls pass through unchanged. The wrapper is an instance attribute, so other result
-    collections are not affected.
+    ``LightningModule.log`` ends in ``results.log(fx, name, value, **arguments)`` (private
+    ``_ResultCollection.log``), which builds the value's metadata, syncs the step value if ``sync_dist`` and
+    accumulates the epoch state. A call ``take`` accepts goes to that same method with the identity as its sync
+    function (no barrier, no all_reduce: the caller reduces the value later); then ``taken`` receives the stored
+    value with the epoch state it had before. Other calls pass through unchanged.
     """
     if "log" in vars(results):
         raise RuntimeError("shardplus: the training results are already intercepted (two metric averagers?)")
     original = results.log  # private: `_ResultCollection.log`
     parameters = inspect.signature(original).parameters
-    names = list(parameters)
     defaults = {name: p.default for name, p in parameters.items() if p.default is not inspect.Parameter.empty}
-    # what makes a call's metadata (all but the value and batch size), per key, as `original` last registered it
-    registered: dict[str, tuple[Any, ...]] = {}
-    described_by = [name for name in names if name not in ("value", "batch_size")]
 
-    def log(*args: Any, **kwargs: Any) -> None:
-        # (a call with wrong arguments fails in `original` below)
-        arguments = {**defaults, **dict(zip(names, args, strict=False)), **kwargs}
-        key = f"{arguments['fx']}.{arguments['name']}"  # the storage key `_ResultCollection.log` builds
+    def log(fx: str, name: str, value: Any, **kwargs: Any) -> None:
+        arguments = {**defaults, **kwargs}
+        key = f"{fx}.{name}"  # the storage key `_ResultCollection.log` builds
         if arguments["add_dataloader_idx"] and results.dataloader_idx is not None:
             key += f".{results.dataloader_idx}"
         call = TrainingLog(
-            fx=arguments["fx"],
-            name=arguments["name"],
+            fx=fx,
+            name=name,
             key=key,
-            is_tensor=isinstance(arguments["value"], torch.Tensor),
+            is_tensor=isinstance(value, torch.Tensor),
             on_step=bool(arguments["on_step"]),
             on_epoch=bool(arguments["on_epoch"]),
             sync_dist=bool(arguments["sync_dist"]),
@@ -306,28 +300,19 @@ def intercept_training_logs(
             batch_size=arguments["batch_size"],
         )
         if not take(call):
-            return original(*args, **kwargs)
+            return original(fx, name, value, **kwargs)
         existing = results.get(key)
         before = epoch_state(existing) if existing is not None and call.on_epoch else None
-        arguments["sync_dist"] = True
-        arguments["sync_dist_fn"] = _synced_by_shardplus
-        description = (results.dataloader_idx, *(arguments[name] for name in described_by))
-        value = arguments["value"]
-        repeated = call.is_tensor and existing is not None and registered.get(key) == description
-        if repeated and _state_is_on(existing, value.device):
-            _log_again(results, key, existing, value, arguments["batch_size"], arguments["enable_graph"])
-        else:
-            original(**arguments)
-            registered[key] = description
+        original(fx, name, value, **{**kwargs, "sync_dist": True, "sync_dist_fn": _synced_by_shardplus})
         metric = results[key]
         if call.on_epoch and before is None:
             before = _default_epoch_state(metric)
-        value = metric._forward_cache  # private: the step value `_ResultMetric.update` stored (float, synced)
-        # detached by `_ResultCollection.log` unless `enable_graph=True` (then the taker detaches it)
+        value = metric._forward_cache  # private: the step value `_ResultMetric.update` stored (float, not synced)
         taken(LoggedValue(call, metric, value, _reduce_name(metric), before))
 
     # like `_ResultCollection.log` itself: a compiled `training_step` breaks the graph here
     log = torch.compiler.disable(log)
+    # an instance patch: Lightning has no hook between "a value is logged" and "its sync runs and it is read"
     results.log = log  # type: ignore[method-assign]
 
     def restore() -> None:
@@ -335,32 +320,6 @@ def intercept_training_logs(
             del results.log
 
     return restore
-
-
-def _state_is_on(metric: _ResultMetric, device: torch.device) -> bool:
-    """Whether the accumulated state of ``metric`` is on ``device`` (so Lightning's ``metric.to(device)`` would
-    move nothing that lasts). Read from the tensors: ``_ResultMetric.to`` moves them without updating torchmetrics'
-    ``Metric.device``."""
-    count = metric.__dict__.get("cumulated_batch_size")  # mean reductions only
-    return metric.value.device == device and (count is None or count.device == device)
-
-
-def _log_again(
-    results: _ResultCollection,
-    key: str,
-    metric: _ResultMetric,
-    value: torch.Tensor,
-    batch_size: int | None,
-    enable_graph: bool,
-) -> None:
-    """``_ResultCollection.log`` for a value logged before under ``key`` with the same arguments (so the same
-    metadata), whose metric state is already on the value's device: its steps without rebuilding and comparing the
-    metadata and without ``metric.to(value.device)``, a no-op then that costs ~0.24 ms per call on a CPU (it walks
-    and copies the metric's whole ``__dict__``)."""
-    if not enable_graph:
-        value = value.detach()  # `recursive_detach` of a tensor
-    batch_size = results._extract_batch_size(metric, batch_size, metric.meta)  # private
-    results.update_metrics(key, value, batch_size)  # private
 
 
 def _reduce_name(metric: _ResultMetric) -> str:
@@ -409,11 +368,6 @@ def set_epoch_state(
         metric.cumulated_batch_size = cumulated_batch_size
     metric._computed = None  # torchmetrics' cache of `compute()`
     metric.has_reset = False  # private: the epoch value includes this state (`_ResultCollection.valid_items`)
-
-
-def current_batch(results: _ResultCollection) -> Any:
-    """The batch being trained, as the logger connector handed it to the results (``_ResultCollection.batch``)."""
-    return results.batch
 
 
 def batch_size_of_current_batch(results: _ResultCollection) -> int | None:

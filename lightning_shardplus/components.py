@@ -17,18 +17,13 @@ from lightning.pytorch.trainer.states import TrainerFn
 
 from lightning_shardplus import aggregation, compression, fusion, sharding
 from lightning_shardplus.aggregation import GradientAggregation
-from lightning_shardplus.carrier import GradientCarrier
 from lightning_shardplus.compression import CommunicationHook
 from lightning_shardplus.config import ShardPlusConfig
 from lightning_shardplus.datamodule import ShardPlusDataModule
 from lightning_shardplus.diagnostics import CommunicationHookWrapper, VerifySharding
 from lightning_shardplus.loaders import ShardedLoaders
-from lightning_shardplus.metrics import (
-    CARRIED_NUMEL,
-    AverageTrainingMetrics,
-    ExactEvaluation,
-    logs_only_before_backward,
-)
+from lightning_shardplus.metrics import ExactEvaluation
+from lightning_shardplus.training_metrics import AverageTrainingMetrics
 from lightning_shardplus.uneven import EvenSteps
 
 # Where each stateful component's state goes in a Lightning checkpoint.
@@ -56,8 +51,7 @@ class DistributedSetup:
 
 @dataclass
 class RunComponents:
-    """The components of one Trainer run; ``even``, ``aggregation``, ``hook``, ``fusion`` and ``carrier`` exist in
-    fit only (``carrier`` where the training metrics ride in DDP's gradient all-reduce: :func:`_metrics_carrier`)."""
+    """The components of one Trainer run; ``even``, ``aggregation``, ``hook`` and ``fusion`` exist in fit only."""
 
     loaders: ShardedLoaders
     exact: ExactEvaluation | None = None  # the callback, when evaluation is exact across more than one rank
@@ -66,7 +60,6 @@ class RunComponents:
     aggregation: GradientAggregation | None = None
     hook: CommunicationHook | None = None
     fusion: fusion.TensorFusion | None = None
-    carrier: GradientCarrier | None = None
 
     @classmethod
     def build(cls, config: ShardPlusConfig, trainer: pl.Trainer, setup: DistributedSetup) -> RunComponents:
@@ -90,9 +83,7 @@ class RunComponents:
         parts = cls(loaders, exact=exact if exact_across_ranks else None, metrics=metrics)
         if trainer.state.fn == TrainerFn.FITTING:
             abstain = metrics.abstain_this_step if metrics is not None else None
-            parts.even = EvenSteps(
-                config.uneven_inputs, setup.num_replicas, setup.backend, trainer, abstain, carrier=metrics
-            )
+            parts.even = EvenSteps(config.uneven_inputs, setup.num_replicas, setup.backend, trainer, abstain)
             parts.aggregation = GradientAggregation(
                 trainer,
                 config.aggregation_frequency,
@@ -109,9 +100,6 @@ class RunComponents:
                 wrappers=[cb.wrap for cb in trainer.callbacks if isinstance(cb, CommunicationHookWrapper)],
             )
             parts.fusion = _tensor_fusion(config, trainer, setup, parts.aggregation.micro_batches_per_step)
-            if metrics is not None:
-                parts.carrier = _metrics_carrier(trainer, setup, parts.hook)
-                metrics.use_carrier(parts.carrier)
         return parts
 
     def stateful(self) -> dict[str, Any]:
@@ -133,8 +121,6 @@ class RunComponents:
         self.loaders.close()
         if self.aggregation is not None:
             self.aggregation.close()
-        if self.carrier is not None:
-            self.carrier.close()
 
 
 def checkpointed_states(checkpoint: dict[str, Any], checkpoint_path: Any) -> dict[str, Any]:
@@ -160,30 +146,6 @@ def _add_callbacks(config: ShardPlusConfig, trainer: pl.Trainer, exact_across_ra
         callbacks.insert(0, ExactEvaluation())
     if config.average_training_metrics and not any(isinstance(cb, AverageTrainingMetrics) for cb in callbacks):
         callbacks.insert(0, AverageTrainingMetrics())
-
-
-# DDP arguments under which its all-reduce is not the mean over the world of the gradients as they are (another
-# group, a reduced precision)
-_DDP_KWARGS_OTHER_THAN_A_MEAN = ("process_group", "device_mesh", "mixed_precision")
-
-
-def _metrics_carrier(trainer: pl.Trainer, setup: DistributedSetup, hook: CommunicationHook) -> GradientCarrier | None:
-    """The carrier of the averaged training metrics in DDP's gradient all-reduce, where it can carry them: more
-    than one process, automatic optimization with no hook that could log after backward starts (the buffer is
-    packed when it starts), DDP averaging the gradients as they are over the world (no compression, user hook,
-    other process group or reduced precision), and DDP not searching for unused parameters (the carrier joins the
-    loss after DDP's forward, where that search, ``find_unused_parameters`` without ``static_graph``, would have
-    marked it unused; not used with ``find_unused_parameters`` at all, for simplicity). The same answer on every
-    rank (the same code and arguments). Elsewhere the metrics keep an all_reduce of their own."""
-    module = trainer.lightning_module
-    if setup.num_replicas < 2 or not logs_only_before_backward(trainer, module) or not hook.averages_gradients:
-        return None
-    ddp_kwargs = setup.ddp_kwargs or {}
-    if ddp_kwargs.get("find_unused_parameters"):
-        return None
-    if any(ddp_kwargs.get(name) is not None for name in _DDP_KWARGS_OTHER_THAN_A_MEAN):
-        return None
-    return GradientCarrier(CARRIED_NUMEL)
 
 
 def _tensor_fusion(

@@ -460,12 +460,6 @@ class CommunicationHook:
         if self.compression is not None:
             self.compression.check_backend(backend, device)
 
-    @property
-    def averages_gradients(self) -> bool:
-        """Whether DDP's communication is the mean of the gradients as they are: no compression, no user hook or
-        wrapper (the instrumentation wrappers only time and count torch's ``allreduce_hook``)."""
-        return self.compression is None and self.user_hook is None and self.user_wrapper is None
-
     def register(self, model: DistributedDataParallel) -> None:
         """Register the hook on ``model`` (once per wrapper; a wrapper that has it already is left alone)."""
         if getattr(model, _HOOK_REGISTERED, False):

@@ -5,7 +5,6 @@ built in ``setup`` for one Trainer run, own that run's state and are dropped in 
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
 from functools import partial
 from typing import Any, Literal
@@ -25,7 +24,6 @@ from typing_extensions import override
 
 from lightning_shardplus import _lightning
 from lightning_shardplus.aggregation import check_aggregation, effective_batch_size
-from lightning_shardplus.carrier import GradientCarrier
 from lightning_shardplus.components import DistributedSetup, RunComponents, checkpointed_states, remove_checkpoint_files
 from lightning_shardplus.compression import GradientCompression
 from lightning_shardplus.config import ShardPlusConfig, at_ddp_defaults, check_ddp_arguments, registered_names
@@ -309,11 +307,8 @@ class ShardPlusStrategy(DDPStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if args and args[0] is NO_BATCH:  # this rank's stream ran out: DDP's step without running the model
             with self.precision_plugin.train_step_context():
-                output = self._components.even.train_without_data(self.model, self.lightning_module)  # type: ignore
-        else:
-            output = super().training_step(*args, **kwargs)
-        # the loss carries the averaged training metrics into DDP's gradient all-reduce (`carrier.GradientCarrier`)
-        return carrier.join(output) if (carrier := self._metrics_carrier) else output
+                return self._components.even.train_without_data(self.model, self.lightning_module)  # type: ignore
+        return super().training_step(*args, **kwargs)
 
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
@@ -340,17 +335,7 @@ class ShardPlusStrategy(DDPStrategy):
         if (fusion := self._components and self._components.fusion) and self.config.auto_tune_tensor_fusion:
             setting = fusion.initial_setting(self.lightning_module, self.world_size, self.root_device, self._backend())
             _lightning.set_ddp_kwargs(self, setting.ddp_kwargs())
-        with self._carrier_registered():
-            super().configure_ddp()
-
-    @property
-    def _metrics_carrier(self) -> GradientCarrier | None:
-        return self._components.carrier if self._components is not None else None
-
-    def _carrier_registered(self) -> AbstractContextManager[None]:
-        """While DDP is built, the metrics carrier is one of the module's parameters (none without a carrier)."""
-        carrier = self._metrics_carrier
-        return carrier.registered_on(self.lightning_module) if carrier else nullcontext()
+        super().configure_ddp()
 
     @override
     def _register_ddp_hooks(self) -> None:
@@ -367,8 +352,7 @@ class ShardPlusStrategy(DDPStrategy):
     def rewrap_ddp(self, setting: BucketSetting) -> None:
         """Wrap the module in a new DDP with ``setting``'s buckets and register the communication hook on it. A
         collective: call it on every rank at the same optimizer-step boundary (outside ``no_sync``)."""
-        with self._carrier_registered():
-            _lightning.rewrap_ddp(self, setting.ddp_kwargs())
+        _lightning.rewrap_ddp(self, setting.ddp_kwargs())
         self.register_communication_hook()
 
     # ------------------------------------------------------------------ evaluation

@@ -8,10 +8,7 @@ makes every rank take the same steps:
 - Each training loader is wrapped in an :class:`AgreedLoader`. For each micro-batch every rank says whether it
   still has a batch: one all_reduce (SUM) of one integer, on the host (a gloo group beside an accelerator's
   backend, so that no device is synchronized), started one micro-batch ahead so that it runs while the step
-  before trains. Every rank then knows how many ranks have data. Where the averaged training metrics run their
-  collective on the host (CPU training, a logged step per micro-batch), the integer rides in that collective
-  instead (one slot more) from the second micro-batch of each pass on: no collective of its own. On a GPU it does
-  not, since reading it from the metrics' device collective would synchronize the device every step.
+  before trains. Every rank then knows how many ranks have data.
 - ``"join"`` (default): the epoch ends on every rank when no rank has data left; every sample of every stream is
   trained on once. A rank that ran out gets :data:`NO_BATCH` and takes part in the remaining steps without data:
   the strategy runs the DDP forward over :func:`zero_loss` (a zero built from the parameters: the model itself
@@ -38,7 +35,7 @@ import copy
 import itertools
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, Literal, NamedTuple, Protocol
+from typing import Any, Literal, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -156,24 +153,13 @@ class ResumableAgreedLoader(AgreedLoader):
 PER_RANK_KEY = "shardplus_per_rank"
 
 
-class CountCarrier(Protocol):
-    """What sums the agreement's count with a training step's collective instead of in one of its own
-    (``metrics.AverageTrainingMetrics``)."""
-
-    def will_carry(self) -> None: ...
-
-    def carry(self, count: int) -> Any: ...  # a handle whose ``total()`` is the sum or None; None: not carried
-
-
 class _Agreement(NamedTuple):
-    """One micro-batch's fetch on this rank and how the ranks with data are counted: an all_reduce in flight
-    (``work``) or a count carried by the next training step's metrics collective (``carried``)."""
+    """One micro-batch's fetch on this rank and the count of ranks with data: an all_reduce in flight."""
 
     batch: Any
     exhausted: bool
     count: torch.Tensor
     work: Any
-    carried: Any
 
 
 class EvenSteps:
@@ -186,8 +172,6 @@ class EvenSteps:
         trainer: the Trainer of the fit (its step counters and loggers).
         on_step_without_data: called at each micro-batch this rank has no data for (averaged training metrics
             then leave this rank out).
-        carrier: where the agreement's count can ride on the training step's metrics collective (see
-            :meth:`agreed_batches`); None: one collective of its own per micro-batch.
 
     Example::
 
@@ -202,11 +186,9 @@ class EvenSteps:
         backend: str = "gloo",
         trainer: Any = None,
         on_step_without_data: Callable[[], None] | None = None,
-        carrier: CountCarrier | None = None,
     ) -> None:
         self.policy, self.world_size, self.backend, self.trainer = policy, world_size, backend, trainer
         self.on_step_without_data = on_step_without_data
-        self.carrier = carrier
         self.group: Any = None  # of the agreement: made when the first stream is wrapped
         self.ranks_with_data: list[int] = []  # per micro-batch of this pass over the stream, in yield order
         self.dropped_samples = 0  # in the last epoch that ended early ("drop"), over all ranks
@@ -225,8 +207,6 @@ class EvenSteps:
             )
         if self.streams == 0 and self.backend != "gloo":  # every rank wraps the same loaders: a collective
             self.group = dist.new_group(backend="gloo")
-        if self.streams == 0 and self.carrier is not None:
-            self.carrier.will_carry()
         self.streams += 1
         if hasattr(loader, "state_dict") and hasattr(loader, "load_state_dict"):
             return ResumableAgreedLoader(loader, self)
@@ -252,10 +232,9 @@ class EvenSteps:
         """The training loop took the next batch (called at every training batch start)."""
         self.batches_taken += 1
 
-    def _fetch_and_agree(self, iterator: Iterator[Any], exhausted: bool, carry: bool = False) -> _Agreement:
+    def _fetch_and_agree(self, iterator: Iterator[Any], exhausted: bool) -> _Agreement:
         """Fetch this rank's next batch and start the sum over ranks of one integer that tells every rank how many
-        ranks have one: an all_reduce of its own, or (``carry``, where the carrier takes it) a slot in the next
-        training step's metrics collective. Either way it runs while the loop trains on the batch before."""
+        ranks have one (an all_reduce that runs while the loop trains on the batch before)."""
         batch = None
         if not exhausted:
             try:
@@ -263,21 +242,12 @@ class EvenSteps:
             except StopIteration:
                 exhausted = True
         count = torch.tensor([int(not exhausted)], dtype=torch.int32)
-        carried = self.carrier.carry(int(not exhausted)) if carry and self.carrier is not None else None
-        work = None if carried is not None else dist.all_reduce(count, group=self.group, async_op=True)
-        return _Agreement(batch, exhausted, count, work, carried)
+        work = dist.all_reduce(count, group=self.group, async_op=True)
+        return _Agreement(batch, exhausted, count, work)
 
     def _ranks_with_data(self, agreement: _Agreement) -> int:
-        """The agreed count: the carried sum, or this agreement's own all_reduce. A carried count that no training
-        step's collective took (none ran since it was asked) gets its own collective now: whether a collective ran
-        is the same on every rank, so every rank takes the same branch."""
-        if agreement.carried is not None:
-            total = agreement.carried.total()
-            if total is not None:
-                return total
-            dist.all_reduce(agreement.count, group=self.group)
-        else:
-            agreement.work.wait()
+        """The agreed count, once this agreement's all_reduce has completed."""
+        agreement.work.wait()
         return int(agreement.count.item())  # a host tensor (gloo): no device is synchronized
 
     def agreed_batches(self, iterator: Iterator[Any]) -> Iterator[Any]:
@@ -295,10 +265,7 @@ class EvenSteps:
             if with_data == 0:
                 return
             self.ranks_with_data.append(with_data)
-            # Lightning fetches one batch ahead: from the second fetch on, each comes at a training step's start,
-            # and the step's metrics collective can carry the count of the one after
-            carry = len(self.ranks_with_data) > 1
-            current, agreement = agreement, self._fetch_and_agree(iterator, agreement.exhausted, carry)
+            current, agreement = agreement, self._fetch_and_agree(iterator, agreement.exhausted)
             yield NO_BATCH if current.exhausted else current.batch
 
     def _report_dropped(self, local: int) -> None:

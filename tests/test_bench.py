@@ -19,7 +19,6 @@ from lightning.pytorch.strategies import DDPStrategy
 import lightning_shardplus
 from lightning_shardplus import ShardPlusStrategy, bench
 from lightning_shardplus.bench import host_syncs
-from lightning_shardplus.metrics import CARRIED_NUMEL
 from lightning_shardplus.sharding import DIGEST_WIDTH
 
 
@@ -43,10 +42,7 @@ def test_bench_rows_count_bytes_and_rounds_per_optimizer_step(tmp_path, capsys):
     parameters = 8 * 16 + 16 + 16 * 10 + 10
     assert rows["ddp"]["bytes_per_step"] is None  # stock DDP's built-in all-reduce is not instrumented
     assert rows["shardplus"]["bytes_per_step"] is None  # compared with ddp: no counting hook
-    # the averaged training metrics ride in the uncompressed all-reduce (`carrier.GradientCarrier`), not in a
-    # compressed one
-    carried = 4 * (parameters + CARRIED_NUMEL)
-    assert rows["none"]["bytes_per_step"] == rows["agg4"]["bytes_per_step"] == carried
+    assert rows["none"]["bytes_per_step"] == rows["agg4"]["bytes_per_step"] == 4 * parameters
     assert rows["fp16"]["bytes_per_step"] == 2 * parameters
     assert rows["powersgd"]["bytes_per_step"] < 4 * parameters
     assert all(rows[name]["rounds_per_step"] == 1 for name in ("none", "agg4", "fp16", "powersgd"))
@@ -265,7 +261,7 @@ def test_scale_bench_counts_what_shardplus_adds_over_ddp_at_two_processes(tmp_pa
         assert set(row[kind]) == {"per_step", "per_epoch", "once", "by_phase"}
         assert row[kind]["once"]["calls"] > 0  # Lightning's own setup barriers and broadcasts are counted
     added = row["added"]
-    assert added["per_step"]["calls"] == 0  # the training metrics ride in DDP's gradient all-reduce
+    assert added["per_step"]["calls"] == 1  # the averaged training metrics' all_reduce
     assert added["per_epoch"]["calls"] >= 1  # verify_sharding's digest at least
     digest = row["shardplus"]["by_phase"]["epoch_end@1"]["all_reduce"]
     assert digest == [1, 8 * DIGEST_WIDTH]  # one all_reduce of the fixed-size digest per epoch

@@ -87,7 +87,7 @@ def test_the_ddp_hook_registration_the_strategy_overrides_exists():
 
 
 # ==========================================================================================================
-# Training metrics: the names `_lightning.intercept_training_logs` and friends use (`metrics.py`).
+# Training metrics: the names `_lightning.intercept_training_logs` and friends use (`training_metrics.py`).
 # ==========================================================================================================
 
 import lightning.pytorch as pl  # noqa: E402
@@ -188,21 +188,6 @@ def test_intercepted_logs_skip_lightning_sync_and_expose_their_state(reduce_fx):
     assert "log" not in vars(results)
 
 
-def test_a_repeated_log_does_the_steps_of_lightning_log_it_skips():
-    # `_lightning._log_again` restates `_ResultCollection.log` for a key logged again with the same arguments,
-    # without the metadata it would rebuild and compare and without the device move (a no-op then)
-    source = inspect.getsource(_ResultCollection.log)
-    steps = [
-        "value = recursive_detach(value)",
-        "meta != self[key].meta",
-        "self[key].to(value.device)",
-        "batch_size = self._extract_batch_size(self[key], batch_size, meta)",
-        "self.update_metrics(key, value, batch_size)",
-    ]
-    assert all(step in source for step in steps) and sorted(steps, key=source.index) == steps
-    assert "result_metric.forward(value, batch_size)" in inspect.getsource(_ResultCollection.update_metrics)
-
-
 LOGS = [  # (name, value, keyword arguments) in the order a training step logs them, three steps of batches
     ("loss", 2.0, dict(on_step=True, on_epoch=False, prog_bar=True)),
     ("acc", 0.5, dict(on_step=True, on_epoch=True)),
@@ -217,7 +202,7 @@ def unsynced(value, *args, **kwargs):
 
 
 @pytest.mark.parametrize("intercepted", [True, False])
-def test_a_repeated_log_leaves_the_state_lightning_leaves_without_moving_the_metric(monkeypatch, intercepted):
+def test_an_intercepted_log_leaves_the_state_lightning_leaves(monkeypatch, intercepted):
     moves = []
     move = _ResultMetric.to
     monkeypatch.setattr(_ResultMetric, "to", lambda self, *a, **k: moves.append(self.meta.name) or move(self, *a, **k))
@@ -241,33 +226,10 @@ def test_a_repeated_log_leaves_the_state_lightning_leaves_without_moving_the_met
     }
     assert results["training_step.acc"].cumulated_batch_size.item() == 14  # 5 + 7 + 2: inferred from each batch
     names = [name for name, _, _ in LOGS]
-    assert moves == names * (4 if intercepted else 6)  # intercepted: moved when registered only (3 steps x 2)
+    assert moves == names * 6  # Lightning's own log, with its own steps, for both
     if intercepted:  # other arguments for a logged name: Lightning's own error, from Lightning's own log
         with pytest.raises(MisconfigurationException, match="twice in `training_step` with different arguments"):
             results.log("training_step", "loss", torch.tensor(1.0), on_step=True, on_epoch=False)
-
-
-def test_a_log_whose_state_is_on_another_device_goes_through_lightning_log(monkeypatch):
-    # `_ResultMetric.to` moves the state without updating torchmetrics' `Metric.device`: the state's own device
-    # decides (the "meta" device stands in for a GPU)
-    moves = []
-    move = _ResultMetric.to
-    monkeypatch.setattr(_ResultMetric, "to", lambda self, *a, **k: moves.append(a or k) or move(self, *a, **k))
-    results = _ResultCollection(training=True)
-    results.batch = (torch.zeros(4, 2),)
-    _lightning.intercept_training_logs(results, lambda log: True, lambda logged: None)
-
-    def log(device):
-        results.log("training_step", "x", torch.tensor(1.0, device=device), on_step=True, on_epoch=True)
-
-    log("cpu"), log("cpu")
-    assert len(moves) == 1  # registered, then logged again in place
-    log("meta")
-    assert len(moves) == 2 and results["training_step.x"].value.device.type == "meta"
-    log("meta")
-    assert len(moves) == 2  # its state is on the value's device now (`Metric.device` still says cpu)
-    with pytest.raises(NotImplementedError, match="meta"):  # Lightning's own move back, and its own error
-        log("cpu")
 
 
 def test_batch_size_of_the_current_batch_follows_lightning_inference():

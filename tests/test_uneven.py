@@ -298,19 +298,15 @@ class CountingRegression(Regression):
 @pytest.mark.parametrize(
     ("lengths", "settings", "per_epoch"),
     [
-        # the metrics of each step, carried in DDP's gradient all-reduce, carry the agreement on the micro-batch
-        # after the next: only the first two agreements of a pass (fetched before its first step) run on their own
-        ([28, 9], {}, lambda micro_batches, steps: 2),
-        ([5, 16, 30], {}, lambda micro_batches, steps: 2),
-        # the metrics in an all_reduce of their own (a user hook: not carried by DDP) carry it there
-        ([28, 9], {"ddp_comm_hook": uncounted_allreduce_hook}, lambda micro_batches, steps: steps + 2),
-        # without averaged metrics: one agreement per micro-batch, and the last one, that finds no data
+        # one agreement per micro-batch, and the last one, that finds no data; the averaged metrics one per step
+        ([28, 9], {}, lambda micro_batches, steps: micro_batches + 1 + steps),
+        ([5, 16, 30], {}, lambda micro_batches, steps: micro_batches + 1 + steps),
+        ([28, 9], {"ddp_comm_hook": uncounted_allreduce_hook}, lambda micro_batches, steps: micro_batches + 1 + steps),
         ([28, 9], {"average_training_metrics": False}, lambda micro_batches, steps: micro_batches + 1),
-        # windows of 2 micro-batches: not every micro-batch has a metrics reduction, so none carries
-        ([28, 9], {"aggregation_frequency": 2}, lambda micro_batches, steps: micro_batches + 1),
+        ([28, 9], {"aggregation_frequency": 2}, lambda micro_batches, steps: micro_batches + 1 + steps),
     ],
 )
-def test_the_agreement_rides_on_the_averaged_metrics_collective_where_every_micro_batch_has_one(
+def test_the_agreement_takes_one_all_reduce_per_micro_batch_and_the_metrics_one_per_step(
     tmp_path, count_all_reduces, lengths, settings, per_epoch
 ):
     out = tmp_path / "records"
@@ -327,30 +323,12 @@ def test_the_agreement_rides_on_the_averaged_metrics_collective_where_every_micr
         assert trained == sorted(i for ids in batches_of(lengths, rank, 4) for i in ids)  # every sample
 
 
-class _NeverCarried:
-    """A carrier that takes every count but whose step collective never runs."""
-
-    def __init__(self) -> None:
-        self.asked = 0
-
-    def will_carry(self) -> None:
-        pass
-
-    def carry(self, count):
-        self.asked += 1
-        return self
-
-    def total(self):
-        return None
-
-
-def test_a_carried_count_no_step_collective_took_gets_its_own_all_reduce(tmp_path):
+def test_the_agreement_counts_the_ranks_with_data_of_every_micro_batch(tmp_path):
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
-        carrier = _NeverCarried()
-        even = EvenSteps("join", world_size=1, carrier=carrier)
+        even = EvenSteps("join", world_size=1)
         assert list(even.agreed_batches(iter(range(5)))) == [0, 1, 2, 3, 4]
-        assert carrier.asked == 4 and even.ranks_with_data == [1] * 5  # counted by the fallback all_reduces
+        assert even.ranks_with_data == [1] * 5
     finally:
         dist.destroy_process_group()
 

@@ -163,8 +163,8 @@ def _add_collective_arguments(parser: argparse.ArgumentParser) -> None:
         "CPU processes, --steps iterations each",
     )
     parser.add_argument("--collective-floats", type=int, default=81,
-                        help="with --collective: float64 values in the all_reduce (default 81: the averaged "
-                        "training metrics' buffer for up to 32 means)")
+                        help="with --collective: float64 values in the all_reduce (default 81: about the averaged "
+                        "training metrics' buffer for 40 means, 2 + 2 per mean)")
 
 
 def _add_host_sync_arguments(parser: argparse.ArgumentParser) -> None:

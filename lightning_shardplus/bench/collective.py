@@ -1,6 +1,6 @@
 """``--collective``: what one small extra all_reduce per step costs a training step on the host, when it blocks and
-when it is started before the step's work and waited for after it (as the averaged training metrics do: started
-when backward starts, waited for at the batch end).
+when it is started before the step's work and waited for after it (the averaged training metrics' all_reduce is
+the first kind: started and waited for at the batch end).
 
 On ``--devices`` fork processes on gloo, each iteration is the benchmark's MLP forward and backward on one
 per-rank batch (no DDP: the model's own work only), alone, then with an all_reduce of ``--collective-floats``

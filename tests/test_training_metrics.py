@@ -1,6 +1,5 @@
-"""Averaged training metrics: the fused reducer on simulated ranks, then multi-process fits where every rank
-logs values the test can compute itself, and the logger, ``callback_metrics`` and the collectives are
-recorded."""
+"""Averaged training metrics: multi-process fits where every rank logs values the test can compute itself, and
+the logger, ``callback_metrics``, the collectives and the host reads are recorded."""
 
 from __future__ import annotations
 
@@ -23,167 +22,21 @@ from torchmetrics import MeanMetric
 
 import lightning_shardplus  # noqa: F401
 from lightning_shardplus import ShardPlusStrategy
-from lightning_shardplus.diagnostics import CollectiveCalls, ScalingReport
-from lightning_shardplus.metrics import (
-    FusedMetricReducer,
-    MetricMismatchError,
-    Reduced,
-    combined_epoch_state,
-    describe_mismatch,
-    logs_only_before_backward,
-)
-
-# ----------------------------------------------------------------------------------------------------------
-# The reducer, with ranks simulated in one process: pack on every rank, sum, unpack on every rank.
-
-
-def simulate(reducers: list[FusedMetricReducer]) -> list[dict[str, Reduced] | None]:
-    entries = [r.entries() for r in reducers]
-    for r in reducers:
-        r._all_gather_object = lambda obj, entries=entries: entries
-    total = torch.stack([r.pack() for r in reducers]).sum(0)
-    extremes = [r.pack_extremes() for r in reducers]  # the MAX collective, at the size the ranks agreed
-    maxed = None if extremes[0] is None else torch.stack(extremes).amax(0)
-    return [r.unpack(total.clone(), "epoch 0, batch 5", maxed) for r in reducers]
-
-
-def make_ranks(world: int, capacity: int = 64, extremes: int = 16) -> list[FusedMetricReducer]:
-    def unused(*_):
-        raise AssertionError("simulate() does the collective")
-
-    return [FusedMetricReducer(world, rank, unused, unused, capacity, extremes) for rank in range(world)]
-
-
-def test_reducer_steps_with_the_same_names_and_other_weights_or_values_reduce_their_own():
-    # the packed constants (header, weights) are reused while a step repeats the last one: not when weights change
-    ranks = make_ranks(2)
-    steps = [([1.0, 3.0], [2, 2]), ([1.0, 3.0], [1, 3]), ([5.0, -1.0], [1, 3])]
-    for values, weights in steps:
-        for rank, reducer in enumerate(ranks):
-            reducer.observe("training_step.loss", "mean", torch.tensor(values[rank]), weights[rank])
-        result = simulate(ranks)[0]["training_step.loss"]
-        expected = sum(v * w for v, w in zip(values, weights, strict=True)) / sum(weights)
-        assert result.value == pytest.approx(expected, rel=1e-12) and result.weight == sum(weights)
-
-
-def test_reducer_computes_weighted_means_sums_and_extremes():
-    ranks = make_ranks(3)
-    values = [1.5, -2.0, 4.25]
-    weights = [2, 3, 5]
-    for rank, reducer in enumerate(ranks):
-        value = torch.tensor(values[rank])
-        reducer.observe("training_step.loss", "mean", value, weights[rank])
-        reducer.observe("training_step.tokens", "sum", value)
-        reducer.observe("training_step.peak", "max", value)
-        reducer.observe("training_step.low", "min", value.reshape(1))
-        reducer.observe("training_step.twice", "mean", value, 1.0)
-        reducer.observe("training_step.twice", "mean", value + 1, 3.0)  # a second value in the same window
-    results = simulate(ranks)
-    for other in results[1:]:  # the same values on every rank
-        seen = {k: r.value for k, r in other.items()}
-        assert seen == {k: r.value for k, r in results[0].items()}
-    result = results[0]
-    expected_mean = sum(v * w for v, w in zip(values, weights, strict=True)) / sum(weights)
-    assert result["training_step.loss"].value == pytest.approx(expected_mean, rel=1e-12)
-    assert result["training_step.loss"].weight == 10
-    assert result["training_step.tokens"].value == pytest.approx(sum(values))
-    assert result["training_step.peak"].value == max(values)
-    assert result["training_step.low"].value == min(values)
-    twice = sum(v * 1 + (v + 1) * 3 for v in values) / 12
-    assert result["training_step.twice"].value == pytest.approx(twice)
-    assert all(r.pending == [] for r in ranks)
-
-
-@pytest.mark.parametrize(
-    ("change", "message"),
-    [
-        (
-            "extra",
-            r"`extra` \(from training_step\) \(reduced as mean\): logged on rank\(s\) \[1\], not on rank",
-        ),
-        ("renamed", r"`loss`.*logged on rank\(s\) \[0, 2\], not on rank\(s\) \[1\]; `other`.*\[1\], not on"),
-        ("reduction", r"`loss`.*reduced as max\): logged on rank\(s\) \[1\]"),
-        ("many_extra", r"`extra0`.*logged on rank\(s\) \[1\]"),  # rank 1 needs more slots than the capacity
-    ],
-)
-def test_reducer_raises_on_every_rank_when_ranks_log_different_names(change, message):
-    ranks = make_ranks(3, capacity=8)
-    for rank, reducer in enumerate(ranks):
-        name, reduction = "loss", "mean"
-        if rank == 1 and change == "renamed":
-            name = "other"
-        if rank == 1 and change == "reduction":
-            reduction = "max"
-        reducer.observe(f"training_step.{name}", reduction, torch.tensor(1.0), label=f"`{name}` (from training_step)")
-        if rank == 1 and change == "extra":
-            reducer.observe("training_step.extra", "mean", torch.tensor(1.0), label="`extra` (from training_step)")
-        if rank == 1 and change == "many_extra":
-            for i in range(10):
-                reducer.observe(f"training_step.extra{i}", "mean", torch.tensor(1.0), label=f"`extra{i}`")
-    entries = [r.entries() for r in ranks]
-    total = torch.stack([r.pack() for r in ranks]).sum(0)
-    for reducer in ranks:
-        reducer._all_gather_object = lambda obj: entries
-        with pytest.raises(MetricMismatchError, match=message) as error:
-            reducer.unpack(total.clone(), "epoch 0, batch 5")
-        assert "at epoch 0, batch 5" in str(error.value) and "average_training_metrics=False" in str(error.value)
-
-
-def test_reducer_grows_its_capacity_in_step_on_every_rank():
-    ranks = make_ranks(2, capacity=4)
-    for reducer in ranks:
-        for i in range(5):  # 10 slots
-            reducer.observe(f"m{i}", "mean", torch.tensor(float(i) + reducer.rank), 1.0)
-    assert simulate(ranks) == [None, None]
-    assert [r.capacity for r in ranks] == [16, 16]
-    results = simulate(ranks)  # the same values, now in one collective
-    assert results[0]["m3"].value == 3.5
-    for reducer in ranks:  # later steps fit
-        reducer.observe("m0", "mean", torch.tensor(1.0), 1.0)
-    assert simulate(ranks)[1]["m0"].value == 1.0
-
-
-def test_reducer_collective_has_one_size_whatever_each_rank_logged():
-    ranks = make_ranks(4)
-    for reducer in ranks:
-        for i in range(reducer.rank * 7):
-            reducer.observe(f"m{i}", "max", torch.tensor(1.0))
-    assert len({r.pack().numel() for r in ranks}) == 1
-    assert len({r.pack_extremes().numel() for r in ranks}) == 1
-
-
-def test_reducer_propagates_nan_like_torch_and_a_zero_weight_gives_nan():
-    ranks = make_ranks(2)
-    for reducer in ranks:
-        nan_or_one = torch.tensor(math.nan if reducer.rank == 1 else 1.0)
-        reducer.observe("peak", "max", nan_or_one)
-        reducer.observe("low", "min", torch.tensor(-math.inf))
-        reducer.observe("loss", "mean", nan_or_one, weight=1.0)
-        reducer.observe("unweighted", "mean", torch.tensor(3.0), weight=0.0)
-    result = simulate(ranks)[0]
-    assert math.isnan(result["peak"].value) and math.isnan(result["loss"].value)
-    assert result["low"].value == -math.inf and math.isnan(result["unweighted"].value)
-
-
-def test_reducer_with_nothing_logged_still_takes_part():
-    ranks = make_ranks(2)
-    assert simulate(ranks) == [{}, {}]
-
-
-def test_combined_epoch_state_follows_reduce_fx():
-    before = (torch.tensor(10.0), torch.tensor(4))
-    reduced = Reduced.of(2.5, 15.0, 6.0)
-    value, count = combined_epoch_state("mean", before, reduced)
-    assert value.item() == 25.0 and count.item() == 10 and count.dtype == torch.int64
-    assert combined_epoch_state("sum", (torch.tensor(1.0), None), reduced)[0].item() == 3.5
-    assert combined_epoch_state("max", (torch.tensor(-math.inf), None), reduced)[0].item() == 2.5
-    assert combined_epoch_state("min", (torch.tensor(1.0), None), reduced)[0].item() == 1.0
+from lightning_shardplus.diagnostics import CollectiveCalls
+from lightning_shardplus.training_metrics import AverageTrainingMetrics, MetricMismatchError, describe_mismatch
 
 
 def test_mismatch_text_names_metrics_and_ranks():
     text = describe_mismatch([[("a", "mean", "`a`")], [("a", "mean", "`a`"), ("b", "sum", "`b`")]], "batch 3")
     assert "`b` (reduced as sum): logged on rank(s) [1], not on rank(s) [0]" in text
     assert "`a`" not in text.split("values:")[1].split(". Log")[0]
+
+
+def test_the_public_names_are_importable_from_metrics_as_before():
+    from lightning_shardplus import metrics
+
+    assert metrics.AverageTrainingMetrics is AverageTrainingMetrics
+    assert metrics.MetricMismatchError is MetricMismatchError
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -302,20 +155,6 @@ class LoggingModule(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.01)
 
 
-def own_collective() -> ShardPlusStrategy:
-    """A strategy under which the training metrics cannot ride in DDP's gradient all-reduce (a user communication
-    hook might change the gradients): they take an all_reduce of their own."""
-    return ShardPlusStrategy(start_method="fork", ddp_comm_hook=uncounted_allreduce_hook)
-
-
-# The training metrics' SUM rides in DDP's gradient all-reduce (the default) or takes its own all_reduce.
-PATHS = {
-    "carried": lambda: None,
-    "own": own_collective,
-    "find_unused": lambda: ShardPlusStrategy(start_method="fork", find_unused_parameters=True),
-}
-
-
 def fit(tmp_path, module, world_size, strategy=None, **trainer_kwargs):
     trainer = cpu_trainer(
         strategy or ShardPlusStrategy(start_method="fork"),
@@ -411,35 +250,59 @@ class ManyMetrics(LoggingModule):
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
-    ("path", "count", "sync_dist", "per_batch"),
+    ("count", "sync_dist", "settings"),
     [
-        ("own", 1, False, [1, 1, 1]),
-        ("own", 5, False, [1, 1, 1]),
-        ("own", 20, False, [1, 1, 1]),
-        ("own", 20, True, [1, 1, 1]),  # Lightning's own sync is folded into the one collective
-        ("own", 100, False, [2, 1, 1]),  # 200 slots > 64: the first step grows the agreed capacity, once
-        # in DDP's gradient all-reduce: no collective of their own
-        ("carried", 1, False, [0, 0, 0]),
-        ("carried", 20, False, [0, 0, 0]),
-        ("carried", 20, True, [0, 0, 0]),
-        # 200 slots: the first step's header is carried, the larger capacity is agreed from it and the step
-        # reduced again; later steps no longer fit the carrier: their own all_reduce
-        ("carried", 100, False, [1, 1, 1]),
-        # DDP searching for unused parameters: the carrier (joined after DDP's forward) is not used
-        ("find_unused", 1, False, [1, 1, 1]),
+        (0, False, {}),  # nothing logged: every rank still takes part, no hang
+        (1, False, {}),
+        (5, False, {}),
+        (20, False, {}),
+        (20, True, {}),  # Lightning's own sync is folded into the one collective
+        (100, False, {}),
+        (1, False, {"ddp_comm_hook": uncounted_allreduce_hook}),  # whatever DDP's communication
+        (1, False, {"find_unused_parameters": True}),
     ],
 )
-def test_one_collective_per_step_for_any_number_of_metrics(
-    tmp_path, count_collectives, path, count, sync_dist, per_batch
-):
-    fit(tmp_path, ManyMetrics(count, sync_dist), 2, PATHS[path]())
+def test_one_collective_per_step_for_any_number_of_metrics(tmp_path, count_collectives, count, sync_dist, settings):
+    fit(tmp_path, ManyMetrics(count, sync_dist), 2, ShardPlusStrategy(start_method="fork", **settings))
     for rank in range(2):
         rows = read(tmp_path / f"batches{rank}.jsonl")
-        assert [row["all_reduce"] for row in rows] == per_batch
+        assert [row["all_reduce"] for row in rows] == [1, 1, 1]
         assert [row["barrier"] for row in rows] == [0] * 3
         last = count - 1
-        for i, row in enumerate(rows):
+        for i, row in enumerate(rows if count else []):
             assert row["callback"][f"m{last:03d}"] == (value(0, i, last) + value(1, i, last)) / 2
+
+
+class BatchNormModule(LoggingModule):
+    """A BatchNorm model on fixed per-rank data (its own loader on each rank), saving its final weights."""
+
+    def __init__(self, directory: Path, name: str) -> None:
+        super().__init__([4, 4], batches=4)
+        self.directory, self.name = directory, name
+        torch.manual_seed(0)
+        self.layer = nn.Sequential(nn.Linear(2, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 1))
+
+    def train_dataloader(self):
+        inputs = torch.randn(16, 2, generator=torch.Generator().manual_seed(self.global_rank))
+        return DataLoader(TensorDataset(inputs), batch_size=4)
+
+    def log_values(self, r, i):
+        self.log("loss_value", value(r, i), on_epoch=True)
+
+    def on_train_end(self):
+        torch.save(self.state_dict(), self.directory / f"{self.name}{self.global_rank}.pt")
+
+
+@pytest.mark.timeout(120)
+def test_averaging_leaves_the_training_bit_identical_to_plain_ddp(tmp_path):
+    from lightning.pytorch.strategies import DDPStrategy
+
+    for name, strategy in (("ddp", DDPStrategy(start_method="fork")), ("shardplus", None)):
+        fit(tmp_path, BatchNormModule(tmp_path, name), 2, strategy)
+    for rank in range(2):
+        ddp, shardplus = (torch.load(tmp_path / f"{name}{rank}.pt") for name in ("ddp", "shardplus"))
+        assert list(ddp) == list(shardplus)
+        assert all(torch.equal(ddp[key], shardplus[key]) for key in ddp)
 
 
 @pytest.mark.timeout(120)
@@ -489,12 +352,13 @@ class LateFromBatch(LoggingModule):
 @pytest.mark.timeout(120)
 def test_values_first_logged_after_backward_are_averaged_in_the_same_step(tmp_path, count_collectives):
     # the collective runs in `on_train_batch_end`, after the backward and optimizer hooks: a value first logged
-    # in `on_before_optimizer_step` is in the collective of its own step, with no second one and no warning
+    # in `on_before_optimizer_step` is in the collective of its own step, with no warning; the step where every
+    # rank starts logging it agrees on the new names and reduces again (a second all_reduce, that step only)
     fit(tmp_path, LateFromBatch(tmp_path, first=2), 2)
     sizes = [2, 3]
     for rank in range(2):
         rows = read(tmp_path / f"batches{rank}.jsonl")
-        assert [row["all_reduce"] for row in rows] == [1, 1, 1, 1, 1]
+        assert [row["all_reduce"] for row in rows] == [1, 1, 2, 1, 1]
         for i, row in enumerate(rows):
             assert row["callback"]["loss"] == pytest.approx(weighted_mean([value(0, i), value(1, i)], sizes))
         caught = read(tmp_path / f"warnings{rank}.jsonl")[0]["warnings"]
@@ -591,12 +455,12 @@ class ExtremesInSomeSteps(LoggingModule):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize(("path", "per_batch"), [("own", [1, 1, 2, 2, 1, 1]), ("carried", [0, 0, 1, 1, 0, 0])])
-def test_max_and_min_cost_one_more_collective_only_in_steps_that_log_them(tmp_path, count_collectives, path, per_batch):
-    fit(tmp_path, ExtremesInSomeSteps(), 2, PATHS[path]())
+def test_max_and_min_cost_one_more_collective_only_in_steps_that_log_them(tmp_path, count_collectives):
+    fit(tmp_path, ExtremesInSomeSteps(), 2)
     for rank in range(2):
         rows = read(tmp_path / f"batches{rank}.jsonl")
-        assert [row["all_reduce"] for row in rows] == per_batch
+        # batches 2 and 4 change the names on every rank: the step is reduced again in the new layout
+        assert [row["all_reduce"] for row in rows] == [1, 1, 1 + 2, 2, 2 + 1, 1]
         for i in (2, 3):
             assert rows[i]["callback"]["peak"] == max(value(r, i, 1) for r in range(2))
             assert rows[i]["callback"]["low"] == min(value(r, i, 2) for r in range(2))
@@ -604,19 +468,23 @@ def test_max_and_min_cost_one_more_collective_only_in_steps_that_log_them(tmp_pa
             assert row["callback"]["loss"] == pytest.approx(weighted_mean([value(0, i), value(1, i)], [2, 3]))
 
 
-@pytest.mark.parametrize("reduction", ["max", "min"])
-def test_max_and_min_buffers_do_not_grow_with_the_world_size(reduction):
-    sizes = set()
-    for world in (2, 1000):
-        ranks = make_ranks(world)
-        for reducer in ranks:
-            for k in range(3):
-                reducer.observe(f"m{k}", reduction, torch.tensor(float((reducer.rank * 7919 + k) % world)))
-        sizes.add((ranks[0].pack().numel(), ranks[0].pack_extremes().numel()))
-        result = simulate(ranks)[world - 1]
-        expected = {"max": world - 1, "min": 0}[reduction]
-        assert [result[f"m{k}"].value for k in range(3)] == [expected] * 3
-    assert len(sizes) == 1
+class NaNsAndZeroWeights(LoggingModule):
+    def log_values(self, r, i):
+        nan_or_one = math.nan if r == 1 else 1.0
+        self.log("peak", nan_or_one, sync_dist=True, reduce_fx="max")
+        self.log("low", -math.inf, sync_dist=True, reduce_fx="min")
+        self.log("loss", nan_or_one)
+        self.log("unweighted", 3.0, batch_size=0)
+
+
+@pytest.mark.timeout(120)
+def test_a_nan_propagates_as_in_torch_and_a_zero_total_weight_gives_nan(tmp_path):
+    fit(tmp_path, NaNsAndZeroWeights([2, 2], batches=2), 2)
+    for rank in range(2):
+        for row in read(tmp_path / f"batches{rank}.jsonl"):
+            shown = row["callback"]
+            assert math.isnan(shown["peak"]) and math.isnan(shown["loss"]) and math.isnan(shown["unweighted"])
+            assert shown["low"] == -math.inf
 
 
 # Host reads: every call of these on a tensor whose first caller outside torch is in lightning_shardplus. On an
@@ -675,7 +543,7 @@ class EveryKind(LoggingModule):
 
 
 class EveryKindAndAfterBackward(EveryKind):
-    """Also logs after backward (then the collective starts at the batch end, not when backward starts)."""
+    """Also logs after backward."""
 
     def on_before_optimizer_step(self, optimizer):
         self.log("grad_stat", value(self.global_rank, self.batch_idx, 4))
@@ -683,21 +551,17 @@ class EveryKindAndAfterBackward(EveryKind):
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("module", [EveryKind, EveryKindAndAfterBackward])
-@pytest.mark.parametrize(
-    ("extremes", "per_batch"),
-    [
-        (False, [0] * 6),
-        (True, [1, 0, 0, 0, 0, 0]),  # the first step's max/min outgrow the agreed MAX buffer (none): one read
-    ],
-)
-def test_training_steps_read_nothing_on_the_host(tmp_path, count_host_reads, module, extremes, per_batch):
+@pytest.mark.parametrize("extremes", [False, True])
+def test_training_steps_read_nothing_on_the_host(tmp_path, count_host_reads, count_collectives, module, extremes):
     # map-style data: `EvenSteps` (iterable data only) does not run; no logging step inside the epoch (the
-    # names are checked on the host at its end)
+    # names are checked on the host at its end); the first step agrees on the names (`all_gather_object` reads
+    # the host), the others read nothing and run one SUM all_reduce (plus one MAX with max/min values)
     callbacks = [Recorder(tmp_path), HostReads(tmp_path)]
     fit(tmp_path, module(extremes), 2, log_every_n_steps=50, callbacks=callbacks)
     sizes = [2, 3]
     for rank in range(2):
-        assert [row["reads"] for row in read(tmp_path / f"reads{rank}.jsonl")] == per_batch
+        assert [row["reads"] for row in read(tmp_path / f"reads{rank}.jsonl")][1:] == [0] * 5
+        assert [row["all_reduce"] for row in read(tmp_path / f"batches{rank}.jsonl")] == [1 + extremes] * 6
         rows = read(tmp_path / f"batches{rank}.jsonl")
         assert len(rows) == 6
         for i, row in enumerate(rows):
@@ -708,60 +572,6 @@ def test_training_steps_read_nothing_on_the_host(tmp_path, count_host_reads, mod
                 assert metrics["grad_stat"] == pytest.approx(weighted_mean([value(0, i, 4), value(1, i, 4)], sizes))
             if extremes:
                 assert metrics["peak"] == value(1, i, 2) and metrics["low"] == value(0, i, 3)
-
-
-class BackwardProbe(LoggingModule):
-    """Logs in ``training_step`` and records, per batch, the Python all_reduce calls made between the end of
-    ``training_step`` and the moment backward reaches the loss (through a tensor hook)."""
-
-    def __init__(self, directory: Path) -> None:
-        super().__init__([2, 3], batches=4)
-        self.directory = directory
-
-    def log_values(self, r, i):
-        self.log("loss", value(r, i))
-
-    def training_step(self, batch, batch_idx):
-        loss = super().training_step(batch, batch_idx)
-        before = COUNTS["all_reduce"]
-
-        def at_backward(grad):
-            row = {"batch": batch_idx, "started": COUNTS["all_reduce"] - before}
-            write(self.directory / f"backward{self.global_rank}.jsonl", row)
-            return grad
-
-        loss.register_hook(at_backward)
-        return loss
-
-
-class BackwardProbeWithOptimizerHook(BackwardProbe):
-    def on_before_optimizer_step(self, optimizer):  # logs nothing, but it could
-        pass
-
-
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize(
-    ("module", "path", "started", "per_step"),
-    [
-        (BackwardProbe, "own", 1, 1),
-        (BackwardProbe, "carried", 0, 0),  # in DDP's gradient all-reduce
-        (BackwardProbeWithOptimizerHook, "own", 0, 1),
-        (BackwardProbeWithOptimizerHook, "carried", 0, 1),  # a later hook could log: not carried
-    ],
-)
-def test_the_collective_starts_when_backward_starts_unless_a_later_hook_could_log(
-    tmp_path, count_collectives, module, path, started, per_step
-):
-    # no hook after backward overridden: the SUM is packed before backward and reduced during it (carried in
-    # DDP's gradient all-reduce, or its own all_reduce issued before backward); otherwise its own all_reduce at
-    # the batch end. The same averaged values.
-    fit(tmp_path, module(tmp_path), 2, PATHS[path]())
-    for rank in range(2):
-        assert [row["started"] for row in read(tmp_path / f"backward{rank}.jsonl")] == [started] * 4
-        rows = read(tmp_path / f"batches{rank}.jsonl")
-        assert [row["all_reduce"] for row in rows] == [per_step] * 4
-        for i, row in enumerate(rows):
-            assert row["callback"]["loss"] == pytest.approx(weighted_mean([value(0, i), value(1, i)], [2, 3]))
 
 
 class LogsDuringBackward(LoggingModule):
@@ -781,42 +591,15 @@ class LogsDuringBackward(LoggingModule):
 
 
 @pytest.mark.timeout(120)
-def test_a_value_logged_after_the_early_start_is_the_ranks_own_and_the_rest_still_averaged(tmp_path):
+def test_a_value_logged_during_backward_is_averaged_with_the_rest(tmp_path):
     fit(tmp_path, LogsDuringBackward(), 2)
     for rank in range(2):
         rows = read(tmp_path / f"batches{rank}.jsonl")
         assert len(rows) == 3
         for i, row in enumerate(rows):
-            assert row["callback"]["during_backward"] == value(rank, i, 5)
+            during = weighted_mean([value(0, i, 5), value(1, i, 5)], [2, 3])
+            assert row["callback"]["during_backward"] == pytest.approx(during)
             assert row["callback"]["loss"] == pytest.approx(weighted_mean([value(0, i), value(1, i)], [2, 3]))
-
-
-def test_logs_only_before_backward_reads_the_overridden_hooks():
-    class Plain(pl.LightningModule):
-        pass
-
-    class Clipping(pl.LightningModule):
-        def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
-            pass
-
-    class Manual(pl.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.automatic_optimization = False
-
-    class GradientLogger(Callback):
-        def on_after_backward(self, trainer, pl_module):
-            pass
-
-    def trainer(*callbacks):
-        return pl.Trainer(callbacks=list(callbacks), logger=False, enable_progress_bar=False)
-
-    assert logs_only_before_backward(trainer(), Plain())
-    assert logs_only_before_backward(trainer(Recorder(Path("."))), Plain())  # batch start/end hooks only
-    assert logs_only_before_backward(trainer(ScalingReport()), Plain())  # shardplus's own (logs nothing averaged)
-    assert not logs_only_before_backward(trainer(), Clipping())
-    assert not logs_only_before_backward(trainer(), Manual())
-    assert not logs_only_before_backward(trainer(GradientLogger()), Plain())
 
 
 class Accumulating(LoggingModule):
@@ -825,10 +608,9 @@ class Accumulating(LoggingModule):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize(("path", "per_batch"), [("own", [0, 0, 1, 0, 0, 1, 1]), ("carried", [0] * 7)])
-def test_with_accumulation_values_are_averaged_per_optimizer_step(tmp_path, count_collectives, path, per_batch):
+def test_with_accumulation_values_are_averaged_per_optimizer_step(tmp_path, count_collectives):
     sizes, batches, window = [2, 3], 7, 3  # windows of micro-batches: 0-2, 3-5, 6 (the epoch's last, smaller)
-    fit(tmp_path, Accumulating(sizes, batches), 2, PATHS[path](), accumulate_grad_batches=window)
+    fit(tmp_path, Accumulating(sizes, batches), 2, accumulate_grad_batches=window)
     windows = [[0, 1, 2], [3, 4, 5], [6]]
 
     def window_mean(w):
@@ -837,7 +619,7 @@ def test_with_accumulation_values_are_averaged_per_optimizer_step(tmp_path, coun
     everything = weighted_mean([value(r, i) for i in range(batches) for r in range(2)], sizes * batches)
     for rank in range(2):
         rows = read(tmp_path / f"batches{rank}.jsonl")
-        assert [row["all_reduce"] for row in rows] == per_batch  # own: one per optimizer step
+        assert [row["all_reduce"] for row in rows] == [0, 0, 1, 0, 0, 1, 1]  # one per optimizer step
         shown = [row["callback"].get("acc_step") for row in rows]
         # between optimizer steps callback_metrics keep the previous step's value (none before the first)
         means = [window_mean(w) for w in windows]
@@ -933,8 +715,7 @@ class WideManyMetrics(ManyMetrics):
 
 @pytest.mark.timeout(120)
 def test_values_stay_averaged_across_the_ddp_rewraps_of_fusion_tuning(tmp_path, count_collectives):
-    # each re-wrap builds a new DDP: the carrier must be one of its parameters again, or the values would be each
-    # rank's own times the world size
+    # each re-wrap builds a new DDP: the values stay the means over ranks, one all_reduce per step
     log = tmp_path / "autotune.csv"
     strategy = ShardPlusStrategy(
         start_method="fork",
