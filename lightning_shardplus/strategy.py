@@ -28,7 +28,13 @@ from lightning_shardplus.aggregation import check_aggregation, effective_batch_s
 from lightning_shardplus.carrier import GradientCarrier
 from lightning_shardplus.components import DistributedSetup, RunComponents, checkpointed_states, remove_checkpoint_files
 from lightning_shardplus.compression import GradientCompression
-from lightning_shardplus.config import ShardPlusConfig, at_ddp_defaults, check_ddp_arguments, registered_names
+from lightning_shardplus.config import (
+    ShardPlusConfig,
+    at_ddp_defaults,
+    check_ddp_arguments,
+    check_strategy_plugins,
+    registered_names,
+)
 from lightning_shardplus.fusion import BucketSetting, FusionResult
 from lightning_shardplus.launch import LaunchAfterCheck, check_accelerator, check_trainer_call
 from lightning_shardplus.loaders import gather_predictions
@@ -121,9 +127,14 @@ class ShardPlusStrategy(DDPStrategy):
             ddp_kwargs["find_unused_parameters"] = find_unused_parameters
         if broadcast_buffers is not None:
             ddp_kwargs["broadcast_buffers"] = broadcast_buffers  # only when given: torch 2.13 deprecates it
-        timeout = check_ddp_arguments(
+        check_strategy_plugins(
+            accelerator, model_averaging_period, cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin, ddp_comm_hook=ddp_comm_hook, ddp_comm_wrapper=ddp_comm_wrapper,
+        )  # fmt: skip
+        timeout, ddp_kwargs = check_ddp_arguments(
             config, start_method, timeout, process_group_backend, ddp_comm_hook, ddp_comm_state, {**flags, **ddp_kwargs}
         )
+        flags = {name: ddp_kwargs.pop(name) for name in flags}  # as checked: numpy's bools as bool
         super().__init__(  # DDPStrategy's arguments, in its order
             accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin, ddp_comm_state,
             ddp_comm_hook, ddp_comm_wrapper, model_averaging_period, process_group_backend, timeout, start_method,
