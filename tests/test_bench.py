@@ -383,3 +383,18 @@ def test_the_table_shows_the_paired_ratio_with_its_interval_where_there_is_one()
     few = {"baseline": "ddp", "results": {"ddp": row(5, 1.0, None), "shardplus": row(5, 0.981, None)}}
     table = bench.format_table(few)
     assert "| 0.981 | " in table and "fewer than 6 runs per row (5)" in table
+
+
+@pytest.mark.parametrize(
+    ("report_runs", "expected"),
+    [
+        ([90.0, 80.0, 95.0], "10.0% fewer samples/s"),
+        ([130.0, 140.0, 135.0], "35.0% more samples/s"),  # faster with the report: noise, said without a minus
+    ],
+)
+def test_the_report_overhead_sentence_has_one_sign(report_runs, expected):
+    report = {"results": {"shardplus": {"runs": [100.0] * 3}, "shardplus-report": {"runs": report_runs}}}
+    sentence = bench.format_overhead(report)
+    assert expected in sentence and "-" not in sentence.replace("shardplus-report", ""), sentence
+    low, high = sorted(r / 100.0 for r in report_runs)[::2]
+    assert f"paired samples/s ratios {low:.3f} to {high:.3f}" in sentence

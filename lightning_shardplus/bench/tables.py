@@ -121,10 +121,11 @@ def format_overhead(report: dict[str, Any]) -> str | None:
     overhead = report_overhead(report)
     if overhead is None:
         return None
+    paired = overhead["paired"]  # below 0: faster with the report (noise), said as "more" rather than "-x% fewer"
     text = (
-        f"`ScalingReport` overhead: {overhead['paired']:.1%} fewer samples/s for `shardplus-report` than `shardplus` "
-        f"(median of {len(report['results']['shardplus']['runs'])} paired runs; range {overhead['paired_min']:.1%} to "
-        f"{overhead['paired_max']:.1%})"
+        f"`ScalingReport` overhead: {abs(paired):.1%} {'fewer' if paired >= 0 else 'more'} samples/s for "
+        f"`shardplus-report` than `shardplus` (median of {len(report['results']['shardplus']['runs'])} paired runs; "
+        f"paired samples/s ratios {1 - overhead['paired_max']:.3f} to {1 - overhead['paired_min']:.3f})"
     )
     if "own_work" in overhead:
         text += (
