@@ -285,6 +285,8 @@ class ShardPlusStrategy(DDPStrategy):
         dataloader = super().process_dataloader(dataloader)
         if (parts := self._components) is not None:
             dataloader = parts.loaders.process(dataloader)
+            if parts.aggregation is not None and self.lightning_module.trainer.training:
+                parts.aggregation.announce(dataloader)
             if parts.even is not None and self.lightning_module.trainer.training:
                 dataloader = parts.even.wrap(dataloader)
         return dataloader
@@ -299,7 +301,7 @@ class ShardPlusStrategy(DDPStrategy):
         parts.loaders.training_loaders_built()
         if parts.even is not None:
             parts.even.check_combination(*_lightning.training_loaders_combination(self.lightning_module.trainer))
-        parts.aggregation.on_train_start(self.config.gradient_compression)
+        parts.aggregation.on_train_start()
         parts.fusion.on_train_start()
 
     @override
