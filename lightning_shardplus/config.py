@@ -18,18 +18,19 @@ import inspect
 import itertools
 import numbers
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from functools import cached_property
 from typing import Any
 
+import lightning.fabric.plugins  # noqa: F401  (the modules `_lightning_classes` reads in sys.modules)
+import lightning.pytorch.plugins.precision  # noqa: F401
 import numpy as np
 import torch
 import torch.distributed as dist
-from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.pytorch.accelerators import Accelerator, AcceleratorRegistry
-from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.accelerators import AcceleratorRegistry
 from lightning.pytorch.strategies import DDPStrategy
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
 from torch.nn import Parameter
@@ -277,7 +278,7 @@ def check_strategy_plugins(accelerator: Any, model_averaging_period: Any, **plug
     processes run: ``accelerator`` (an Accelerator or a name, as DDPStrategy takes it) and ``plugins`` by name
     (:data:`_PLUGIN_TYPES`)."""
     names = ("auto", "gpu", *sorted(AcceleratorRegistry.available_accelerators()))
-    if accelerator is not None and not isinstance(accelerator, (Accelerator, str)):
+    if accelerator is not None and not isinstance(accelerator, (*_lightning_classes("Accelerator"), str)):
         raise TypeError(f"`accelerator`={accelerator!r} is not valid: expected None, an Accelerator or one of {names}.")
     if isinstance(accelerator, str) and accelerator not in names:
         raise ValueError(
@@ -286,20 +287,33 @@ def check_strategy_plugins(accelerator: Any, model_averaging_period: Any, **plug
             "(ShardPlusStrategy(uneven_inputs='join'), for example)."
         )
     for name, value in plugins.items():
-        if value is not None and not isinstance(value, _PLUGIN_TYPES[name]):
-            kind = "callable" if _PLUGIN_TYPES[name] is Callable else _qualname(_PLUGIN_TYPES[name])
-            raise TypeError(f"`{name}`={value!r} is not valid: expected None or a {kind}.")
+        kind = _PLUGIN_TYPES[name]
+        if value is not None and not (callable(value) if kind is None else isinstance(value, _lightning_classes(kind))):
+            raise TypeError(f"`{name}`={value!r} is not valid: expected None or a {kind or 'callable'}.")
     if model_averaging_period is not None:
         check_int("model_averaging_period", model_averaging_period, minimum=1)
 
 
+# The plugin arguments: the Lightning class each must be an instance of (None: a callable).
 _PLUGIN_TYPES = {
-    "cluster_environment": ClusterEnvironment,
-    "checkpoint_io": CheckpointIO,
-    "precision_plugin": Precision,
-    "ddp_comm_hook": Callable,
-    "ddp_comm_wrapper": Callable,
+    "cluster_environment": "ClusterEnvironment",
+    "checkpoint_io": "CheckpointIO",
+    "precision_plugin": "Precision",
+    "ddp_comm_hook": None,
+    "ddp_comm_wrapper": None,
 }
+_LIGHTNING_MODULES = {
+    "Accelerator": ("lightning.pytorch.accelerators", "pytorch_lightning.accelerators"),
+    "ClusterEnvironment": ("lightning.fabric.plugins", "lightning_fabric.plugins"),
+    "CheckpointIO": ("lightning.fabric.plugins", "lightning_fabric.plugins"),
+    "Precision": ("lightning.pytorch.plugins.precision", "pytorch_lightning.plugins.precision"),
+}
+
+
+def _lightning_classes(name: str) -> tuple[type, ...]:
+    """Lightning's class ``name`` in each of its namespaces already imported (``lightning`` and the standalone
+    ``pytorch_lightning`` / ``lightning_fabric``: an object of the latter comes from an imported module)."""
+    return tuple(getattr(sys.modules[module], name) for module in _LIGHTNING_MODULES[name] if module in sys.modules)
 
 
 def _check_communication_hook(config: ShardPlusConfig, hook: Callable | None, state: object | None) -> None:

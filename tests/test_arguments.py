@@ -470,3 +470,22 @@ def test_an_autotune_path_that_cannot_be_created_is_refused_at_construction(argu
 def test_checking_an_autotune_path_leaves_nothing_behind(tmp_path):
     ShardPlusStrategy(auto_tune_tensor_fusion=True, autotune_log=str(tmp_path / "a" / "b" / "log.csv"))
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_plugins_of_either_lightning_namespace_pass_the_construction_check():
+    # pytorch_lightning / lightning_fabric are separate class hierarchies: their plugins are not refused as not ours
+    fabric = pytest.importorskip("lightning_fabric.plugins")
+    environments = pytest.importorskip("lightning_fabric.plugins.environments")
+    pl_precision = pytest.importorskip("pytorch_lightning.plugins.precision")
+    pl_accelerators = pytest.importorskip("pytorch_lightning.accelerators")
+    from lightning.fabric.plugins import TorchCheckpointIO
+    from lightning.fabric.plugins.environments import LightningEnvironment
+    from lightning.pytorch.plugins.precision import Precision
+
+    for plugins in (
+        {"checkpoint_io": TorchCheckpointIO(), "cluster_environment": LightningEnvironment()},
+        {"precision_plugin": Precision()},
+        {"checkpoint_io": fabric.TorchCheckpointIO(), "cluster_environment": environments.LightningEnvironment()},
+        {"precision_plugin": pl_precision.Precision(), "accelerator": pl_accelerators.CPUAccelerator()},
+    ):
+        ShardPlusStrategy(**plugins)
