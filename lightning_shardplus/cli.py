@@ -1,4 +1,5 @@
-"""The ``shardplus`` console script: Lightning's CLI with ``strategy="shardplus"`` as the default."""
+"""The ``shardplus`` console script: Lightning's CLI whose default strategy is ``ShardPlusStrategy`` (the class, so that
+``--trainer.strategy.<option>`` applies; a config's `strategy: shardplus` is read as the class too)."""
 
 from __future__ import annotations
 

@@ -27,7 +27,6 @@ from typing import Any
 
 import lightning.fabric.plugins  # noqa: F401  (the modules `_lightning_classes` reads in sys.modules)
 import lightning.pytorch.plugins.precision  # noqa: F401
-import numpy as np
 import torch
 import torch.distributed as dist
 from lightning.pytorch.accelerators import AcceleratorRegistry
@@ -197,11 +196,9 @@ def check_ddp_kwargs(ddp_kwargs: dict[str, Any]) -> dict[str, Any]:
     """DistributedDataParallel's keyword arguments (known to this torch: :func:`_check_bucket_arguments`) checked
     as DDP would take them in every worker; returned with numpy's bools and numbers as Python's."""
     checked = dict(ddp_kwargs)
-    for name, value in ddp_kwargs.items():
-        if name in _DDP_OPTIONAL_FLAGS and value is not None and not isinstance(value, (bool, np.bool_)):
-            raise TypeError(f"`{name}`={value!r} is not valid: expected True, False or None (DDP's default).")
-        if name in _DDP_FLAGS or (name in _DDP_OPTIONAL_FLAGS and value is not None):
-            checked[name] = check_bool(name, value)
+    for name in (*_DDP_FLAGS, *_DDP_OPTIONAL_FLAGS):
+        if name in checked and not (name in _DDP_OPTIONAL_FLAGS and checked[name] is None):
+            checked[name] = check_bool(name, checked[name])
     if "dim" in checked:
         checked["dim"] = check_int("dim", checked["dim"])
     if checked.get("bucket_cap_mb_list") is not None:

@@ -372,7 +372,7 @@ def _ddp_accepts(name):
 @pytest.mark.parametrize(
     ("kwargs", "error", "message"),
     [
-        ({"forward_sync_buffers": "no"}, TypeError, r"`forward_sync_buffers`='no' is not valid: expected True, False"),
+        ({"forward_sync_buffers": "no"}, TypeError, r"`forward_sync_buffers`='no' is not valid: expected True"),
         ({"init_sync": "no"}, TypeError, r"`init_sync`='no' is not valid: expected True or False"),
         ({"skip_all_reduce_unused_params": "x"}, TypeError, r"`skip_all_reduce_unused_params`='x'.*True or False"),
         ({"batched_grad_copy": 1}, TypeError, r"`batched_grad_copy`=1 is not valid"),
