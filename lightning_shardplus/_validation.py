@@ -138,9 +138,9 @@ def check_writable_file(
 
 
 def _try_writing(path: Path, replaced: bool) -> None:
-    """Create the missing directories of ``path`` and a temporary file beside it, or open it
-    for appending where it exists; then remove what was created. ``os.access`` says yes to root anywhere, even
-    where nothing can be created (under ``/proc``)."""
+    """Create the missing directories of ``path`` and a temporary file beside it (or open ``path`` for appending
+    where it exists), then remove what was created: ``os.access`` says yes to root even where nothing can be created
+    (under ``/proc``)."""
     created: list[Path] = []
     try:
         for directory in reversed(path.parents):

@@ -418,7 +418,7 @@ def load_rank_state(
             return None, 1
         with fs.open(path, "rb") as file:
             state = torch.load(file, map_location="cpu", weights_only=True)
-    except Exception:  # noqa: BLE001  (torch.load raises UnpicklingError, RuntimeError, EOFError, ... on a bad file)
+    except Exception:  # torch.load raises UnpicklingError, RuntimeError, EOFError, ... on a truncated file
         return None, 2
     if not isinstance(state, dict) or state.get("format") != _STATE_FORMAT:
         return None, 2
