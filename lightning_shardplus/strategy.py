@@ -44,8 +44,9 @@ from lightning_shardplus.uneven import NO_BATCH, UnevenInputs
 
 
 class ShardPlusStrategy(DDPStrategy):
-    """DDP for synchronous data-parallel training, with the training optimizations of Horovod, Determined and
-    NVIDIA Clara Train. Each argument has a page in ``docs/``; the README has one line per argument.
+    """DDP with the training optimizations of Horovod, Determined and NVIDIA Clara Train, for Lightning.
+
+    Synchronous data-parallel training. Each argument has a page in ``docs/``; the README has one line per argument.
 
     Args:
         aggregation_frequency: micro-batches per optimizer step; the gradients of all but the last stay local

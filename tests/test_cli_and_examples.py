@@ -148,6 +148,21 @@ def test_strategy_options_on_the_command_line_apply_over_the_default_and_a_confi
 
 
 @pytest.mark.timeout(120)
+def test_the_strategy_help_starts_with_a_whole_sentence(tmp_path, capsys, monkeypatch):
+    # jsonargparse titles the strategy's options with the docstring's first line: it was cut ("... Determined and:")
+    from lightning_shardplus import ShardPlusStrategy, cli
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit):
+        cli.main(["fit", "--trainer.strategy.help", "lightning_shardplus.ShardPlusStrategy"])
+    lines = capsys.readouterr().out.splitlines()
+    title = lines[lines.index("Help for --trainer.strategy.help=lightning_shardplus.ShardPlusStrategy") + 2]
+    first, second = ShardPlusStrategy.__doc__.splitlines()[:2]
+    assert first.endswith(".") and not second.strip()  # the first paragraph: one line, one sentence
+    assert title == f"{first[:-1]}:", title  # (jsonargparse drops the period)
+
+
+@pytest.mark.timeout(120)
 def test_print_config_shows_the_autotune_defaults_the_readme_and_docstring_state(tmp_path, capsys, monkeypatch):
     from lightning_shardplus import ShardPlusStrategy, cli
 
