@@ -511,6 +511,18 @@ def silence_evaluation_sampler_warning() -> Any:
     return _ignore_warning(EVALUATION_SAMPLER_WARNING)
 
 
+# Lightning's warning on a resume from a checkpoint saved mid-epoch when a training loader is not `_Stateful`
+# (`_TrainingEpochLoop.reset`), matched by its text (tests/test_lightning_private.py checks that Lightning still
+# emits it with these words). Not true where shardplus's samplers continue the epoch from the checkpoint.
+NOT_RESUMABLE_WARNING = r"You're resuming from a checkpoint that ended before the epoch ended and your dataloader is"
+
+
+def silence_not_resumable_warning() -> Any:
+    """Ignore Lightning's warning that the training loaders cannot resume mid-epoch (when every one of them is
+    continued exactly by its shardplus sampler); returns what undoes it."""
+    return _ignore_warning(NOT_RESUMABLE_WARNING)
+
+
 # Lightning's advice to sync epoch-level values (`_ResultCollection._get_cache`), given once per value name (its
 # module-level `warning_cache`). The evaluation loop reads the epoch values before the epoch-end hooks, where exact
 # evaluation reduces them: for those values the advice is wrong.
@@ -539,13 +551,15 @@ def silence_epoch_sync_advice(names: Any) -> Any:
 
 def _ignore_warning(pattern: str) -> Any:
     """A process-wide "ignore" filter for Lightning's ``PossibleUserWarning`` matching ``pattern``; returns what
-    removes it."""
+    removes it. Put into ``warnings.filters`` directly: ``warnings.filterwarnings`` would make Python forget which
+    warnings it has shown, and show each "default" warning again (Lightning's LeafSpec deprecation, twice per
+    process); an "ignore" filter needs no such reset."""
     import warnings
 
     from lightning.pytorch.utilities.warnings import PossibleUserWarning
 
-    warnings.filterwarnings("ignore", message=pattern, category=PossibleUserWarning)
-    added = warnings.filters[0]
+    added = ("ignore", re.compile(pattern, re.I), PossibleUserWarning, None, 0)
+    warnings.filters.insert(0, added)
 
     def restore() -> None:
         if added in warnings.filters:  # an "ignore" filter leaves nothing in the warning registries to reset

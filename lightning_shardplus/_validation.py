@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
 import os
+import tempfile
 from collections.abc import Iterable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch.distributed as dist
 
 
@@ -20,9 +23,11 @@ def check_choice(name: str, value: Any, choices: Iterable[Any]) -> None:
         raise ValueError(f"`{name}`={value!r} is not valid: expected one of {valid}.")
 
 
-def check_bool(name: str, value: Any) -> None:
-    if not isinstance(value, bool):
+def check_bool(name: str, value: Any) -> bool:
+    """``value`` as a ``bool``: True or False (numpy's too, as numbers are taken elsewhere), not a number."""
+    if not isinstance(value, (bool, np.bool_)):
         raise TypeError(f"`{name}`={value!r} is not valid: expected True or False.")
+    return bool(value)
 
 
 def check_int(name: str, value: Any, minimum: int | None = None) -> int:
@@ -121,8 +126,34 @@ def check_writable_file(
         directory = directory.parent
     if not directory.is_dir():
         raise ValueError(f"{given} cannot be written: `{directory}` is a file, not a directory: expected {expected}.")
-    if path.exists() and not os.access(path, os.W_OK):
-        raise ValueError(f"{given} cannot be written: no permission to write this file: expected {expected}.")
-    if (replaced or not path.exists()) and not os.access(directory, os.W_OK | os.X_OK):
-        raise ValueError(f"{given} cannot be written: no permission to write in `{directory}`: expected {expected}.")
+    try:
+        _try_writing(path, replaced)
+    except PermissionError as error:
+        denied = Path(error.filename or path)
+        where = "this file" if denied == path else f"in `{denied.parent}`"
+        raise ValueError(f"{given} cannot be written: no permission to write {where}: expected {expected}.") from None
+    except OSError as error:
+        raise ValueError(f"{given} cannot be written ({error}): expected {expected}.") from None
     return path
+
+
+def _try_writing(path: Path, replaced: bool) -> None:
+    """Create the missing directories of ``path`` and a temporary file beside it (or open ``path`` for appending
+    where it exists), then remove what was created: ``os.access`` says yes to root even where nothing can be created
+    (under ``/proc``)."""
+    created: list[Path] = []
+    try:
+        for directory in reversed(path.parents):
+            if not directory.exists():
+                directory.mkdir()
+                created.append(directory)
+        if path.exists():
+            with open(path, "ab"):
+                pass
+        if replaced or not path.exists():
+            with tempfile.NamedTemporaryFile(dir=path.parent):
+                pass
+    finally:
+        for directory in reversed(created):
+            with contextlib.suppress(OSError):
+                directory.rmdir()

@@ -151,6 +151,7 @@ class GradientAggregation:
         self.trainer, self.average, self.ranks_correction = trainer, average, ranks_correction
         self._user_accumulate = trainer.accumulate_grad_batches
         self._checkpointed: dict[str, Any] | None = None  # the window state of a checkpoint being resumed
+        self._announced = False
         if frequency > 1:
             trainer.accumulate_grad_batches = frequency
 
@@ -162,21 +163,29 @@ class GradientAggregation:
         """The fit ends: the Trainer's own ``accumulate_grad_batches`` again."""
         self.trainer.accumulate_grad_batches = self._user_accumulate
 
-    def on_train_start(self, gradient_compression: str) -> None:
-        """Say what one optimizer step is; after a resume, keep step-triggered checkpoints from saving mid-window,
-        and give a window resumed in its middle the gradients it had accumulated (:meth:`load_state_dict`)."""
+    def announce(self, loader: Any) -> None:
+        """Log what one optimizer step is, once per fit, when the training ``loader`` is ready (before the progress
+        bar starts), where it aggregates micro-batches: with one per step the line would repeat the arguments."""
+        trainer, micro_batches = self.trainer, self.micro_batches_per_step
+        if self._announced or micro_batches == 1:
+            return
+        self._announced = True
+        per_device = micro_batch_size(trainer, loader)
+        batch = "unknown" if per_device is None else per_device * trainer.world_size * micro_batches
+        rank_zero_info(
+            f"shardplus: effective batch {batch} = {per_device or '?'} per device x {trainer.world_size} processes x "
+            f"{micro_batches} micro-batches per optimizer step ({'mean' if self.average else 'sum'} of aggregated "
+            "gradients)"
+        )
+
+    def on_train_start(self) -> None:
+        """After a resume, keep step-triggered checkpoints from saving mid-window, and give a window resumed in its
+        middle the gradients it had accumulated (:meth:`load_state_dict`)."""
         trainer, micro_batches = self.trainer, self.micro_batches_per_step
         if trainer.ckpt_path is not None and micro_batches > 1:
             # resumed at an optimizer step: checkpointing "every n steps" must not save again mid-window
             _lightning.mark_resumed_step_saved(trainer)
             self._resume_window()
-        per_device, batch = micro_batch_size(trainer), effective_batch_size(trainer)
-        rank_zero_info(
-            f"shardplus: effective batch {batch or 'unknown'} = {per_device or '?'} per device x "
-            f"{trainer.world_size} processes x {micro_batches} micro-batches per optimizer step "
-            f"({'mean' if self.average else 'sum'} of aggregated gradients); "
-            f"gradient compression {gradient_compression!r}"
-        )
 
     def wrap_closure(self, optimizer: Optimizer, closure: Callable[[], Any]) -> Callable[[], Any]:
         """``closure`` (forward + backward of the window's last micro-batch, whose backward all-reduced the
@@ -335,13 +344,13 @@ def micro_batches_per_step(trainer: Any) -> int:
     return accumulate
 
 
-def micro_batch_size(trainer: Any) -> int | None:
+def micro_batch_size(trainer: Any, loaders: Any = None) -> int | None:
     """Samples per micro-batch on one device: the datamodule's ``per_device_batch_size`` if it has one, else
-    the (first) training DataLoader's batch size; None when neither is known."""
+    the (first) training DataLoader's batch size (of ``loaders``, else the Trainer's); None when neither is known."""
     size = getattr(getattr(trainer, "datamodule", None), "per_device_batch_size", None)
     if isinstance(size, int) and not isinstance(size, bool) and size >= 1:
         return size
-    for loader in dataloaders(getattr(trainer, "train_dataloader", None)):
+    for loader in dataloaders(getattr(trainer, "train_dataloader", None) if loaders is None else loaders):
         size = loader.batch_size
         if size is None:  # a custom batch sampler
             size = getattr(loader.batch_sampler, "batch_size", None)

@@ -1,14 +1,16 @@
-"""The ``shardplus`` console script: Lightning's CLI with ``strategy="shardplus"`` as the default."""
+"""The ``shardplus`` console script: Lightning's CLI whose default strategy is ``ShardPlusStrategy`` (the class, so that
+``--trainer.strategy.<option>`` applies; a config's `strategy: shardplus` is read as the class too)."""
 
 from __future__ import annotations
 
 import re
 from typing import Any, NoReturn
 
+from jsonargparse import Namespace
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 import lightning_shardplus  # noqa: F401  (registers the strategy names)
-from lightning_shardplus.config import closest_option
+from lightning_shardplus.config import closest_option, registered_names
 
 
 class ShardPlusArgumentParser(LightningArgumentParser):
@@ -20,9 +22,26 @@ class ShardPlusArgumentParser(LightningArgumentParser):
             for name in dict.fromkeys(re.findall(r"Option '(\w+)' is not accepted", message)):
                 if close := closest_option(name):
                     message += f"\nShardPlusStrategy: did you mean '{close}'?"
+        if named := re.search(r"Expected a dot import path string: (\w+)", message):
+            message += (
+                f"\n`trainer.strategy` is the name {named.group(1)!r}: options under it need its class, given first, "
+                f"as in --trainer.strategy={STRATEGY_CLASS} (or `class_path: {STRATEGY_CLASS}` in a config)."
+            )
         super().error(message, ex)
 
-STRATEGY_DEFAULT = "shardplus"
+    def parse_string(self, *args: Any, **kwargs: Any) -> Namespace:
+        """Parse a config (``--config`` files come here); a registered shardplus name as the strategy
+        (``strategy: shardplus``) becomes the class with that name's arguments, so that later
+        ``--trainer.strategy.<option>`` arguments apply to it (jsonargparse takes them only on a class)."""
+        cfg = super().parse_string(*args, **kwargs)
+        names = registered_names()
+        for key in [key for key in cfg.keys() if key == "trainer.strategy" or key.endswith(".trainer.strategy")]:
+            if isinstance(name := cfg[key], str) and name in names:
+                cfg[key] = Namespace(class_path=STRATEGY_CLASS, init_args=Namespace(**names[name][1]))
+        return cfg
+
+STRATEGY_CLASS = "lightning_shardplus.ShardPlusStrategy"
+STRATEGY_DEFAULT = {"class_path": STRATEGY_CLASS}
 
 
 class ShardPlusCLI(LightningCLI):

@@ -32,6 +32,7 @@ fresh DDP wrapper (a resumed run, or a re-wrap during fit) starts with one bucke
 in checkpoints (see :meth:`PowerSGDCompression.state_dict`), so a resumed run continues with the same error
 feedback and warm start. Each rank writes its own state to ``<checkpoint>.powersgd/rank-<r>-of-<W>.pt``
 (:func:`rank_file`); rank 0's checkpoint holds only what is the same on every rank, so it does not grow with W.
+A rank's file that is missing, unreadable or from another save restarts every rank's error feedback, with a warning.
 """
 
 from __future__ import annotations
@@ -131,7 +132,7 @@ class CastCompression:
     def state_dict(self) -> dict[str, Any] | None:
         return None
 
-    def load_checkpoint_entry(self, entry: dict[str, Any], own: dict[str, Any] | None, world_size: int) -> None:
+    def load_checkpoint_entry(self, entry: dict[str, Any], own: dict[str, Any] | None, unusable: str) -> None:
         pass
 
 
@@ -341,20 +342,14 @@ class PowerSGDCompression:
             for name, parts in saved["params"].items()
         }
 
-    def load_checkpoint_entry(self, entry: dict[str, Any], own: dict[str, Any] | None, world_size: int) -> None:
+    def load_checkpoint_entry(self, entry: dict[str, Any], own: dict[str, Any] | None, unusable: str) -> None:
         """Continue from a checkpoint entry of :func:`checkpoint_entry` and this rank's own state (``own``, from
-        its file beside the checkpoint; None where any rank's is missing or the world size differs)."""
+        its file beside the checkpoint; None where any rank's cannot be used, ``unusable`` saying why)."""
         if own is not None:
             self.load_state_dict(own)
             return
-        saved_world = entry.get("world_size")
-        if saved_world == world_size:
-            where = rank_file(entry.get("checkpoint_path", "<checkpoint>"), "<r>", world_size)  # type: ignore[arg-type]
-            reason = f"missing or stale for some rank ({where!r})"
-        else:
-            reason = f"from {saved_world} processes, this run has {world_size}"
         rank_zero_warn(
-            f"shardplus: the checkpoint's per-rank PowerSGD state is {reason}: the step counter and warm-start "
+            f"shardplus: the checkpoint's per-rank PowerSGD state {unusable}: the step counter and warm-start "
             "P/Q (the same on every rank) are restored, the per-rank error feedback starts again from zero."
         )
         self.load_state_dict(entry["state"], keep_error_feedback=False)
@@ -407,14 +402,29 @@ def save_rank_state(state: dict[str, Any], checkpoint_path: str | PathLike, rank
         file.write(buffer.getvalue())
 
 
-def load_rank_state(checkpoint_path: str | PathLike, rank: int, world_size: int) -> dict[str, Any] | None:
-    """This rank's state saved beside the checkpoint; None when there is no such file."""
+# Why a rank's file cannot be used, by code (0: it can): agreed by every rank with one all-reduce.
+_FILE_PROBLEMS = {1: "is missing", 2: "cannot be read (truncated or corrupt)", 3: "is from another save"}
+
+
+def load_rank_state(
+    checkpoint_path: str | PathLike, rank: int, world_size: int, step: int | None
+) -> tuple[dict[str, Any] | None, int]:
+    """This rank's state saved beside the checkpoint of step counter ``step``, and 0; or None and why not
+    (:data:`_FILE_PROBLEMS`): a file that cannot be read is not an error here, so that every rank can agree."""
     path = rank_file(checkpoint_path, rank, world_size)
     fs = get_filesystem(path)
-    if not fs.exists(path):
-        return None
-    with fs.open(path, "rb") as file:
-        return torch.load(file, map_location="cpu", weights_only=True)
+    try:
+        if not fs.exists(path):
+            return None, 1
+        with fs.open(path, "rb") as file:
+            state = torch.load(file, map_location="cpu", weights_only=True)
+    except Exception:  # torch.load raises UnpicklingError, RuntimeError, EOFError, ... on a truncated file
+        return None, 2
+    if not isinstance(state, dict) or state.get("format") != _STATE_FORMAT:
+        return None, 2
+    if state.get("iter") != step:
+        return None, 3
+    return state, 0
 
 
 def remove_rank_states(checkpoint_path: str | PathLike, rank: int) -> None:
@@ -511,14 +521,22 @@ class CommunicationHook:
             )
             return
         rank, world = _rank_and_world()
-        path = entry.get("checkpoint_path")
-        own = load_rank_state(path, rank, world) if path is not None and entry.get("world_size") == world else None
-        if own is not None and own.get("iter") != entry["state"].get("iter"):
-            own = None  # a file of another save to the same path
-        missing = torch.tensor([float(own is None)], device=self.device)
+        path, saved_world = entry.get("checkpoint_path"), entry.get("world_size")
+        own, problem = None, 0
+        if path is not None and saved_world == world:
+            own, problem = load_rank_state(path, rank, world, entry["state"].get("iter"))
+        problems = torch.zeros(world, device=self.device)  # every rank's, so that all know which files and why
+        problems[rank] = problem
         if world > 1:
-            dist.all_reduce(missing)
-        self.compression.load_checkpoint_entry(entry, own if missing.item() == 0 else None, world)
+            dist.all_reduce(problems)
+        if saved_world != world:
+            unusable = f"is from {saved_world} processes, this run has {world}"
+        elif path is None:
+            unusable = "has no checkpoint path"
+        else:
+            codes = [int(code) for code in problems.tolist()]
+            unusable = "; ".join(f"{rank_file(path, r, world)!r} {_FILE_PROBLEMS[c]}" for r, c in enumerate(codes) if c)
+        self.compression.load_checkpoint_entry(entry, own if not unusable else None, unusable)
 
 
 def _rank_and_world() -> tuple[int, int]:

@@ -16,15 +16,23 @@ import dataclasses
 import difflib
 import inspect
 import itertools
+import numbers
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from functools import cached_property
 from typing import Any
 
+import lightning.fabric.plugins  # noqa: F401  (the modules `_lightning_classes` reads in sys.modules)
+import lightning.pytorch.plugins.precision  # noqa: F401
+import torch
+import torch.distributed as dist
+from lightning.pytorch.accelerators import AcceleratorRegistry
 from lightning.pytorch.strategies import DDPStrategy
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
+from torch.nn import Parameter
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_shardplus import fusion
@@ -95,12 +103,12 @@ class ShardPlusConfig:
         check_choice("shard_padding", self.shard_padding, PADDING_MODES)
         if self.shuffle_seed is not None:
             object.__setattr__(self, "shuffle_seed", check_int("shuffle_seed", self.shuffle_seed, minimum=0))
-        for name in ("average_aggregated_gradients", "exact_evaluation", "verify_sharding"):
-            check_bool(name, getattr(self, name))
+        flags = ("average_aggregated_gradients", "exact_evaluation", "verify_sharding", "auto_tune_tensor_fusion")
+        for name in (*flags, "average_training_metrics"):
+            object.__setattr__(self, name, check_bool(name, getattr(self, name)))  # numpy's bools as bool
         if self.tensor_fusion_threshold_mb is not None:
             fusion.check_bucket_size("tensor_fusion_threshold_mb", self.tensor_fusion_threshold_mb)
             object.__setattr__(self, "tensor_fusion_threshold_mb", float(self.tensor_fusion_threshold_mb))
-        check_bool("auto_tune_tensor_fusion", self.auto_tune_tensor_fusion)
         if self.autotune_log is not None and not isinstance(self.autotune_log, (str, os.PathLike)):
             raise TypeError(f"`autotune_log`={self.autotune_log!r} is not valid: expected a file path or None.")
         if self.autotune_log is not None:
@@ -112,7 +120,6 @@ class ShardPlusConfig:
         if self.autotune_cache is not False and (self.autotune_cache is not True or self.auto_tune_tensor_fusion):
             fusion.check_cache_file("autotune_cache", self.autotune_cache)  # the default only where it is used
         _ = self.autotune_settings  # checked even when tuning is off: a YAML typo fails early
-        check_bool("average_training_metrics", self.average_training_metrics)
         check_choice("uneven_inputs", self.uneven_inputs, UNEVEN_INPUTS)
 
     @classmethod
@@ -165,18 +172,145 @@ def check_ddp_arguments(
     ddp_comm_hook: Callable | None,
     ddp_comm_state: object | None,
     ddp_kwargs: dict[str, Any],
-) -> timedelta | None:
+) -> tuple[timedelta | None, dict[str, Any]]:
     """Check the ``DDPStrategy`` arguments and how they combine with ``config``; returns the timeout as a
-    timedelta (a number is seconds, as a YAML config gives it)."""
+    timedelta (a number is seconds, as a YAML config gives it) and DDP's keyword arguments as DDP takes them."""
     check_choice("start_method", start_method, START_METHODS)
     check_process_group_backend(process_group_backend)  # its name when the processes start (`preflight`)
-    for name in ("find_unused_parameters", "static_graph", "gradient_as_bucket_view", "broadcast_buffers"):
-        if name in ddp_kwargs and not (name == "broadcast_buffers" and ddp_kwargs[name] is None):
-            check_bool(name, ddp_kwargs[name])
     _check_communication_hook(config, ddp_comm_hook, ddp_comm_state)
     _check_bucket_arguments(config, ddp_kwargs)
+    ddp_kwargs = check_ddp_kwargs(ddp_kwargs)
     check_static_graph(config.aggregation_frequency, ddp_kwargs.get("static_graph") is True, "`aggregation_frequency`")
-    return process_group_timeout(timeout)
+    return process_group_timeout(timeout), ddp_kwargs
+
+
+# DistributedDataParallel's flags (each checked where this torch has it); the optional ones take None (its default).
+_DDP_FLAGS = (
+    "init_sync", "find_unused_parameters", "check_reduction", "gradient_as_bucket_view", "static_graph",
+    "skip_all_reduce_unused_params", "batched_grad_copy",
+)  # fmt: skip
+_DDP_OPTIONAL_FLAGS = ("broadcast_buffers", "forward_sync_buffers")
+
+
+def check_ddp_kwargs(ddp_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """DistributedDataParallel's keyword arguments (known to this torch: :func:`_check_bucket_arguments`) checked
+    as DDP would take them in every worker; returned with numpy's bools and numbers as Python's."""
+    checked = dict(ddp_kwargs)
+    for name in (*_DDP_FLAGS, *_DDP_OPTIONAL_FLAGS):
+        if name in checked and not (name in _DDP_OPTIONAL_FLAGS and checked[name] is None):
+            checked[name] = check_bool(name, checked[name])
+    if "dim" in checked:
+        checked["dim"] = check_int("dim", checked["dim"])
+    if checked.get("bucket_cap_mb_list") is not None:
+        checked["bucket_cap_mb_list"] = _bucket_caps(checked["bucket_cap_mb_list"])
+    if checked.get("output_device") is not None:
+        checked["output_device"] = _device("output_device", checked["output_device"])
+    _check_types(checked)
+    return checked
+
+
+def _bucket_caps(caps: Any) -> list[float]:
+    if not isinstance(caps, (list, tuple)) or not all(fusion.is_bucket_size(cap) for cap in caps):
+        raise ValueError(
+            f"`bucket_cap_mb_list`={caps!r} is not valid: expected a list of bucket sizes in MB, one per bucket in "
+            f"order, each {fusion.BUCKET_SIZE_RANGE}."
+        )
+    return [float(cap) for cap in caps]
+
+
+def _device(name: str, value: Any) -> int | str | torch.device:
+    expected = "expected None, a device index or a device such as 'cuda:0' or torch.device('cuda', 0)"
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return int(value)
+    if not isinstance(value, (str, torch.device)):
+        raise TypeError(f"`{name}`={value!r} is not valid: {expected}.")
+    try:
+        torch.device(value)
+    except RuntimeError:
+        raise ValueError(f"`{name}`={value!r} is not valid: {expected}.") from None
+    return value
+
+
+def _check_types(ddp_kwargs: dict[str, Any]) -> None:
+    """DDP's arguments that are objects: the process group (or the 1-D device mesh giving it), its mixed precision
+    (``param_dtype``, ``reduce_dtype`` and ``buffer_dtype``, as torch's ``_MixedPrecision``), and the parameters
+    whose all-reduce is delayed until ``param_to_hook_all_reduce``'s gradient is ready (both or neither)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    kinds = {"process_group": dist.ProcessGroup, "device_mesh": DeviceMesh, "param_to_hook_all_reduce": Parameter}
+    for name, kind in kinds.items():
+        if ddp_kwargs.get(name) is not None and not isinstance(ddp_kwargs[name], kind):
+            raise TypeError(f"`{name}`={ddp_kwargs[name]!r} is not valid: expected None or a {_qualname(kind)}.")
+    precision = ddp_kwargs.get("mixed_precision")
+    dtypes = ("param_dtype", "reduce_dtype", "buffer_dtype")
+    if precision is not None and not all(hasattr(precision, dtype) for dtype in dtypes):
+        raise TypeError(
+            f"`mixed_precision`={precision!r} is not valid: expected None or a mixed-precision setting with "
+            "`param_dtype`, `reduce_dtype` and `buffer_dtype` (torch.nn.parallel.distributed._MixedPrecision)."
+        )
+    delayed = ddp_kwargs.get("delay_all_reduce_named_params")
+    if delayed is not None and not (
+        isinstance(delayed, (list, tuple))
+        and all(isinstance(p, tuple) and len(p) == 2 and isinstance(p[1], Parameter) for p in delayed)
+    ):
+        raise TypeError(
+            f"`delay_all_reduce_named_params`={delayed!r} is not valid: expected None or a list of (name, "
+            "torch.nn.Parameter) pairs."
+        )
+    if (delayed is None) != (ddp_kwargs.get("param_to_hook_all_reduce") is None):
+        raise ValueError(
+            "`delay_all_reduce_named_params` and `param_to_hook_all_reduce` go together: give both or neither "
+            f"(got {delayed!r} and {ddp_kwargs.get('param_to_hook_all_reduce')!r})."
+        )
+    if ddp_kwargs.get("process_group") is not None and ddp_kwargs.get("device_mesh") is not None:
+        raise ValueError("`process_group` and `device_mesh` both choose DDP's process group: give one of them.")
+
+
+def _qualname(kind: type) -> str:
+    return f"{kind.__module__}.{kind.__qualname__}"
+
+
+def check_strategy_plugins(accelerator: Any, model_averaging_period: Any, **plugins: Any) -> None:
+    """``DDPStrategy``'s own arguments, which Lightning otherwise checks only when the Trainer is built or the
+    processes run: ``accelerator`` (an Accelerator or a name, as DDPStrategy takes it) and ``plugins`` by name
+    (:data:`_PLUGIN_TYPES`)."""
+    names = ("auto", "gpu", *sorted(AcceleratorRegistry.available_accelerators()))
+    if accelerator is not None and not isinstance(accelerator, (*_lightning_classes("Accelerator"), str)):
+        raise TypeError(f"`accelerator`={accelerator!r} is not valid: expected None, an Accelerator or one of {names}.")
+    if isinstance(accelerator, str) and accelerator not in names:
+        raise ValueError(
+            f"`accelerator`={accelerator!r} is not valid: expected None, an Accelerator or one of {names}. It is "
+            "DDPStrategy's first positional argument: give ShardPlusStrategy's own options by keyword "
+            "(ShardPlusStrategy(uneven_inputs='join'), for example)."
+        )
+    for name, value in plugins.items():
+        kind = _PLUGIN_TYPES[name]
+        if value is not None and not (callable(value) if kind is None else isinstance(value, _lightning_classes(kind))):
+            raise TypeError(f"`{name}`={value!r} is not valid: expected None or a {kind or 'callable'}.")
+    if model_averaging_period is not None:
+        check_int("model_averaging_period", model_averaging_period, minimum=1)
+
+
+# The plugin arguments: the Lightning class each must be an instance of (None: a callable).
+_PLUGIN_TYPES = {
+    "cluster_environment": "ClusterEnvironment",
+    "checkpoint_io": "CheckpointIO",
+    "precision_plugin": "Precision",
+    "ddp_comm_hook": None,
+    "ddp_comm_wrapper": None,
+}
+_LIGHTNING_MODULES = {
+    "Accelerator": ("lightning.pytorch.accelerators", "pytorch_lightning.accelerators"),
+    "ClusterEnvironment": ("lightning.fabric.plugins", "lightning_fabric.plugins"),
+    "CheckpointIO": ("lightning.fabric.plugins", "lightning_fabric.plugins"),
+    "Precision": ("lightning.pytorch.plugins.precision", "pytorch_lightning.plugins.precision"),
+}
+
+
+def _lightning_classes(name: str) -> tuple[type, ...]:
+    """Lightning's class ``name`` in each of its namespaces already imported (``lightning`` and the standalone
+    ``pytorch_lightning`` / ``lightning_fabric``: an object of the latter comes from an imported module)."""
+    return tuple(getattr(sys.modules[module], name) for module in _LIGHTNING_MODULES[name] if module in sys.modules)
 
 
 def _check_communication_hook(config: ShardPlusConfig, hook: Callable | None, state: object | None) -> None:
@@ -212,6 +346,11 @@ def _check_bucket_arguments(config: ShardPlusConfig, ddp_kwargs: dict[str, Any])
         raise ValueError(
             f"`bucket_cap_mb_list`={caps!r} and {other} both set DDP's bucket sizes (DDP would take the list and "
             "ignore the size): give one of them."
+        )
+    if "device_ids" in ddp_kwargs:
+        raise TypeError(
+            f"`device_ids`={ddp_kwargs['device_ids']!r} is not a ShardPlusStrategy option: the strategy gives DDP "
+            "the one device of each process (choose the devices with the Trainer's `devices`)."
         )
     if "bucket_cap_mb" in ddp_kwargs:
         raise TypeError(

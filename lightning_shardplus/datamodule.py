@@ -7,7 +7,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 
 from lightning_shardplus._validation import check_bool, check_int
@@ -160,10 +160,6 @@ class ShardPlusDataModule(pl.LightningDataModule):
                                  "override `build_train_dataset`.")
             if len(train) == 0:  # type: ignore[arg-type]
                 raise ValueError("`train_dataset` is empty (len 0): give it at least one sample.")
-            rank_zero_info(
-                f"shardplus: global batch {self.effective_global_batch_size} = {self.per_device_batch_size} per "
-                f"device x {self.world_size} processes"
-            )
 
     # ------------------------------------------------------------------ loaders
 

@@ -65,16 +65,19 @@ class ShardedLoaders:
         self.exact_evaluation, self.record_indices = exact_evaluation, record_indices
         self._resumed: dict[str, Any] | None = None  # a checkpoint's sampler progress, until the loaders are built
         self._resumed_used = 0  # how many of its sampler states were given to samplers so far
+        self._resumed_exactly = 0  # training samplers that continue the checkpoint's epoch
         self._restore_warnings: Callable[[], None] | None = None
+        self._restore_resume_warning: Callable[[], None] | None = None
         if exact_evaluation and num_replicas > 1:
             # Lightning warns that its evaluation sampler replicates samples: not so with exact shards
             self._restore_warnings = _lightning.silence_evaluation_sampler_warning()
 
     def close(self) -> None:
-        """The run ends: put the warning filter back."""
-        if self._restore_warnings is not None:
-            self._restore_warnings()
-            self._restore_warnings = None
+        """The run ends: put the warning filters back."""
+        for restore in (self._restore_warnings, self._restore_resume_warning):
+            if restore is not None:
+                restore()
+        self._restore_warnings = self._restore_resume_warning = None
 
     def injection_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         """The arguments of the sampler Lightning injects (``distributed_sampler_kwargs``). For prediction with
@@ -132,8 +135,13 @@ class ShardedLoaders:
         return evaluating and mapped and self.exact_evaluation and self.num_replicas > 1
 
     def training_loaders_built(self) -> None:
-        """Training starts: a later reload (``reload_dataloaders_every_n_epochs``) starts its epoch whole."""
-        self._resumed, self._resumed_used = None, 0
+        """Training starts: a later reload (``reload_dataloaders_every_n_epochs``) starts its epoch whole. Where the
+        samplers of all training loaders continue a checkpoint's epoch, Lightning's warning that the loaders cannot
+        resume mid-epoch is not true: it is silenced until the run ends."""
+        continued, loaders = self._resumed_exactly, _lightning.training_loaders_combination(self.trainer)[1]
+        if continued and continued == loaders and self._restore_resume_warning is None:
+            self._restore_resume_warning = _lightning.silence_not_resumable_warning()
+        self._resumed, self._resumed_used, self._resumed_exactly = None, 0, 0
 
     def _training_sampler(self, dataloader: DataLoader, injected: Any) -> PaddedShardSampler:
         if len(dataloader.dataset) == 0:
@@ -172,6 +180,7 @@ class ShardedLoaders:
                 "in the order it started with (as if it had not stopped)."
             )
         sampler.load_state_dict(state, samples_counted=int(entry["batches_done"]) * batch_size)
+        self._resumed_exactly += 1
 
     def state_dict(self) -> dict[str, Any] | None:
         """The training samplers' progress at the last trained batch; None outside fit or without our samplers."""

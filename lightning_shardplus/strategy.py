@@ -26,7 +26,13 @@ from lightning_shardplus import _lightning
 from lightning_shardplus.aggregation import check_aggregation, effective_batch_size
 from lightning_shardplus.components import DistributedSetup, RunComponents, checkpointed_states, remove_checkpoint_files
 from lightning_shardplus.compression import GradientCompression
-from lightning_shardplus.config import ShardPlusConfig, at_ddp_defaults, check_ddp_arguments, registered_names
+from lightning_shardplus.config import (
+    ShardPlusConfig,
+    at_ddp_defaults,
+    check_ddp_arguments,
+    check_strategy_plugins,
+    registered_names,
+)
 from lightning_shardplus.fusion import BucketSetting, FusionResult
 from lightning_shardplus.launch import LaunchAfterCheck, check_accelerator, check_trainer_call
 from lightning_shardplus.loaders import gather_predictions
@@ -36,8 +42,9 @@ from lightning_shardplus.uneven import NO_BATCH, UnevenInputs
 
 
 class ShardPlusStrategy(DDPStrategy):
-    """DDP for synchronous data-parallel training, with the training optimizations of Horovod, Determined and
-    NVIDIA Clara Train. Each argument has a page in ``docs/``; the README has one line per argument.
+    """DDP with the training optimizations of Horovod, Determined and NVIDIA Clara Train, for Lightning.
+
+    Synchronous data-parallel training. Each argument has a page in ``docs/``; the README has one line per argument.
 
     Args:
         aggregation_frequency: micro-batches per optimizer step; the gradients of all but the last stay local
@@ -120,9 +127,14 @@ class ShardPlusStrategy(DDPStrategy):
             ddp_kwargs["find_unused_parameters"] = find_unused_parameters
         if broadcast_buffers is not None:
             ddp_kwargs["broadcast_buffers"] = broadcast_buffers  # only when given: torch 2.13 deprecates it
-        timeout = check_ddp_arguments(
+        check_strategy_plugins(
+            accelerator, model_averaging_period, cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin, ddp_comm_hook=ddp_comm_hook, ddp_comm_wrapper=ddp_comm_wrapper,
+        )  # fmt: skip
+        timeout, ddp_kwargs = check_ddp_arguments(
             config, start_method, timeout, process_group_backend, ddp_comm_hook, ddp_comm_state, {**flags, **ddp_kwargs}
         )
+        flags = {name: ddp_kwargs.pop(name) for name in flags}  # as checked: numpy's bools as bool
         super().__init__(  # DDPStrategy's arguments, in its order
             accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin, ddp_comm_state,
             ddp_comm_hook, ddp_comm_wrapper, model_averaging_period, process_group_backend, timeout, start_method,
@@ -273,6 +285,8 @@ class ShardPlusStrategy(DDPStrategy):
         dataloader = super().process_dataloader(dataloader)
         if (parts := self._components) is not None:
             dataloader = parts.loaders.process(dataloader)
+            if parts.aggregation is not None and self.lightning_module.trainer.training:
+                parts.aggregation.announce(dataloader)
             if parts.even is not None and self.lightning_module.trainer.training:
                 dataloader = parts.even.wrap(dataloader)
         return dataloader
@@ -287,7 +301,7 @@ class ShardPlusStrategy(DDPStrategy):
         parts.loaders.training_loaders_built()
         if parts.even is not None:
             parts.even.check_combination(*_lightning.training_loaders_combination(self.lightning_module.trainer))
-        parts.aggregation.on_train_start(self.config.gradient_compression)
+        parts.aggregation.on_train_start()
         parts.fusion.on_train_start()
 
     @override

@@ -210,10 +210,11 @@ class EvenSteps:
         self.streams += 1
         if hasattr(loader, "state_dict") and hasattr(loader, "load_state_dict"):
             return ResumableAgreedLoader(loader, self)
-        rank_zero_warn(
-            "shardplus: the training stream's loader has no `state_dict`: a checkpoint saved mid-epoch resumes "
-            "at the start of the epoch (litdata's StreamingDataLoader can resume mid-epoch)."
-        )
+        if self.trainer is None or self.trainer.checkpoint_callbacks:  # only where a checkpoint can be saved
+            rank_zero_warn(
+                "shardplus: the training stream's loader has no `state_dict`: a checkpoint saved mid-epoch resumes "
+                "at the start of the epoch (litdata's StreamingDataLoader can resume mid-epoch)."
+            )
         return AgreedLoader(loader, self)
 
     def check_combination(self, mode: str, loaders: int) -> None:

@@ -287,17 +287,19 @@ def test_a_static_graph_with_more_than_one_micro_batch_per_step_is_refused_befor
 
 
 class _ReportBatch(Callback):
-    """Writes what the strategy tells callbacks, and the messages logged from then on (the strategy's
-    ``on_train_start`` runs after the callbacks')."""
+    """Writes what the strategy tells callbacks, and the messages logged from the setup on (the strategy logs the
+    effective batch when the training loaders are built)."""
 
     def __init__(self, out: Path) -> None:
         self.out = out
         self.messages: list[str] = []
 
-    def on_train_start(self, trainer, pl_module):
+    def setup(self, trainer, pl_module, stage):
         handler = logging.Handler()
         handler.emit = lambda record: self.messages.append(record.getMessage())
         logging.getLogger("lightning.pytorch").addHandler(handler)
+
+    def on_train_start(self, trainer, pl_module):
         self.report = {
             "effective": trainer.strategy.effective_batch_size,
             "micro_batches": trainer.strategy.micro_batches_per_step,

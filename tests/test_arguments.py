@@ -1,8 +1,10 @@
 """Bad arguments are refused with an error naming the argument, the value and what is valid, before any
 process group starts."""
 
+import os
 import warnings
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -357,3 +359,133 @@ def test_a_stand_in_module_without_a_trainer_connects():
     strategy = ShardPlusStrategy()
     strategy.connect(model)
     assert strategy.model is model and strategy.effective_batch_size is None
+
+
+def _ddp_accepts(name):
+    import inspect
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    return name in inspect.signature(DistributedDataParallel.__init__).parameters
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"forward_sync_buffers": "no"}, TypeError, r"`forward_sync_buffers`='no' is not valid: expected True"),
+        ({"init_sync": "no"}, TypeError, r"`init_sync`='no' is not valid: expected True or False"),
+        ({"skip_all_reduce_unused_params": "x"}, TypeError, r"`skip_all_reduce_unused_params`='x'.*True or False"),
+        ({"batched_grad_copy": 1}, TypeError, r"`batched_grad_copy`=1 is not valid"),
+        ({"check_reduction": "yes"}, TypeError, r"`check_reduction`='yes' is not valid"),
+        ({"gradient_as_bucket_view": "no"}, TypeError, r"`gradient_as_bucket_view`='no' is not valid"),
+        ({"bucket_cap_mb_list": [-1]}, ValueError, r"`bucket_cap_mb_list`=\[-1\] is not valid: expected a list of"),
+        ({"bucket_cap_mb_list": ["x"]}, ValueError, r"`bucket_cap_mb_list`=\['x'\] is not valid: expected a list"),
+        ({"bucket_cap_mb_list": "x"}, ValueError, r"`bucket_cap_mb_list`='x' is not valid: expected a list"),
+        ({"dim": 1.5}, TypeError, r"`dim`=1.5 is not valid: expected an integer"),
+        ({"output_device": "nowhere"}, ValueError, r"`output_device`='nowhere' is not valid: expected None, a device"),
+        ({"output_device": [0]}, TypeError, r"`output_device`=\[0\] is not valid: expected None, a device"),
+        ({"device_ids": [0]}, TypeError, r"`device_ids`=\[0\] is not a ShardPlusStrategy option: .*one device"),
+        ({"process_group": 1}, TypeError, r"`process_group`=1 is not valid: expected None or a .*ProcessGroup"),
+        ({"device_mesh": 1}, TypeError, r"`device_mesh`=1 is not valid: expected None or a .*DeviceMesh"),
+        ({"mixed_precision": 1}, TypeError, r"`mixed_precision`=1 is not valid: expected None or .*param_dtype"),
+        ({"delay_all_reduce_named_params": "x"}, TypeError, r"`delay_all_reduce_named_params`='x' is not valid"),
+        ({"param_to_hook_all_reduce": 1}, TypeError, r"`param_to_hook_all_reduce`=1 is not valid"),
+    ],
+)
+def test_ddp_keyword_arguments_are_checked_at_construction(kwargs, error, message):
+    # each failed only inside every worker (pybind errors), or was silently taken as true (`init_sync="no"`)
+    if not all(_ddp_accepts(name) for name in kwargs):
+        pytest.skip(f"this torch's DistributedDataParallel has no {list(kwargs)}")
+    with pytest.raises(error, match=message):
+        ShardPlusStrategy(**kwargs)
+    assert not dist.is_initialized()
+
+
+def test_ddp_keyword_arguments_that_go_together_are_checked_together():
+    import torch.nn as nn
+
+    parameter = nn.Parameter(torch.zeros(1))
+    with pytest.raises(ValueError, match=r"`delay_all_reduce_named_params`.*`param_to_hook_all_reduce`.*together"):
+        ShardPlusStrategy(delay_all_reduce_named_params=[("w", parameter)])
+    strategy = ShardPlusStrategy(delay_all_reduce_named_params=[("w", parameter)], param_to_hook_all_reduce=parameter)
+    assert strategy._ddp_kwargs["param_to_hook_all_reduce"] is parameter
+    strategy = ShardPlusStrategy(output_device="cpu", dim=np.int64(1), bucket_cap_mb_list=[np.float32(1), 25])
+    assert strategy._ddp_kwargs["dim"] == 1 and type(strategy._ddp_kwargs["dim"]) is int
+    assert strategy._ddp_kwargs["bucket_cap_mb_list"] == [1.0, 25.0]
+
+
+def test_numpy_bools_are_bools():
+    # numpy's numbers are taken where numbers are; its bools where bools are, given to DDP as Python bools
+    flags = {name: np.bool_(True) for name in ("init_sync", "skip_all_reduce_unused_params") if _ddp_accepts(name)}
+    strategy = ShardPlusStrategy(
+        static_graph=np.bool_(True), find_unused_parameters=np.bool_(False), exact_evaluation=np.bool_(False), **flags
+    )
+    ddp_kwargs = strategy._ddp_kwargs
+    assert ddp_kwargs["static_graph"] is True and ddp_kwargs["find_unused_parameters"] is False
+    assert all(ddp_kwargs[name] is True for name in flags)
+    assert strategy.config.exact_evaluation is False
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"checkpoint_io": 1}, TypeError, r"`checkpoint_io`=1 is not valid: expected None or a .*CheckpointIO"),
+        ({"precision_plugin": "16"}, TypeError, r"`precision_plugin`='16' is not valid: expected None or a .*Precis"),
+        ({"cluster_environment": 1}, TypeError, r"`cluster_environment`=1 is not valid: expected None or a .*Cluster"),
+        ({"ddp_comm_hook": 1}, TypeError, r"`ddp_comm_hook`=1 is not valid: expected None or a callable"),
+        ({"ddp_comm_wrapper": "fp16"}, TypeError, r"`ddp_comm_wrapper`='fp16' is not valid: expected None or a call"),
+        ({"model_averaging_period": 0}, ValueError, r"`model_averaging_period`=0 is not valid: expected an integer"),
+        ({"accelerator": 1}, TypeError, r"`accelerator`=1 is not valid: expected None, an Accelerator or one of"),
+        ({"accelerator": "join"}, ValueError, r"`accelerator`='join' is not valid: expected .*'cpu'.*keyword"),
+    ],
+)
+def test_ddp_strategy_arguments_are_checked_at_construction(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        ShardPlusStrategy(**kwargs)
+    assert not dist.is_initialized()
+
+
+def test_a_positional_argument_is_the_accelerator_and_a_shardplus_option_there_is_refused_clearly():
+    # `ShardPlusStrategy("join")` passed "join" as DDPStrategy's first argument, `accelerator`: say so
+    with pytest.raises(ValueError, match=r"`accelerator`='join' .*first positional argument.*by keyword"):
+        ShardPlusStrategy("join")
+    # an accelerator by name or instance, by keyword or position, as DDPStrategy takes it
+    from lightning.pytorch.accelerators import CPUAccelerator
+
+    devices = [torch.device("cpu")] * 2
+    assert ShardPlusStrategy(accelerator="cpu", parallel_devices=devices).parallel_devices == devices
+    assert isinstance(ShardPlusStrategy(CPUAccelerator(), devices).accelerator, CPUAccelerator)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc")
+@pytest.mark.parametrize("argument", ["autotune_cache", "autotune_log"])
+def test_an_autotune_path_that_cannot_be_created_is_refused_at_construction(argument):
+    # os.access calls /proc writable for root; creating a directory there fails
+    path = "/proc/shardplus-test/fusion.json"
+    with pytest.raises(ValueError, match=rf"`{argument}`='{path}' cannot be written"):
+        ShardPlusStrategy(auto_tune_tensor_fusion=True, **{argument: path})
+    assert not os.path.exists("/proc/shardplus-test")
+
+
+def test_checking_an_autotune_path_leaves_nothing_behind(tmp_path):
+    ShardPlusStrategy(auto_tune_tensor_fusion=True, autotune_log=str(tmp_path / "a" / "b" / "log.csv"))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_plugins_of_either_lightning_namespace_pass_the_construction_check():
+    # pytorch_lightning / lightning_fabric are separate class hierarchies: their plugins are not refused as not ours
+    fabric = pytest.importorskip("lightning_fabric.plugins")
+    environments = pytest.importorskip("lightning_fabric.plugins.environments")
+    pl_precision = pytest.importorskip("pytorch_lightning.plugins.precision")
+    pl_accelerators = pytest.importorskip("pytorch_lightning.accelerators")
+    from lightning.fabric.plugins import TorchCheckpointIO
+    from lightning.fabric.plugins.environments import LightningEnvironment
+    from lightning.pytorch.plugins.precision import Precision
+
+    for plugins in (
+        {"checkpoint_io": TorchCheckpointIO(), "cluster_environment": LightningEnvironment()},
+        {"precision_plugin": Precision()},
+        {"checkpoint_io": fabric.TorchCheckpointIO(), "cluster_environment": environments.LightningEnvironment()},
+        {"precision_plugin": pl_precision.Precision(), "accelerator": pl_accelerators.CPUAccelerator()},
+    ):
+        ShardPlusStrategy(**plugins)

@@ -58,10 +58,14 @@ def test_strategy_defaults_to_shardplus_and_strategy_options_parse(tmp_path):
         "--print_config",
         cwd=tmp_path,
     )
-    assert yaml.safe_load(printed.stdout)["trainer"]["strategy"] == "shardplus"
+    strategy = yaml.safe_load(printed.stdout)["trainer"]["strategy"]  # the class, so that its options apply
+    assert strategy["class_path"] == "lightning_shardplus.ShardPlusStrategy"
+    assert strategy["init_args"]["start_method"] == "popen"  # what the name "shardplus" gives
     helped = shardplus("fit", "--help", cwd=tmp_path).stdout
     strategy_help = helped[helped.index("--trainer.strategy STRATEGY\n") :].split("--trainer.devices")[0]
-    assert "default: shardplus" in strategy_help and "auto" not in strategy_help  # one truthful default
+    strategy_help = " ".join(strategy_help.split())
+    default = "default: {'class_path': 'lightning_shardplus.ShardPlusStrategy'}"
+    assert default in strategy_help and "auto" not in strategy_help  # one truthful default
     result = subprocess.run(
         [
             sys.executable,
@@ -100,6 +104,62 @@ def test_a_value_our_classes_refuse_in_a_config_is_a_usage_error_naming_it(tmp_p
     assert exited.value.code == 2
     error = capsys.readouterr().err
     assert f"error: {message}" in error and "Traceback" not in error and "Union subtypes" not in error
+
+
+def print_config(capsys, monkeypatch, tmp_path, *args):
+    from lightning_shardplus import cli
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["fit", *args, "--print_config"])
+    output = capsys.readouterr()
+    assert exited.value.code == 0, output.err
+    return yaml.safe_load(output.out)["trainer"]["strategy"]
+
+
+@pytest.mark.timeout(120)
+def test_strategy_options_on_the_command_line_apply_over_the_default_and_a_config_naming_the_strategy(
+    tmp_path, capsys, monkeypatch
+):
+    # jsonargparse took `--trainer.strategy.<option>` only on a class: "Expected a dot import path string: shardplus"
+    option = "--trainer.strategy.aggregation_frequency=2"
+    synthetic = ROOT / "configs" / "synthetic.yaml"
+    configured = print_config(capsys, monkeypatch, tmp_path, "--config", str(synthetic), option)
+    assert "strategy: shardplus\n" in synthetic.read_text()
+    assert configured["class_path"] == "lightning_shardplus.ShardPlusStrategy"
+    assert configured["init_args"]["aggregation_frequency"] == 2 and configured["init_args"]["start_method"] == "popen"
+    default = print_config(
+        capsys, monkeypatch, tmp_path, "--model=lightning_shardplus.demo.ClassifierModule",
+        "--data=lightning_shardplus.SyntheticDataModule", option,
+    )  # fmt: skip
+    assert default == configured
+    spawn = tmp_path / "spawn.yaml"  # each registered name is the class with that name's arguments
+    spawn.write_text(synthetic.read_text().replace("strategy: shardplus", "strategy: shardplus_spawn"))
+    named = print_config(capsys, monkeypatch, tmp_path, "--config", str(spawn), option)["init_args"]
+    assert named["start_method"] == "spawn" and named["aggregation_frequency"] == 2
+    # the name given on the command line, then an option under it: the error says what to give instead
+    from lightning_shardplus import cli
+
+    with pytest.raises(SystemExit):
+        cli.main(["fit", "--config", str(spawn), "--trainer.strategy=shardplus", option, "--print_config"])
+    error = capsys.readouterr().err
+    assert "is the name 'shardplus': options under it need its class" in error
+    assert "--trainer.strategy=lightning_shardplus.ShardPlusStrategy" in error
+
+
+@pytest.mark.timeout(120)
+def test_the_strategy_help_starts_with_a_whole_sentence(tmp_path, capsys, monkeypatch):
+    # jsonargparse titles the strategy's options with the docstring's first line: it was cut ("... Determined and:")
+    from lightning_shardplus import ShardPlusStrategy, cli
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit):
+        cli.main(["fit", "--trainer.strategy.help", "lightning_shardplus.ShardPlusStrategy"])
+    lines = capsys.readouterr().out.splitlines()
+    title = lines[lines.index("Help for --trainer.strategy.help=lightning_shardplus.ShardPlusStrategy") + 2]
+    first, second = ShardPlusStrategy.__doc__.splitlines()[:2]
+    assert first.endswith(".") and not second.strip()  # the first paragraph: one line, one sentence
+    assert title == f"{first[:-1]}:", title  # (jsonargparse drops the period)
 
 
 @pytest.mark.timeout(120)

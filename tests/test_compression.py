@@ -264,7 +264,7 @@ def test_powersgd_resume_without_the_per_rank_files_warns_and_restarts_error_fee
     checkpoint = tmp_path / "ckpt" / "epoch=0.ckpt"
     for path in (tmp_path / "ckpt" / "epoch=0.ckpt.powersgd").iterdir():
         path.unlink()
-    message = r"per-rank PowerSGD state is missing or stale .*rank-<r>-of-2\.pt.*error feedback starts again"
+    message = r"PowerSGD state '.*rank-0-of-2\.pt' is missing; '.*rank-1-of-2\.pt' is missing: .*error feedback"
     with warnings.catch_warnings():  # the ranks (forked) inherit the filter: the warning stops the fit, named
         warnings.filterwarnings("error", message=".*per-rank PowerSGD state")
         with pytest.raises(Exception, match=message):
@@ -272,6 +272,81 @@ def test_powersgd_resume_without_the_per_rank_files_warns_and_restarts_error_fee
     with warnings.catch_warnings():  # with its files, the other checkpoint resumes without a word
         warnings.filterwarnings("error", message=".*per-rank PowerSGD state")
         fit(tmp_path / "resumed2", epochs=3, ckpt_path=str(tmp_path / "ckpt" / "epoch=1.ckpt"), **kwargs)
+
+
+class RecordWarnings(Callback):
+    """Each rank writes the warnings raised from the Trainer's setup on (where checkpoints are loaded) to
+    ``<out_dir>/warnings-rank<r>.txt`` when the fit ends."""
+
+    def __init__(self, out_dir) -> None:
+        self.out_dir = Path(out_dir)
+
+    def setup(self, trainer, pl_module, stage):
+        self._catcher = warnings.catch_warnings(record=True)
+        self._caught = self._catcher.__enter__()
+        warnings.simplefilter("always")
+
+    def teardown(self, trainer, pl_module, stage):
+        self._catcher.__exit__(None, None, None)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        text = "\n".join(str(w.message) for w in self._caught)
+        (self.out_dir / f"warnings-rank{trainer.global_rank}.txt").write_text(text)
+
+
+@pytest.mark.timeout(240)
+def test_a_corrupt_per_rank_powersgd_file_warns_naming_it_and_the_fit_goes_on(tmp_path):
+    # a crash during a save on a non-atomic filesystem leaves a truncated file: that rank's torch.load failed
+    # (UnpicklingError) while the other rank waited in the agreement collective ("Connection closed by peer")
+    kwargs = dict(gradient_compression="powersgd", ddp_comm_state=powersgd_state())
+    checkpoints = ModelCheckpoint(dirpath=tmp_path / "ckpt", filename="{epoch}", save_top_k=-1)
+    fit(tmp_path / "full", callbacks=[checkpoints], trainer_kwargs={"enable_checkpointing": True}, **kwargs)
+    checkpoint = tmp_path / "ckpt" / "epoch=0.ckpt"
+    corrupt = Path(rank_file(checkpoint, 1, 2))
+    corrupt.write_bytes(corrupt.read_bytes()[: corrupt.stat().st_size // 2])
+    record = RecordWarnings(tmp_path)
+    runs = fit(tmp_path / "resumed", epochs=3, ckpt_path=str(checkpoint), callbacks=[record], **kwargs)
+    assert [run["step"] for run in runs] == [18, 18]  # the fit ended on both ranks
+    assert torch.equal(flat(runs[0]["weights"]), flat(runs[1]["weights"]))
+    text = (tmp_path / "warnings-rank0.txt").read_text()  # one warning, as for a missing file, from rank 0
+    assert f"{str(corrupt)!r} cannot be read" in text, text
+    assert "error feedback starts again from zero" in text
+    assert rank_file(checkpoint, 0, 2) not in text  # rank 0's file was fine
+
+
+def test_canary_powersgd_state_layout_is_torchs(tmp_path):
+    # compression.py cuts torch's per-bucket PowerSGD memory into per-parameter pieces as powerSGD_hook lays it
+    # out (error: the bucket's flat gradients; P and Q: the compressed matrices grouped by shape, in order of first
+    # appearance, n*r and m*r each) and reads these PowerSGDState fields: a torch that changes either fails here
+    from torch.nn.parallel import DistributedDataParallel
+
+    from lightning_shardplus.compression import PowerSGDCompression
+
+    fields = {"error_dict", "p_memory_dict", "q_memory_dict", "iter", "rng", "matrix_approximation_rank",
+              "min_compression_rate", "total_numel_before_compression", "total_numel_after_compression",
+              "next_stats_report", "start_powerSGD_iter", "use_error_feedback", "warm_start"}  # fmt: skip
+    assert fields <= set(PowerSGDState.__slots__)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)  # weights (48, 32) first and last, other shapes between them; biases not compressed
+        module = nn.Sequential(nn.Linear(32, 48), nn.Linear(48, 20), nn.Linear(20, 32, bias=False), nn.Linear(32, 48))
+        compression = PowerSGDCompression(PowerSGDState(None, matrix_approximation_rank=2, start_powerSGD_iter=2))
+        model = DistributedDataParallel(module)
+        model.register_comm_hook(*reversed(compression.hook_for(model, "gloo")))
+        for _ in range(3):  # two plain all-reduces, then one compressed step
+            model.zero_grad()
+            model(torch.randn(4, 32)).square().sum().backward()
+        state = compression.state_dict()
+        compressed = {name for name, parts in state["params"].items() if "p" in parts}
+        assert compressed == {"0.weight", "1.weight", "2.weight", "3.weight"}
+        for name, parameter in module.named_parameters():
+            parts = state["params"][name]
+            assert parts["error"].shape == (parameter.numel(),)
+            if name in compressed:  # the gradient DDP hands back is P Q^T of this parameter's own pieces
+                n, m = parameter.shape
+                p, q = parts["p"].view(n, 2), parts["q"].view(m, 2)
+                assert torch.allclose(parameter.grad, p @ q.T, atol=1e-5), name
+    finally:
+        dist.destroy_process_group()
 
 
 @pytest.mark.timeout(120)
@@ -380,10 +455,10 @@ def test_compression_state_from_another_setting_or_world_size_warns_and_keeps_wh
     ):
         hook.load_state_dict(entry)
 
-    restored = PowerSGDCompression()
-    with pytest.warns(UserWarning, match=r"from 2 processes, this run has 3.*error feedback starts again"):
-        restored.load_checkpoint_entry(entry, None, world_size=3)
-    assert restored.state.iter == 7 and set(restored._loose["w"]) == {"p", "q"}
+    restored = CommunicationHook("powersgd", backend="gloo", device=torch.device("cpu"))  # one process
+    with pytest.warns(UserWarning, match=r"from 2 processes, this run has 1.*error feedback starts again"):
+        restored.load_state_dict({**entry, "checkpoint_path": "x.ckpt"})
+    assert restored.compression.state.iter == 7 and set(restored.compression._loose["w"]) == {"p", "q"}
     again = PowerSGDCompression()
-    again.load_checkpoint_entry(entry, saved.state_dict(), world_size=2)
+    again.load_checkpoint_entry(entry, saved.state_dict(), unusable="")
     assert set(again._loose["w"]) == {"error", "p", "q"}

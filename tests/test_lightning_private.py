@@ -2,6 +2,7 @@
 moves one of them, this file fails first and says which."""
 
 import inspect
+import re
 
 from lightning.pytorch.overrides.distributed import (
     UnrepeatedDistributedSamplerWrapper,
@@ -473,3 +474,33 @@ def test_the_training_combined_loader_and_its_mode_are_where_uneven_inputs_reads
     assert _lightning.training_loaders_combination(trainer) == ("min_size", 1)  # nothing built yet
     trainer.fit_loop._combined_loader = CombinedLoader({"a": [1, 2], "b": [3]}, mode="max_size")
     assert _lightning.training_loaders_combination(trainer) == ("max_size", 2)
+
+
+def test_lightnings_not_resumable_warning_still_reads_as_shardplus_silences_it(tmp_path):
+    # a one-process fit resumed from a mid-epoch checkpoint with a plain DataLoader: Lightning warns in these words
+    import warnings
+
+    import lightning.pytorch as pl
+    from _models import IndexedDataset, RecordingModule
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def fit(ckpt_path=None):
+        checkpoints = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=3, save_top_k=-1)
+        trainer = pl.Trainer(
+            accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_progress_bar=False,
+            enable_model_summary=False, callbacks=[checkpoints],
+        )  # fmt: skip
+        trainer.fit(RecordingModule(tmp_path / "r"), DataLoader(IndexedDataset(20), batch_size=2), ckpt_path=ckpt_path)
+
+    fit()
+    mid_epoch = str(tmp_path / "ckpt" / "epoch=0-step=3.ckpt")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit(mid_epoch)
+    assert any(re.match(_lightning.NOT_RESUMABLE_WARNING, str(w.message)) for w in caught)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        restore = _lightning.silence_not_resumable_warning()
+        fit(mid_epoch)
+        restore()
+    assert not any(re.match(_lightning.NOT_RESUMABLE_WARNING, str(w.message)) for w in caught)
