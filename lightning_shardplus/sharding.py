@@ -101,14 +101,14 @@ class _ShardSampler(Sampler[int]):
 
     def _shard_size(self) -> int:
         """How many indices :meth:`_index_chunks` yields in all."""
-        raise NotImplementedError
+        return len(self)
 
     def _shard_array(self) -> np.ndarray:
         """This rank's indices for the current epoch as one int64 array."""
         chunks = list(self._index_chunks())
         return np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.int64)
 
-    def _iterate(self) -> Iterator[int]:
+    def __iter__(self) -> Iterator[int]:
         """The indices as Python ints: one list for a shard of at most :data:`UP_FRONT_SIZE`, else each chunk's
         ``memoryview`` (which makes each int as it is read), chained in C."""
         if self._shard_size() <= UP_FRONT_SIZE:
@@ -223,7 +223,7 @@ class PaddedShardSampler(_ShardSampler):
                 yield order(offsets % n)
 
     def __iter__(self) -> Iterator[int]:
-        return self._recorded() if self.record_indices else self._iterate()
+        return self._recorded() if self.record_indices else super().__iter__()
 
     def _shard_size(self) -> int:
         return self.num_samples
@@ -231,7 +231,7 @@ class PaddedShardSampler(_ShardSampler):
     def _recorded(self) -> Iterator[int]:
         """The indices, noting each in ``yielded_indices`` and whether the epoch ran to its end."""
         self.yielded_indices, self.completed_epoch = [], False
-        for index in self._iterate():
+        for index in super().__iter__():
             self.yielded_indices.append(index)
             yield index
         self.completed_epoch = True
@@ -261,12 +261,6 @@ class ExactShardSampler(_ShardSampler):
         order = self._order()
         for positions in _chunks(self.start, self.stop - self.start, 1):
             yield order(positions)
-
-    def __iter__(self) -> Iterator[int]:
-        return self._iterate()
-
-    def _shard_size(self) -> int:
-        return self.stop - self.start
 
     def __len__(self) -> int:
         return self.stop - self.start
