@@ -62,7 +62,7 @@ class KeyedPermutation:
         if isinstance(length, bool) or not isinstance(length, int) or not 0 <= length <= MAX_LENGTH:
             raise ValueError(f"`length`={length!r} is not valid: expected an integer in [0, 2**63 - 1].")
         self.length = length
-        k = self._k = half_bits(length)
+        k = half_bits(length)
         dtype = self._dtype = np.uint32 if k <= 16 else np.uint64  # 32-bit words: SIMD multiplies
         width = 32 if k <= 16 else 64
         keys = round_keys(length, seed, epoch)

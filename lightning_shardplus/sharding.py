@@ -103,16 +103,12 @@ class _ShardSampler(Sampler[int]):
         """How many indices :meth:`_index_chunks` yields in all."""
         return len(self)
 
-    def _shard_array(self) -> np.ndarray:
-        """This rank's indices for the current epoch as one int64 array."""
-        chunks = list(self._index_chunks())
-        return np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.int64)
-
     def __iter__(self) -> Iterator[int]:
         """The indices as Python ints: one list for a shard of at most :data:`UP_FRONT_SIZE`, else each chunk's
         ``memoryview`` (which makes each int as it is read), chained in C."""
         if self._shard_size() <= UP_FRONT_SIZE:
-            return iter(self._shard_array().tolist())
+            chunks = list(self._index_chunks())
+            return iter(np.concatenate(chunks).tolist() if chunks else [])
         return itertools.chain.from_iterable(map(memoryview, self._index_chunks()))
 
 
