@@ -8,7 +8,7 @@ and the batch-size bookkeeping (docs/batch-size.md; a checkpoint inside a window
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -23,8 +23,6 @@ from lightning_shardplus import _lightning
 def window_length(micro_batches_done: int, frequency: int) -> int:
     """The micro-batches in the window whose last is number ``micro_batches_done`` of the epoch (from 1):
     ``frequency``, or fewer for the short last window (Lightning starts one where ``batch_idx % frequency == 0``)."""
-    if micro_batches_done < 1 or frequency < 1:
-        raise ValueError(f"window_length({micro_batches_done}, {frequency}): both must be >= 1")
     return (micro_batches_done - 1) % frequency + 1
 
 
@@ -34,27 +32,6 @@ def gradient_correction(frequency: int, aggregated: int, average: bool) -> float
     if not 1 <= aggregated <= frequency:
         raise ValueError(f"gradient_correction: `aggregated`={aggregated} must be in [1, {frequency}]")
     return frequency / aggregated if average else float(frequency)
-
-
-@torch.no_grad()
-def scale_gradients(parameters: Iterable[torch.Tensor], factor: float) -> None:
-    """Multiply every existing ``.grad`` in place by ``factor`` (a no-op for 1)."""
-    if factor == 1:
-        return
-    for parameter in parameters:
-        if parameter.grad is not None:
-            parameter.grad.mul_(factor)
-
-
-def check_accumulation(aggregation_frequency: int, accumulate_grad_batches: Any) -> None:
-    """Refuse two different numbers of micro-batches per optimizer step, and say which argument to keep."""
-    if aggregation_frequency > 1 and accumulate_grad_batches not in (1, aggregation_frequency):
-        raise ValueError(
-            f"ShardPlusStrategy(aggregation_frequency={aggregation_frequency}) and "
-            f"Trainer(accumulate_grad_batches={accumulate_grad_batches}) set two different numbers of "
-            "micro-batches per optimizer step. Use `aggregation_frequency` only (it also normalizes the "
-            "short last window of an epoch correctly): remove `accumulate_grad_batches` from the Trainer."
-        )
 
 
 def check_static_graph(micro_batches: int, static_graph: bool, argument: str) -> None:
@@ -71,7 +48,13 @@ def check_static_graph(micro_batches: int, static_graph: bool, argument: str) ->
 def check_aggregation(frequency: int, trainer: Any, model: Any | None, static_graph: bool = False) -> None:
     """Refuse, before a fit starts, what cannot work with ``aggregation_frequency`` = ``frequency``."""
     accumulation = trainer.accumulate_grad_batches
-    check_accumulation(frequency, accumulation)
+    if frequency > 1 and accumulation not in (1, frequency):
+        raise ValueError(
+            f"ShardPlusStrategy(aggregation_frequency={frequency}) and "
+            f"Trainer(accumulate_grad_batches={accumulation}) set two different numbers of "
+            "micro-batches per optimizer step. Use `aggregation_frequency` only (it also normalizes the "
+            "short last window of an epoch correctly): remove `accumulate_grad_batches` from the Trainer."
+        )
     if frequency == 1:  # `aggregation_frequency` > 1 with a static graph is refused when the strategy is built
         if isinstance(accumulation, int):
             check_static_graph(accumulation, static_graph, "`Trainer(accumulate_grad_batches)`")
@@ -150,8 +133,11 @@ class GradientAggregation:
             factor = gradient_correction(frequency, aggregated, self.average)
             if ranks_correction is not None:
                 factor *= ranks_correction(aggregated, self.average)
-            parameters = (p for group in optimizer.param_groups for p in group["params"])
-            scale_gradients(parameters, factor)
+            if factor != 1:
+                with torch.no_grad():
+                    for group in optimizer.param_groups:
+                        for grad in (p.grad for p in group["params"] if p.grad is not None):
+                            grad.mul_(factor)
             return result
 
         return closure_then_normalize

@@ -218,17 +218,9 @@ class ScalingReport(Callback):
             self._host_after_backward
         )
 
-    def _add(self, phases: tuple[float, ...], samples: int) -> None:
-        sums = self._sums
-        for i, seconds in enumerate(phases):
-            if seconds > 0.0:
-                sums[i] += seconds
-        sums[-2] += samples
-        sums[-1] += 1
-
     def _count_finished(self, wait: bool) -> None:
         """Adds the phases of the pending micro-batches the clock can measure (with ``wait``: all of them)."""
-        clock = self._clock
+        clock, sums = self._clock, self._sums
         while self._pending:
             step = self._pending[0]
             if wait:
@@ -236,7 +228,11 @@ class ScalingReport(Callback):
             elif not all(clock.ready(mark) for mark in step.all_marks()):
                 return
             self._pending.popleft()
-            self._add(step.phases(clock, sum(clock.seconds(start, stop) for start, stop in step.fetches)), step.samples)
+            for i, seconds in enumerate(step.phases(clock)):
+                if seconds > 0.0:
+                    sums[i] += seconds
+            sums[-2] += step.samples
+            sums[-1] += 1
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._restore_profiler(trainer)
@@ -287,9 +283,9 @@ class _CountedStep:
         marks = [self.previous_end, self.start, self.before_backward, self.computed, self.after_backward, self.end]
         return [mark for mark in marks if mark is not None] + [mark for pair in self.fetches for mark in pair]
 
-    def phases(self, clock: StepClock, fetch_seconds: float) -> tuple[float, ...]:
-        """Seconds per phase of :data:`STEP_PHASES` on ``clock`` (all marks passed), ``fetch_seconds`` being the
-        clock's time across ``next()`` on the loader."""
+    def phases(self, clock: StepClock) -> tuple[float, ...]:
+        """Seconds per phase of :data:`STEP_PHASES` on ``clock`` (all marks passed)."""
+        fetch_seconds = sum(clock.seconds(start, stop) for start, stop in self.fetches)
         end = self.end
         before_backward = end if self.before_backward is None else self.before_backward
         after_backward = before_backward if self.after_backward is None else self.after_backward
