@@ -5,10 +5,10 @@ group). How each count is taken, and why not otherwise: docs/compression.md ("Co
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import statistics
-import sys
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -242,7 +242,7 @@ class CollectiveCalls:
 
     def _count(self, args: Any) -> None:
         """torch's pre-collective hook: count the collective if torch.distributed's Python API issued it."""
-        if not _issued_through_python_api(sys._getframe().f_back):  # None on a thread without Python frames
+        if not _issued_through_python_api(inspect.currentframe().f_back):  # None on a thread without Python frames
             return
         name = args.name.name
         kind = _KINDS.get(name, name.lower())
