@@ -68,9 +68,8 @@ def process_group_timeout(timeout: Any) -> timedelta | None:
 
 
 def check_process_group_backend(backend: Any) -> None:
-    """At construction: None or a non-empty string, as ``DDPStrategy`` takes it. The name is checked against torch's
-    backends when the processes start (:func:`check_process_group_backend_known`): a third-party backend (ccl,
-    hccl) registers itself with torch when its package is imported, which may come after the strategy is built."""
+    """At construction: None or a non-empty string. The name is checked when the processes start
+    (:func:`check_process_group_backend_known`): a third-party backend registers itself when its package is imported."""
     if backend is None:
         return
     if not isinstance(backend, str) or not backend.strip():
@@ -82,8 +81,8 @@ def check_process_group_backend(backend: Any) -> None:
 
 
 def check_process_group_backend_known(backend: str) -> None:
-    """``backend`` names process-group backends torch knows now (its own and registered third-party ones), each
-    available in this build, or per-device ones as ``"cpu:gloo,cuda:nccl"``; checked before the processes start."""
+    """``backend`` names process-group backends torch knows now and has in this build (or per device, as
+    ``"cpu:gloo,cuda:nccl"``)."""
     known = [name for name in dist.Backend.backend_list if name not in ("undefined", "fake")]
     for part in backend.split(","):
         name = part.split(":")[-1].lower()
@@ -106,10 +105,9 @@ def check_process_group_backend_known(backend: str) -> None:
 def check_writable_file(
     name: str, value: Any, path: Path | None = None, *, replaced: bool = False, expected: str = "a writable file path"
 ) -> Path:
-    """``value`` as the path of a file this process can create or overwrite; returns it, ``~`` expanded. Missing
-    directories are allowed (they are created when the file is written) where they can be created. ``path``: the
-    file ``value`` stands for, when it is not a path itself (``autotune_cache=True``). ``replaced``: the file is
-    written to a temporary file beside it, then renamed over it (its directory must be writable too)."""
+    """``value`` as the path of a file this process can create or overwrite (missing directories it can create
+    allowed), ``~`` expanded. ``path``: the file ``value`` stands for, when not a path itself; ``replaced``: written
+    beside, then renamed over (its directory must be writable too)."""
     given = f"`{name}`={value!r}"
     if path is None:
         text = os.fspath(value) if isinstance(value, (str, os.PathLike)) else ""

@@ -1,45 +1,14 @@
 """Gradient aggregation: several micro-batches per optimizer step, gradient communication on the last only.
 
-``ShardPlusStrategy(aggregation_frequency=N)`` builds on Lightning's own accumulation loop by setting
-``trainer.accumulate_grad_batches = N``. Lightning then, for each window of ``N`` micro-batches of an epoch
-(the last window of an epoch may be shorter):
-
-- zeroes the gradients before the first micro-batch of the window;
-- runs every micro-batch but the last inside DDP's ``no_sync`` (forward and backward): gradients accumulate
-  locally in ``param.grad`` and nothing is sent;
-- runs the last micro-batch (the ``N``-th, or the final one of the epoch) normally, so DDP's backward
-  all-reduces the window's accumulated gradient once, through the communication hook if one is registered;
-  then steps the optimizer, and LR schedulers with ``interval="step"``, once;
-- divides every micro-batch's loss by ``N`` before its backward.
-
-The last point is only right for full windows: a short last window of ``k < N`` micro-batches is still divided
-by ``N`` (Lightning#19987). The strategy therefore corrects the gradient once per optimizer step, right after
-the backward of the window's last micro-batch (so after the all-reduce) and before anything else sees it, by
-:func:`gradient_correction`:
-
-- ``average_aggregated_gradients=True``: ``N / k``, so the optimizer sees the mean over the ``k``
-  micro-batches actually aggregated (1 for full windows);
-- ``average_aggregated_gradients=False``: ``N``, so the optimizer sees their sum (Horovod's
-  ``average_aggregated_gradients=False``): summed over micro-batches, still averaged over ranks.
-
-The correction wraps the closure that Lightning hands to the optimizer step, so it runs before the precision
-plugin unscales AMP gradients (it is linear, so scaling a scaled gradient is the same), before the
-``on_before_optimizer_step`` hooks and before gradient clipping (which thus clips the corrected gradient).
-``on_after_backward`` still sees the uncorrected, Lightning-normalized gradients of each micro-batch.
-
-A checkpoint saved inside a window (``trainer.save_checkpoint`` from a callback between optimizer steps) holds
-every rank's gradient accumulated so far (each rank's own: ``no_sync`` keeps them local), under
-:data:`CHECKPOINT_KEY`; a run resumed from it on the same world size gives them back and ends the window with
-the same gradient as the uninterrupted run. It costs world size x the gradients' size in the checkpoint; at
-optimizer-step boundaries nothing is added.
-
-:class:`GradientAggregation` is the strategy's component for one fit; the functions hold the arithmetic and the
-batch-size bookkeeping. This module imports neither the strategy nor the other algorithm modules.
+Lightning's accumulation loop runs the windows (``trainer.accumulate_grad_batches`` is set to the frequency); the
+strategy corrects each window's gradient, since Lightning divides a short last window by the full frequency too
+(Lightning#19987). :class:`GradientAggregation` is the component for one fit; the functions hold the arithmetic
+and the batch-size bookkeeping (docs/batch-size.md; a checkpoint inside a window: docs/resume.md).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -52,15 +21,8 @@ from lightning_shardplus import _lightning
 
 
 def window_length(micro_batches_done: int, frequency: int) -> int:
-    """The number of micro-batches in the window whose last micro-batch is number ``micro_batches_done`` of
-    the epoch (counted from 1): ``frequency`` for full windows, fewer for the short last window of an epoch.
-
-    Lightning starts a window at every ``frequency``-th micro-batch of an epoch (it zeroes the gradients when
-    ``batch_idx % frequency == 0``), so the window ending here began at micro-batch
-    ``frequency * floor((done - 1) / frequency) + 1``.
-    """
-    if micro_batches_done < 1 or frequency < 1:
-        raise ValueError(f"window_length({micro_batches_done}, {frequency}): both must be >= 1")
+    """The micro-batches in the window whose last is number ``micro_batches_done`` of the epoch (from 1):
+    ``frequency``, or fewer for the short last window (Lightning starts one where ``batch_idx % frequency == 0``)."""
     return (micro_batches_done - 1) % frequency + 1
 
 
@@ -72,31 +34,9 @@ def gradient_correction(frequency: int, aggregated: int, average: bool) -> float
     return frequency / aggregated if average else float(frequency)
 
 
-@torch.no_grad()
-def scale_gradients(parameters: Iterable[torch.Tensor], factor: float) -> None:
-    """Multiply every existing ``.grad`` in place by ``factor`` (a no-op for 1)."""
-    if factor == 1:
-        return
-    for parameter in parameters:
-        if parameter.grad is not None:
-            parameter.grad.mul_(factor)
-
-
-def check_accumulation(aggregation_frequency: int, accumulate_grad_batches: Any) -> None:
-    """Refuse two different numbers of micro-batches per optimizer step, and say which argument to keep."""
-    if aggregation_frequency > 1 and accumulate_grad_batches not in (1, aggregation_frequency):
-        raise ValueError(
-            f"ShardPlusStrategy(aggregation_frequency={aggregation_frequency}) and "
-            f"Trainer(accumulate_grad_batches={accumulate_grad_batches}) set two different numbers of "
-            "micro-batches per optimizer step. Use `aggregation_frequency` only (it also normalizes the "
-            "short last window of an epoch correctly): remove `accumulate_grad_batches` from the Trainer."
-        )
-
-
 def check_static_graph(micro_batches: int, static_graph: bool, argument: str) -> None:
-    """Refuse DDP's ``static_graph=True`` with more than one micro-batch per optimizer step: torch's DDP stops on
-    the first backward inside ``no_sync()`` (an ``expect_autograd_hooks_`` internal assert in its reducer,
-    pytorch/pytorch#143580), under plain ``ddp`` as well. ``argument`` names what set the micro-batches."""
+    """Refuse DDP's ``static_graph=True`` with more than one micro-batch per optimizer step: torch's reducer
+    asserts on the first backward inside ``no_sync()`` (pytorch/pytorch#143580), under plain ``ddp`` too."""
     if static_graph and micro_batches > 1:
         raise ValueError(
             f"`static_graph`=True and {argument}={micro_batches} do not work together: torch's DDP fails on the "
@@ -108,7 +48,13 @@ def check_static_graph(micro_batches: int, static_graph: bool, argument: str) ->
 def check_aggregation(frequency: int, trainer: Any, model: Any | None, static_graph: bool = False) -> None:
     """Refuse, before a fit starts, what cannot work with ``aggregation_frequency`` = ``frequency``."""
     accumulation = trainer.accumulate_grad_batches
-    check_accumulation(frequency, accumulation)
+    if frequency > 1 and accumulation not in (1, frequency):
+        raise ValueError(
+            f"ShardPlusStrategy(aggregation_frequency={frequency}) and "
+            f"Trainer(accumulate_grad_batches={accumulation}) set two different numbers of "
+            "micro-batches per optimizer step. Use `aggregation_frequency` only (it also normalizes the "
+            "short last window of an epoch correctly): remove `accumulate_grad_batches` from the Trainer."
+        )
     if frequency == 1:  # `aggregation_frequency` > 1 with a static graph is refused when the strategy is built
         if isinstance(accumulation, int):
             check_static_graph(accumulation, static_graph, "`Trainer(accumulate_grad_batches)`")
@@ -129,17 +75,9 @@ def check_aggregation(frequency: int, trainer: Any, model: Any | None, static_gr
 
 
 class GradientAggregation:
-    """Aggregation windows for one fit: Lightning's accumulation loop runs them (``trainer.accumulate_grad_batches``
-    is set to ``frequency`` until :meth:`close` puts the user's value back), and :meth:`wrap_closure` corrects each
-    window's gradient (the mean over the micro-batches actually aggregated, or their sum). ``ranks_correction``
-    (micro-batches aggregated, average) -> factor corrects it further where some ranks had no
-    data (``uneven.EvenSteps.gradient_correction``).
-
-    Example::
-
-        aggregation = GradientAggregation(trainer, frequency=4, average=True)
-        closure = aggregation.wrap_closure(optimizer, closure)  # in the strategy's optimizer_step
-    """
+    """Aggregation windows for one fit: ``trainer.accumulate_grad_batches`` is ``frequency`` until :meth:`close`,
+    and :meth:`wrap_closure` corrects each window's gradient. ``ranks_correction(aggregated, average)`` corrects
+    it further where some ranks had no data (``uneven.EvenSteps.gradient_correction``)."""
 
     def __init__(
         self,
@@ -164,8 +102,7 @@ class GradientAggregation:
         self.trainer.accumulate_grad_batches = self._user_accumulate
 
     def announce(self, loader: Any) -> None:
-        """Log what one optimizer step is, once per fit, when the training ``loader`` is ready (before the progress
-        bar starts), where it aggregates micro-batches: with one per step the line would repeat the arguments."""
+        """Log what one optimizer step is, once per fit, before the progress bar starts; not with one micro-batch."""
         trainer, micro_batches = self.trainer, self.micro_batches_per_step
         if self._announced or micro_batches == 1:
             return
@@ -179,8 +116,8 @@ class GradientAggregation:
         )
 
     def on_train_start(self) -> None:
-        """After a resume, keep step-triggered checkpoints from saving mid-window, and give a window resumed in its
-        middle the gradients it had accumulated (:meth:`load_state_dict`)."""
+        """After a resume, keep step-triggered checkpoints from saving mid-window and give a window resumed in its
+        middle its accumulated gradients."""
         trainer, micro_batches = self.trainer, self.micro_batches_per_step
         if trainer.ckpt_path is not None and micro_batches > 1:
             # resumed at an optimizer step: checkpointing "every n steps" must not save again mid-window
@@ -188,9 +125,9 @@ class GradientAggregation:
             self._resume_window()
 
     def wrap_closure(self, optimizer: Optimizer, closure: Callable[[], Any]) -> Callable[[], Any]:
-        """``closure`` (forward + backward of the window's last micro-batch, whose backward all-reduced the
-        window's gradient), then the gradient corrected from Lightning's ``sum(loss / N)`` to the mean over the
-        micro-batches actually aggregated (or their sum). Runs before unscaling, hooks and clipping."""
+        """``closure`` (the window's last micro-batch, whose backward all-reduced the gradient), then the gradient
+        corrected from Lightning's ``sum(loss / N)`` to the mean (or sum) over the micro-batches aggregated: before
+        AMP unscaling, ``on_before_optimizer_step`` and clipping."""
         trainer, frequency, ranks_correction = self.trainer, self.micro_batches_per_step, self.ranks_correction
         if frequency == 1 and ranks_correction is None:
             return closure
@@ -204,23 +141,24 @@ class GradientAggregation:
             factor = gradient_correction(frequency, aggregated, self.average)
             if ranks_correction is not None:
                 factor *= ranks_correction(aggregated, self.average)
-            parameters = (p for group in optimizer.param_groups for p in group["params"])
-            scale_gradients(parameters, factor)
+            if factor != 1:
+                with torch.no_grad():
+                    for group in optimizer.param_groups:
+                        for grad in (p.grad for p in group["params"] if p.grad is not None):
+                            grad.mul_(factor)
             return result
 
         return closure_then_normalize
 
     def _inside_window(self) -> int | None:
-        """The micro-batches trained in this epoch when that is inside a window (its gradient is accumulating
-        locally, not yet all-reduced); None at an optimizer-step boundary."""
+        """The micro-batches trained in this epoch when that is inside a window; None at a step boundary."""
         trainer, frequency = self.trainer, self.micro_batches_per_step
         done = _lightning.micro_batches_trained_in_epoch(trainer)
         return done if done % frequency and done < trainer.num_training_batches else None
 
     def state_dict(self) -> dict[str, Any] | None:
-        """Saved inside a window: every rank's accumulated gradient (each rank's own: the window's micro-batches but
-        the last run under ``no_sync``), gathered on rank 0, which writes the checkpoint. A collective then: call it
-        on every rank. None at optimizer-step boundaries (and on ranks other than 0)."""
+        """Inside a window, every rank's accumulated gradient (each its own, under ``no_sync``) gathered on rank 0: a
+        collective, called on every rank. None at optimizer-step boundaries and on ranks other than 0."""
         done = self._inside_window()
         if done is None:
             return None
@@ -263,9 +201,8 @@ CHECKPOINT_KEY = "shardplus_aggregation_window"
 
 
 def window_entry(micro_batches_done: int, frequency: int, per_rank: list[dict[str, torch.Tensor]]) -> dict[str, Any]:
-    """What the strategy stores under ``checkpoint[CHECKPOINT_KEY]`` when it saves inside a window: every rank's
-    accumulated gradient by parameter name (CPU tensors: ``torch.load(weights_only=True)`` reads them), and where
-    in the epoch and in which windows they were taken."""
+    """The checkpoint entry of a save inside a window: every rank's accumulated gradient by parameter name (CPU
+    tensors, which ``torch.load(weights_only=True)`` reads) and where in the epoch they were taken."""
     return {
         "micro_batches_done": micro_batches_done,
         "aggregation_frequency": frequency,
@@ -278,13 +215,9 @@ def window_entry(micro_batches_done: int, frequency: int, per_rank: list[dict[st
 def restore_window_gradients(
     module: torch.nn.Module, entry: dict[str, Any], micro_batches_done: int, frequency: int, rank: int, world_size: int
 ) -> str | None:
-    """Give ``module``'s parameters the gradients a window had accumulated when a checkpoint was saved in it
-    (:func:`window_entry`), resumed after ``micro_batches_done`` micro-batches with windows of ``frequency``.
-
-    On the same world size each rank gets its own: the resumed window then ends with the same gradient, bitwise,
-    as the uninterrupted run. On another, every rank gets their mean over the checkpoint's ranks, so that the
-    all-reduce at the window's end (a mean over ranks) counts the first micro-batches as the checkpoint's ranks
-    would have; the rest of the window is resharded. Returns a warning to show, or None."""
+    """Give ``module``'s parameters the gradients of :func:`window_entry`: each rank its own on the same world size
+    (the window ends bitwise as uninterrupted), else every rank the mean over the checkpoint's ranks (the window's
+    all-reduce then counts them as those ranks would have). Returns a warning to show, or None."""
     if entry.get("aggregation_frequency") != frequency or entry.get("micro_batches_done") != micro_batches_done:
         return (
             f"the checkpoint holds the gradients of an aggregation window of {entry.get('aggregation_frequency')} "
@@ -323,8 +256,7 @@ def restore_window_gradients(
 
 
 def dataloaders(loaders: Any) -> Iterator[DataLoader]:
-    """The loaders inside what ``trainer.train_dataloader`` returns (a loader, or a list/dict of them): DataLoaders
-    and what wraps one and forwards its attributes (``uneven.AgreedLoader``)."""
+    """The DataLoaders (or wrappers forwarding to one, ``uneven.AgreedLoader``) in ``trainer.train_dataloader``."""
     if isinstance(loaders, dict):
         for value in loaders.values():
             yield from dataloaders(value)
@@ -336,8 +268,8 @@ def dataloaders(loaders: Any) -> Iterator[DataLoader]:
 
 
 def micro_batches_per_step(trainer: Any) -> int:
-    """Micro-batches per optimizer step: Lightning's ``accumulate_grad_batches`` (``ShardPlusStrategy`` sets it
-    to its ``aggregation_frequency`` for the fit: they are one count, never multiplied)."""
+    """Micro-batches per optimizer step: Lightning's ``accumulate_grad_batches`` (the strategy's
+    ``aggregation_frequency`` during a fit: one count, never multiplied)."""
     accumulate = trainer.accumulate_grad_batches
     if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
         return 1
@@ -345,8 +277,8 @@ def micro_batches_per_step(trainer: Any) -> int:
 
 
 def micro_batch_size(trainer: Any, loaders: Any = None) -> int | None:
-    """Samples per micro-batch on one device: the datamodule's ``per_device_batch_size`` if it has one, else
-    the (first) training DataLoader's batch size (of ``loaders``, else the Trainer's); None when neither is known."""
+    """Samples per micro-batch on one device: the datamodule's ``per_device_batch_size``, else the first training
+    DataLoader's batch size (of ``loaders``, else the Trainer's); None when neither is known."""
     size = getattr(getattr(trainer, "datamodule", None), "per_device_batch_size", None)
     if isinstance(size, int) and not isinstance(size, bool) and size >= 1:
         return size

@@ -21,8 +21,7 @@ _STAGE_SPLITS = {
 
 
 def check_map_style(name: str, dataset: Any) -> None:
-    """Refuse a dataset the samplers cannot shard: a stream (``IterableDataset``) or anything without ``__len__``
-    and ``__getitem__``; the error says where streams go instead."""
+    """Refuse a dataset the samplers cannot shard (a stream, or without ``__len__`` and ``__getitem__``)."""
     if dataset is None:
         return
     if isinstance(dataset, IterableDataset) or not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
@@ -49,12 +48,9 @@ def per_device_batch_size(global_batch_size: int, world_size: int) -> int:
 
 
 class ShardPlusDataModule(pl.LightningDataModule):
-    """Datasets in, loaders out, with the batch size given for the whole job.
-
-    Pass the datasets to the constructor, or override ``build_train_dataset`` (and ``build_val_dataset``,
-    ``build_test_dataset``, ``build_predict_dataset``) in a subclass; they are built once, in ``setup``.
-    Every loader uses ``per_device_batch_size = global_batch_size // world_size``; when that does not divide
-    evenly a warning gives the ``effective_global_batch_size`` actually trained with.
+    """Datasets in, loaders out, with the batch size given for the whole job: every loader uses
+    ``per_device_batch_size = global_batch_size // world_size`` (docs/batch-size.md). Pass the datasets, or
+    override ``build_train_dataset`` (``build_val_dataset``, ...) in a subclass; they are built once, in ``setup``.
 
     Args:
         global_batch_size: samples per optimizer micro-step over all processes together.
@@ -62,8 +58,7 @@ class ShardPlusDataModule(pl.LightningDataModule):
         num_workers, pin_memory, persistent_workers, collate_fn: passed to every DataLoader
             (``persistent_workers`` only where ``num_workers > 0``, which torch requires).
         shuffle: shuffle the training set (the strategy reshuffles it globally every epoch); False: every epoch
-            in dataset order, index ``i`` on rank ``i % world_size``. (A plain DataLoader's ``shuffle=False`` is
-            not seen under Lightning's distributed sampler, which always shuffles training data.)
+            in dataset order, index ``i`` on rank ``i % world_size``.
     """
 
     def __init__(
@@ -191,11 +186,8 @@ class ShardPlusDataModule(pl.LightningDataModule):
 
 
 class SyntheticDataModule(ShardPlusDataModule):
-    """Random inputs of ``input_shape`` with labels from a fixed random linear rule, generated from ``seed``.
-
-    The same seed gives the same data on every process and every run; the labels are learnable, so a smoke test
-    can check that training makes progress. For benchmarks and tests: no download, no disk.
-    """
+    """Random inputs of ``input_shape`` with learnable labels (a fixed random linear rule), the same from ``seed``
+    on every process and run: for benchmarks and smoke tests, no download, no disk."""
 
     def __init__(
         self,

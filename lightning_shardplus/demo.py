@@ -17,10 +17,8 @@ from lightning_shardplus.datamodule import ShardPlusDataModule
 
 
 class ClassifierModule(pl.LightningModule):
-    """An MLP classifier (optionally with BatchNorm) that logs loss and accuracy for train, val and test.
-
-    The optimizer is SGD with momentum unless the LightningCLI's ``optimizer:`` section chooses another.
-    """
+    """An MLP classifier (optionally with BatchNorm) that logs loss and accuracy for train, val and test; SGD with
+    momentum unless the LightningCLI's ``optimizer:`` section chooses another."""
 
     def __init__(
         self,
@@ -118,13 +116,10 @@ class DigitsDataModule(ShardPlusDataModule):
 
 
 class DigitsStreamDataModule(pl.LightningDataModule):
-    """The digits as a litdata stream (``pip install 'lightning-shardplus[streaming,examples]'``): written once with
-    ``litdata.optimize`` in :meth:`prepare_data`, then read by every rank with ``StreamingDataset``.
-
-    litdata splits a stream over the ranks and, when distributed, drops the tail that does not divide evenly
-    unless ``drop_last=False``: here every sample is kept, so the ranks' streams differ in length and
-    ``uneven_inputs`` makes them take the same steps. ``val_fraction`` 0.198 leaves 1,441 training samples: on 3
-    ranks with 16 per device, one rank streams 31 batches and the others 30.
+    """The digits as a litdata stream (``pip install 'lightning-shardplus[streaming,examples]'``), written once in
+    :meth:`prepare_data`. Every sample is kept (``drop_last=False``), so the ranks' streams differ in length and
+    ``uneven_inputs`` makes them take the same steps: 1,441 training samples on 3 ranks with 16 per device give one
+    rank 31 batches and the others 30.
 
     Args:
         data_dir: where the optimized dataset is written (kept between runs; rewritten if incomplete).

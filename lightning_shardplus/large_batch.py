@@ -52,42 +52,17 @@ def _check_warmup_epochs(value: Any) -> None:
 
 
 class ScaleLearningRate(Callback):
-    """Scale the learning rate with the global batch size, after an optional linear warmup: the large-batch
-    recipe of Goyal et al. (2017), as Horovod and Determined apply it.
+    """Scale the learning rate by ``rule(effective_batch / reference_batch_size)``, after an optional linear warmup:
+    the large-batch recipe of Goyal et al. (2017), as Horovod and Determined apply it (docs/large-batch.md).
 
-    The factor is ``rule(effective_batch / reference_batch_size)`` with ``rule`` linear (the ratio), sqrt
-    (its square root) or none (1), and::
-
-        effective_batch = per_device_batch * world_size * aggregation
-        aggregation     = micro-batches per optimizer step: the strategy's aggregation_frequency, or
-                          trainer.accumulate_grad_batches (ShardPlusStrategy makes them the same count)
-
-    which is the figure ``ShardPlusStrategy.effective_batch_size`` reports (both use
-    :func:`lightning_shardplus.aggregation.effective_batch_size`). ``per_device_batch`` is the datamodule's
-    ``per_device_batch_size`` (``ShardPlusDataModule``), else the training DataLoader's ``batch_size``. By
-    default ``reference_batch_size`` is the per-device batch, i.e. the learning rates in the optimizer were
-    tuned on one device without accumulation: the ratio is then ``world_size * aggregation``.
-
-    During the first ``warmup_steps`` optimizer steps the factor goes linearly from 1 (step 0) to its full
-    value (reached at step ``warmup_steps``); ``warmup_epochs`` (fractions allowed) is converted to optimizer
-    steps with ``ceil(trainer.num_training_batches / aggregation)`` steps per epoch, rounded to the nearest
-    step.
-
-    The factor *multiplies* whatever learning rate the optimizer holds (yours, your schedulers'): it is
-    applied to every parameter group only while the optimizer's ``step`` runs (torch optimizer step pre/post
-    hooks) and the original values are put back right after, before Lightning steps the LR schedulers. So
-    chainable schedulers (StepLR, ReduceLROnPlateau, ...) keep seeing their own values,
-    ``LearningRateMonitor`` shows the unscaled schedule, and checkpoints hold unscaled rates; the callback's
-    own state (optimizer steps taken) is checkpointed, so a resumed run continues the warmup where it stopped
-    and never scales twice.
-
-    The rate actually applied is logged as ``lr-scaled/group{i}`` (``lr-scaled/optimizer{k}/group{i}`` with
-    several optimizers) on every step that stepped the optimizer.
+    ``effective_batch`` is ``ShardPlusStrategy.effective_batch_size``: per-device batch x world size x
+    micro-batches per step. The factor multiplies the optimizer's rates only while its ``step`` runs, so
+    schedulers, ``LearningRateMonitor`` and checkpoints see the unscaled rates; a resumed run continues the warmup.
 
     Args:
         rule: ``"linear"``, ``"sqrt"`` or ``"none"`` (no scaling; the warmup then has nothing to ramp).
         reference_batch_size: the batch size (samples per optimizer step) the learning rate was tuned for;
-            None: the per-device batch size.
+            None: the per-device batch size (rates tuned on one device: the ratio is ``world_size x aggregation``).
         warmup_steps: optimizer steps of linear warmup, ``>= 0``.
         warmup_epochs: the same in epochs (a float, ``>= 0``); give at most one of the two.
         log_lr: log the applied learning rate of every parameter group.

@@ -1,6 +1,5 @@
-"""The launcher check: processes started outside Lightning (torchrun, SLURM, mpirun, by hand) must number
-``devices x num_nodes``, refused with a fix before any process group starts, since otherwise the processes wait
-for peers that never come or two take the same rank."""
+"""Checks of a Trainer call before any process group starts: the launcher's world size (processes started by
+torchrun, SLURM, mpirun or by hand must number ``devices x num_nodes``), the backend, the batch, the aggregation."""
 
 from __future__ import annotations
 
@@ -26,8 +25,8 @@ from lightning_shardplus.datamodule import ShardPlusDataModule, per_device_batch
 
 
 def _launcher_world_size(environment: ClusterEnvironment | None) -> tuple[int, int | None, str] | None:
-    """(world size, processes per node if known, launcher name) of processes started outside Lightning, or None
-    when Lightning starts the processes itself (then the sizes agree by construction)."""
+    """(world size, processes per node if known, launcher name) of processes started outside Lightning; None when
+    Lightning starts them (the sizes then agree)."""
     if environment is None or not environment.creates_processes_externally:
         return None
     if isinstance(environment, LightningEnvironment):
@@ -72,9 +71,8 @@ def _check_mpi_is_seen(environment: ClusterEnvironment | None) -> None:
 
 
 def check_launcher_world_size(environment: ClusterEnvironment | None, devices: int, num_nodes: int) -> None:
-    """Refuse, before any process group starts, a launcher whose world size is not ``devices x num_nodes``: the
-    processes would wait for peers that never come, or two would take the same rank; and mpirun without mpi4py
-    (each process would train alone)."""
+    """Refuse a launcher whose world size is not ``devices x num_nodes`` (processes would wait for peers that never
+    come, or two take the same rank), and mpirun without mpi4py (each process would train alone)."""
     _check_mpi_is_seen(environment)
     found = _launcher_world_size(environment)
     if found is None or found[0] == devices * num_nodes:
@@ -97,9 +95,8 @@ def check_launcher_world_size(environment: ClusterEnvironment | None, devices: i
 
 
 class LaunchAfterCheck:
-    """A launcher's ``launch`` that first runs ``check`` on the Trainer call's arguments, in the launching process,
-    before any worker or process group starts. A class, not a closure: the spawn and forkserver launchers pickle
-    the Trainer, its strategy and this launcher with it."""
+    """A launcher's ``launch`` that first runs ``check`` on the Trainer call's arguments, in the launching process. A
+    class, not a closure: the spawn and forkserver launchers pickle it with the Trainer."""
 
     def __init__(self, check: Callable[..., None], launch: Callable) -> None:
         self.check, self.launch = check, launch
@@ -123,12 +120,11 @@ def check_accelerator(accelerator: Any, strategy_name: str, start_method: str) -
 
 
 def check_trainer_call(strategy: Any, *call_args: Any, trainer: Any = None) -> None:
-    """Refuse, before any process starts, the arguments of a Trainer call that cannot work at this world size or
-    with ``strategy``'s options (a ``ShardPlusStrategy``): the launcher's world size, the backend's name, the
-    data module's global batch size, the aggregation frequency against the model's optimization."""
+    """Refuse the arguments of a Trainer call that cannot work at this world size or with ``strategy``'s options:
+    the launcher's world size, the backend's name, the global batch size, the aggregation frequency."""
     check_launcher_world_size(strategy.cluster_environment, strategy.num_processes, strategy.num_nodes)
-    if strategy._process_group_backend is not None:
-        check_process_group_backend_known(strategy._process_group_backend)
+    if strategy.process_group_backend is not None:
+        check_process_group_backend_known(strategy.process_group_backend)
     for arg in call_args:
         if isinstance(arg, ShardPlusDataModule):
             per_device_batch_size(arg.global_batch_size, strategy.num_replicas)

@@ -1,14 +1,6 @@
-"""``ShardedLoaders``: the shardplus samplers put into the loaders Lightning prepared, and the training samplers'
-progress saved in checkpoints so that a resumed run reads exactly the samples that were next.
-
-Lightning injects a ``DistributedSampler`` into every loader that has none of its own; this component replaces
-it with a :class:`~lightning_shardplus.sharding.PaddedShardSampler` for training (equal padded shards, one
-global permutation per epoch) and an :class:`~lightning_shardplus.sharding.ExactShardSampler` for evaluation
-(every sample once). Loaders the user sharded, or that Lightning left alone (iterable datasets), pass through.
-A training set so small for the world size that padding is a quarter or more of the samples read per epoch
-(:data:`PADDING_WARNING_SHARE`) is warned about: those samples weigh more in training.
-One is built per Trainer run by the strategy and dropped at its teardown.
-"""
+"""``ShardedLoaders``: the shardplus samplers in place of the ``DistributedSampler`` Lightning injects (padded
+shards for training, exact ones for evaluation), and the training samplers' progress in checkpoints so that a
+resumed run reads exactly the samples that were next. Loaders the user sharded, and streams, pass through."""
 
 from __future__ import annotations
 
@@ -40,13 +32,8 @@ EVALUATION_STAGES = (
 
 
 class ShardedLoaders:
-    """Samplers for one Trainer run on ``num_replicas`` processes.
-
-    Args:
-        trainer: the Trainer of the run (its stage, its training loaders and batch counter are read).
-        shuffle: the training order is shuffled (False: a ``ShardPlusDataModule(shuffle=False)``).
-        exact_evaluation: evaluation loaders get unpadded shards.
-    """
+    """Samplers for one Trainer run on ``num_replicas`` processes (``shuffle=False``: a
+    ``ShardPlusDataModule(shuffle=False)``); built by the strategy's ``setup``, dropped at its teardown."""
 
     def __init__(
         self,
@@ -80,9 +67,8 @@ class ShardedLoaders:
         self._restore_warnings = self._restore_resume_warning = None
 
     def injection_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
-        """The arguments of the sampler Lightning injects (``distributed_sampler_kwargs``). For prediction with
-        exact shards, one replica: Lightning's prediction sampler asserts that every rank gets a sample, which
-        fails with fewer samples than processes, and :meth:`process` shards the loader over the ranks anyway."""
+        """The arguments of the sampler Lightning injects. For prediction with exact shards, one replica: Lightning's
+        prediction sampler asserts that every rank gets a sample, and :meth:`process` shards the loader anyway."""
         if self.exact_evaluation and self.num_replicas > 1 and self.trainer.state.stage == RunningStage.PREDICTING:
             return {**kwargs, "num_replicas": 1, "rank": 0}
         return kwargs
@@ -128,8 +114,8 @@ class ShardedLoaders:
         return dataloader
 
     def _reduces_unsharded(self, dataloader: DataLoader) -> bool:
-        """Whether exact evaluation reduces over the ranks what a map-style ``dataloader`` Lightning injected no
-        sampler into gives (streams split themselves by rank, as litdata's do)."""
+        """Whether exact evaluation reduces over the ranks what an unsharded map-style ``dataloader`` gives (streams
+        split themselves by rank)."""
         evaluating = self.trainer.state.stage in EVALUATION_STAGES
         mapped = not isinstance(dataloader.dataset, IterableDataset)
         return evaluating and mapped and self.exact_evaluation and self.num_replicas > 1
@@ -162,9 +148,7 @@ class ShardedLoaders:
         return sampler
 
     def _resume(self, sampler: PaddedShardSampler, batch_size: int | None) -> None:
-        """Give ``sampler`` its state from the checkpoint being resumed, if any: the training loaders take the
-        checkpoint's sampler states in order. The epoch continues where the checkpoint stopped, resharded over
-        this run's ranks (see ``PaddedShardSampler.load_state_dict``)."""
+        """Give ``sampler`` the next of the resumed checkpoint's sampler states, if any (in loader order)."""
         entry = self._resumed
         if entry is None or self._resumed_used >= len(entry["samplers"]):
             return
@@ -197,15 +181,14 @@ class ShardedLoaders:
         return checkpoint_entry(_lightning.micro_batches_trained_in_epoch(trainer), samplers)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """The progress of a checkpoint being resumed: the training samplers built next continue its epoch. A state
-        that is not one (edited by hand, or corrupt) is refused, saying what is wrong."""
+        """The progress of a checkpoint being resumed, checked: the training samplers built next continue its epoch."""
         check_checkpoint_entry(state)
         self._resumed, self._resumed_used = state, 0
 
 
 PADDING_WARNING_SHARE = 0.25
-"""A training set whose equal shards are at least this share padding (of the samples read per epoch) is warned
-about: e.g. 2 samples on 3 processes (1 of 3), 6 on 4 (2 of 8); 22 on 3 (2 of 24) is not."""
+"""Equal shards that are at least this share padding are warned about (those samples weigh more in training):
+e.g. 2 samples on 3 processes (1 of 3), 6 on 4 (2 of 8); 22 on 3 (2 of 24) is not."""
 
 
 def _warn_if_mostly_padding(sampler: PaddedShardSampler) -> None:
@@ -229,18 +212,13 @@ def loader_batch_size(loader: DataLoader) -> int | None:
 
 
 def gather_predictions(loop: Any, num_replicas: int) -> None:
-    """Where the predict ``loop`` returns predictions, :func:`gather_loader_predictions` for each loader."""
-    if loop.return_predictions:
-        for predictions in [loop.predictions] if loop.num_dataloaders == 1 else loop.predictions:
-            gather_loader_predictions(predictions, num_replicas)
-
-
-def gather_loader_predictions(predictions: list[Any], num_replicas: int) -> None:
-    """On rank 0, replace the list of prediction batches by every rank's, in dataset order (exact shards are
-    contiguous blocks in rank order, so concatenating the ranks' lists gives every sample once, in order); the
-    other ranks keep their own, so that no rank but rank 0 holds more than its shard."""
+    """Where the predict ``loop`` returns predictions, on rank 0, replace each loader's list of prediction batches by
+    every rank's, in dataset order (exact shards are contiguous blocks in rank order); the other ranks keep theirs."""
+    if not loop.return_predictions:
+        return
     rank = torch.distributed.get_rank()
-    gathered: list[Any] | None = [None] * num_replicas if rank == 0 else None
-    torch.distributed.gather_object(predictions, gathered, dst=0)
-    if gathered is not None:
-        predictions[:] = [batch for rank_batches in gathered for batch in rank_batches]
+    for predictions in [loop.predictions] if loop.num_dataloaders == 1 else loop.predictions:
+        gathered: list[Any] | None = [None] * num_replicas if rank == 0 else None
+        torch.distributed.gather_object(predictions, gathered, dst=0)
+        if gathered is not None:
+            predictions[:] = [batch for rank_batches in gathered for batch in rank_batches]

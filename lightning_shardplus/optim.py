@@ -31,50 +31,21 @@ def _check_group(options: dict[str, Any]) -> None:
 
 
 class LARS(Optimizer):
-    r"""Layer-wise Adaptive Rate Scaling: SGD with momentum whose step for each parameter tensor (a "layer")
-    is scaled by the ratio of the tensor's norm to its gradient's norm (You, Gitman and Ginsburg, *Large Batch
-    Training of Convolutional Networks*, 2017, Algorithm 1).
-
-    For every parameter tensor :math:`w` with gradient :math:`g`, with global learning rate :math:`\gamma`
-    (``lr``, as set by schedulers and :class:`~lightning_shardplus.large_batch.ScaleLearningRate`), momentum
-    :math:`m`, weight decay :math:`\beta`, trust coefficient :math:`\eta` and ``eps`` :math:`\epsilon`:
-
-    .. math::
-
-        \lambda &= \begin{cases}
-            \eta \, \dfrac{\lVert w \rVert}{\lVert g \rVert + \beta \lVert w \rVert + \epsilon}
-                & \text{if } \lVert w \rVert > 0 \text{ and } \lVert g \rVert > 0 \\
-            1 & \text{otherwise (trust ratio 1)}
-        \end{cases} \\
-        v &\leftarrow m \, v + \gamma \, \lambda \, (g + \beta w) \\
-        w &\leftarrow w - v
-
-    with :math:`\lVert\cdot\rVert` the L2 norm of the whole tensor and :math:`v` the momentum buffer (zero
-    before the first step). As in the paper, the learning rate is inside the momentum buffer. The trust ratio
-    is 1 when the tensor or its gradient is all zeros (e.g. a zero-initialized layer).
-
-    With ``exclude_bias_and_norm=True`` (the default), tensors with ``ndim <= 1`` (biases and the weights
-    and biases of normalization layers) are neither adapted nor decayed: :math:`\lambda = 1`,
-    :math:`\beta = 0`, so they get plain SGD with momentum, :math:`v \leftarrow m v + \gamma g`,
-    :math:`w \leftarrow w - v` (the same updates as ``torch.optim.SGD(momentum=m)`` while the learning rate
-    is constant). With ``exclude_bias_and_norm=False`` every tensor is adapted and decayed.
-
-    Every option can be set per parameter group. From a LightningCLI config::
-
-        optimizer:
-          class_path: lightning_shardplus.optim.LARS
-          init_args: {lr: 0.1, momentum: 0.9, weight_decay: 0.0005, trust_coefficient: 0.02}
+    """Layer-wise Adaptive Rate Scaling (You, Gitman and Ginsburg 2017, Algorithm 1): SGD with momentum whose step
+    for each parameter tensor ``w`` is scaled by the trust ratio
+    ``trust_coefficient * ||w|| / (||g|| + weight_decay * ||w|| + eps)`` (1 where ``w`` or ``g`` is all zeros):
+    ``v <- momentum * v + lr * ratio * (g + weight_decay * w); w <- w - v``, the learning rate inside the momentum
+    buffer as in the paper. Every option can be set per parameter group (docs/large-batch.md).
 
     Args:
         params: parameters or parameter groups (LightningCLI passes the model's parameters).
-        lr: global learning rate :math:`\gamma`, ``>= 0``.
-        momentum: :math:`m`, in ``[0, 1)``; 0 turns the buffer off:
-            :math:`w \leftarrow w - \gamma \lambda (g + \beta w)`.
-        weight_decay: :math:`\beta`, ``>= 0``: L2 penalty, part of the adapted update.
-        trust_coefficient: :math:`\eta`, ``> 0``: how far a step may move a tensor relative to its norm.
-        eps: :math:`\epsilon`, ``>= 0``: keeps the trust ratio finite.
-        exclude_bias_and_norm: give tensors with ``ndim <= 1`` plain SGD with momentum (no adaptation, no
-            weight decay).
+        lr: global learning rate, ``>= 0`` (as schedulers and ``ScaleLearningRate`` set it).
+        momentum: in ``[0, 1)``; 0 turns the buffer off.
+        weight_decay: ``>= 0``: L2 penalty, part of the adapted update.
+        trust_coefficient: ``> 0``: how far a step may move a tensor relative to its norm.
+        eps: ``>= 0``: keeps the trust ratio finite.
+        exclude_bias_and_norm: give tensors with ``ndim <= 1`` (biases, normalization layers) plain SGD with
+            momentum (no adaptation, no weight decay), the updates of ``torch.optim.SGD(momentum=m)``.
     """
 
     def __init__(
@@ -144,7 +115,7 @@ class LARS(Optimizer):
     def _adapted_update(
         param: torch.Tensor, grad: torch.Tensor, weight_decay: float, group: dict[str, Any]
     ) -> torch.Tensor:
-        """:math:`\\lambda (g + \\beta w)`, computed on the device (no host synchronization)."""
+        """``ratio * (g + weight_decay * w)``, computed on the device (no host synchronization)."""
         param_norm = torch.linalg.vector_norm(param)
         grad_norm = torch.linalg.vector_norm(grad)
         denominator = grad_norm + weight_decay * param_norm + group["eps"]

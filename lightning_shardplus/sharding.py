@@ -1,20 +1,9 @@
 """Which dataset indices each rank reads: padded equal shards for training, exact shards for evaluation.
 
-Both samplers draw their order from one global permutation per epoch that every rank computes identically
-from ``(seed, epoch)``; a rank then takes its share of that order. The permutation is a keyed bijection
-(:mod:`lightning_shardplus.permutation`) evaluated on the rank's positions chunk by chunk, so a sampler's memory
-is bounded whatever the dataset's length and a large shard's first index comes at once; :func:`epoch_permutation`
-is the same order as one tensor. Nothing here communicates or imports Lightning, so every property can be checked
-in one process.
-
-Iterating yields Python ints in one of two ways, both C code per index. A shard of up to :data:`UP_FRONT_SIZE`
-indices becomes one list before its first index, as torch's ``DistributedSampler`` builds its list: the ints
-(about 27 ns each on a 2-core VM, more than the permutation's 16) are then made before the first index, and the
-walk after it is torch's, a list iterator (at most ~50 MB and ~65 ms there, at 2**20 indices). A larger shard
-is chained chunk by chunk through ``memoryview`` (O(1) memory, first index in under a ms), which makes each int
-as it is read, into memory freed by the previous one: 4-17% more indices/s than each chunk's ``tolist()`` at
-N = 10^9. Over a whole pass the lazy path is the faster one; the list is there to match torch's rate after the first
-index (docs/sharding.md, "The trade-off").
+Both samplers take their share of one global order per epoch, a keyed permutation every rank computes from
+``(seed, epoch)`` on its own positions, chunk by chunk (bounded memory whatever the dataset's length). Nothing
+here communicates or imports Lightning. Why small shards are built as one list and large ones yielded lazily:
+docs/sharding.md ("The trade-off").
 """
 
 from __future__ import annotations
@@ -30,7 +19,7 @@ import torch
 from torch.utils.data import Sampler
 
 from lightning_shardplus._validation import check_bool, check_choice, check_int
-from lightning_shardplus.permutation import MAX_LENGTH, KeyedPermutation
+from lightning_shardplus.permutation import MAX_LENGTH, KeyedPermutation, _splitmix64
 
 PaddingMode = Literal["first", "wrap"]
 PADDING_MODES: tuple[str, ...] = ("first", "wrap")
@@ -38,14 +27,12 @@ CHUNK_SIZE = 65_536
 """Positions permuted at a time while iterating; the first chunks are smaller so the first index comes fast."""
 _FIRST_CHUNK_SIZE = 1_024
 UP_FRONT_SIZE = 1 << 20
-"""A shard of at most this many indices is built as one list of ints before its first index (about 40 bytes per
-index, under 64 MB); a larger one is yielded chunk by chunk."""
+"""A shard of at most this many indices is built as one list of ints before its first index (under 64 MB)."""
 
 
 def epoch_permutation(length: int, *, seed: int, epoch: int, shuffle: bool = True) -> torch.Tensor:
-    """The global order of ``range(length)`` for one epoch as one tensor: the same on every rank for the same seed
-    and epoch. ``length`` int64 values: for small datasets and tests; the samplers compute only their positions.
-    """
+    """The global order of ``range(length)`` for one epoch as one tensor (for small datasets): the same on every
+    rank for the same seed and epoch."""
     positions = np.arange(length, dtype=np.int64)
     return torch.from_numpy(KeyedPermutation(length, seed, epoch).at(positions) if shuffle else positions)
 
@@ -114,33 +101,23 @@ class _ShardSampler(Sampler[int]):
 
     def _shard_size(self) -> int:
         """How many indices :meth:`_index_chunks` yields in all."""
-        raise NotImplementedError
+        return len(self)
 
-    def _shard_array(self) -> np.ndarray:
-        """This rank's indices for the current epoch as one int64 array."""
-        chunks = list(self._index_chunks())
-        return np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.int64)
-
-    def shard_indices(self) -> torch.Tensor:
-        """This rank's indices for the current epoch as one tensor (for small datasets and tests)."""
-        return torch.from_numpy(self._shard_array())
-
-    def _iterate(self) -> Iterator[int]:
-        """The indices as Python ints: one list made before the first index for a shard of at most
-        :data:`UP_FRONT_SIZE`, else each chunk's ``memoryview`` (which makes each int as it is read), chained in C."""
+    def __iter__(self) -> Iterator[int]:
+        """The indices as Python ints: one list for a shard of at most :data:`UP_FRONT_SIZE`, else each chunk's
+        ``memoryview`` (which makes each int as it is read), chained in C."""
         if self._shard_size() <= UP_FRONT_SIZE:
-            return iter(self._shard_array().tolist())
+            chunks = list(self._index_chunks())
+            return iter(np.concatenate(chunks).tolist() if chunks else [])
         return itertools.chain.from_iterable(map(memoryview, self._index_chunks()))
 
 
 class PaddedShardSampler(_ShardSampler):
     """Training shards of exactly ``ceil(N / num_replicas)`` indices on every rank, reshuffled each epoch.
 
-    Rank ``r`` reads positions ``r, r + W, r + 2W, ...`` of the epoch's global order (``W`` = num_replicas), so
-    the samples consumed after ``k`` steps are a prefix of that order on every rank. Positions past ``N`` are
-    padding: index 0 of the dataset with ``padding="first"`` (as NVIDIA Clara Train), or the order's first
-    indices again with ``padding="wrap"`` (as torch's ``DistributedSampler``). ``drop_last=True`` drops the tail
-    instead, giving ``N // W`` indices per rank.
+    Rank ``r`` reads positions ``r, r + W, r + 2W, ...`` of the epoch's order, so what all ranks consumed after
+    ``k`` steps is a prefix of it. Positions past ``N`` are padding: index 0 (``padding="first"``, as Clara Train)
+    or the order's first indices again (``"wrap"``, as torch's ``DistributedSampler``); ``drop_last`` drops them.
     """
 
     def __init__(
@@ -172,8 +149,7 @@ class PaddedShardSampler(_ShardSampler):
         self.completed_epoch = False
 
     def _set_shard_size(self) -> None:
-        """``num_samples`` (this rank's indices) and ``total_size`` (positions read by all ranks) for the part of
-        the order from ``start_position`` on: the whole epoch, or what a resumed epoch has left."""
+        """``num_samples`` (this rank's indices) and ``total_size`` (all ranks') from ``start_position`` on."""
         remaining, w = self.dataset_length - self.start_position, self.num_replicas
         self.num_samples = remaining // w if self.drop_last else math.ceil(remaining / w)
         self.total_size = self.num_samples * w
@@ -193,16 +169,14 @@ class PaddedShardSampler(_ShardSampler):
             self._set_shard_size()
 
     def positions_consumed(self, samples_done: int) -> int:
-        """Positions of the epoch's global order consumed once every rank has trained on ``samples_done`` of
-        its indices, counted from the start of the epoch as the training loop counts them (a resumed epoch
-        counts what came before the resume); at most ``N``: padding positions count as the end of the epoch."""
+        """Positions of the epoch's order consumed once every rank trained on ``samples_done`` indices (counted from
+        the epoch's start, a resume's included); at most ``N``: padding counts as the end of the epoch."""
         taken = min(max(samples_done - self.samples_counted_before_start, 0), self.num_samples)
         return min(self.start_position + taken * self.num_replicas, self.dataset_length)
 
     def state_dict(self, samples_done: int = 0) -> dict[str, int]:
-        """What resumes this sampler's epoch on any number of ranks: the epoch, the seed and the positions of
-        the epoch's global order consumed after every rank trained on ``samples_done`` indices (see
-        :meth:`positions_consumed`); ``num_replicas`` is informative."""
+        """What resumes this sampler's epoch on any number of ranks, after every rank trained on ``samples_done``
+        indices; ``num_replicas`` is informative."""
         return {
             "epoch": self.epoch,
             "seed": self.seed,
@@ -211,18 +185,10 @@ class PaddedShardSampler(_ShardSampler):
         }
 
     def load_state_dict(self, state: dict[str, int], samples_counted: int = 0) -> None:
-        """Continue the epoch of ``state`` (from :meth:`state_dict`, written at any world size) where it
-        stopped.
-
-        Resharding rule: the positions ``c, c + 1, ..., N - 1`` of the epoch's order that no rank consumed
-        (``c = positions_consumed``) are split over this sampler's ``W`` ranks as a whole epoch is: rank ``r``
-        reads positions ``c + r + j * W`` and the shards are padded at the end to ``ceil((N - c) / W)`` indices
-        each (or cut to ``(N - c) // W`` with ``drop_last``). So every remaining sample is read exactly once,
-        whatever the world size or batch size, and a resume at the same world size reads exactly the indices
-        an uninterrupted run would have. ``samples_counted``: the per-rank samples the training loop counts as
-        done in this epoch already (batches done x batch size); ``len()`` adds them to the remaining shard,
-        since the loop compares its batch count with the loader's length. The next epoch is whole again.
-        """
+        """Continue the epoch of ``state`` (from :meth:`state_dict`, at any world size) where it stopped: the
+        positions ``c = positions_consumed`` on are split over this sampler's ranks as a whole epoch is (rank ``r``
+        reads ``c + r + j * W``, padded at the end), so every remaining sample is read once. ``samples_counted``:
+        the per-rank samples the training loop counts as done already, which ``len()`` adds."""
         check_sampler_state(state)
         consumed = int(state["positions_consumed"])
         check_int("samples_counted", samples_counted, minimum=0)
@@ -238,8 +204,7 @@ class PaddedShardSampler(_ShardSampler):
         self._set_shard_size()
 
     def _index_chunks(self) -> Iterator[np.ndarray]:
-        """This rank's indices, padding included: positions ``start + rank + j * W`` of the order, then the
-        padding."""
+        """Positions ``start + rank + j * W`` of the order, then the padding."""
         n, w, real = self.dataset_length, self.num_replicas, self.num_real_samples
         start = self.start_position + self.rank
         order = self._order()
@@ -254,7 +219,7 @@ class PaddedShardSampler(_ShardSampler):
                 yield order(offsets % n)
 
     def __iter__(self) -> Iterator[int]:
-        return self._recorded() if self.record_indices else self._iterate()
+        return self._recorded() if self.record_indices else super().__iter__()
 
     def _shard_size(self) -> int:
         return self.num_samples
@@ -262,24 +227,19 @@ class PaddedShardSampler(_ShardSampler):
     def _recorded(self) -> Iterator[int]:
         """The indices, noting each in ``yielded_indices`` and whether the epoch ran to its end."""
         self.yielded_indices, self.completed_epoch = [], False
-        for index in self._iterate():
+        for index in super().__iter__():
             self.yielded_indices.append(index)
             yield index
         self.completed_epoch = True
 
     def __len__(self) -> int:
-        """This rank's indices in the epoch; in a resumed epoch also those counted as done before the resume
-        (``samples_counted`` of :meth:`load_state_dict`), so the loader's length is the epoch's batch count."""
+        """This rank's indices, plus a resumed epoch's ``samples_counted``: the loader's length is the epoch's."""
         return self.samples_counted_before_start + self.num_samples
 
 
 class ExactShardSampler(_ShardSampler):
-    """Evaluation shards without padding: every index exactly once over all ranks.
-
-    Rank ``r`` reads one contiguous block of the order; block sizes differ by at most one, and a rank gets an
-    empty block when ``N < num_replicas``. Contiguous blocks make the concatenation of all ranks' outputs, in
-    rank order, the dataset order (with ``shuffle=False``).
-    """
+    """Evaluation shards without padding: every index exactly once over all ranks, in contiguous blocks that
+    differ in size by at most one (empty when ``N < num_replicas``), so rank order is dataset order."""
 
     def __init__(
         self,
@@ -298,23 +258,14 @@ class ExactShardSampler(_ShardSampler):
         for positions in _chunks(self.start, self.stop - self.start, 1):
             yield order(positions)
 
-    def __iter__(self) -> Iterator[int]:
-        return self._iterate()
-
-    def _shard_size(self) -> int:
-        return self.stop - self.start
-
     def __len__(self) -> int:
         return self.stop - self.start
 
 
 class PlaceholderShardSampler(Sampler[int]):
-    """An empty evaluation shard that reports one batch and yields none.
-
-    Lightning skips the evaluation loop on a rank whose loaders have zero length, hooks included; the ranks
-    that do evaluate would then wait forever in the epoch-end reduction. Reporting one batch makes this rank run
-    the loop (no step, since nothing is yielded) and join that reduction.
-    """
+    """An empty evaluation shard that reports one batch and yields none: Lightning skips the evaluation loop (and
+    its hooks) on a rank whose loaders have zero length, and the other ranks would wait forever at the epoch-end
+    reduction."""
 
     def __iter__(self) -> Iterator[int]:
         return iter(())
@@ -338,8 +289,7 @@ _STATE_MINIMUMS = {"epoch": 0, "seed": 0, "positions_consumed": 0}
 
 
 def check_sampler_state(state: Any, name: str = "state") -> None:
-    """Refuse a :meth:`PaddedShardSampler.state_dict` that is not one (a checkpoint edited by hand, or corrupt),
-    saying which field is wrong."""
+    """Refuse a :meth:`PaddedShardSampler.state_dict` that is not one, saying which field is wrong."""
     expected = f"expected a dict with {', '.join(repr(k) for k in _STATE_MINIMUMS)} (integers >= 0)"
     if not isinstance(state, dict):
         raise TypeError(f"`{name}`={state!r} is not valid: {expected}.")
@@ -352,8 +302,8 @@ def check_sampler_state(state: Any, name: str = "state") -> None:
 
 
 def check_checkpoint_entry(entry: Any) -> None:
-    """Refuse a training-sampler entry of a checkpoint that :func:`checkpoint_entry` did not write (edited by hand,
-    or corrupt), saying what is wrong: an empty list of sampler states would silently restart the epoch."""
+    """Refuse a checkpoint entry :func:`checkpoint_entry` did not write, saying what is wrong (an empty list of
+    sampler states would silently restart the epoch)."""
     name = f"checkpoint[{CHECKPOINT_KEY!r}]"
     if not isinstance(entry, dict):
         raise TypeError(f"`{name}`={entry!r} is not valid: expected a dict with 'batches_done' and 'samplers'.")
@@ -375,9 +325,8 @@ def check_checkpoint_entry(entry: Any) -> None:
 def checkpoint_entry(
     batches_done: int, samplers_and_batch_sizes: Sequence[tuple[PaddedShardSampler, int | None]]
 ) -> dict:
-    """The training samplers' progress after ``batches_done`` batches of the epoch (the training loop's count),
-    with each loader's batch size: the same on every rank, so rank 0's copy is enough. A loader whose batch size
-    is unknown gets None (its epoch restarts on resume), so that the states stay in loader order."""
+    """The training samplers' progress after ``batches_done`` batches of the epoch: the same on every rank. A
+    loader of unknown batch size gets None (its epoch restarts on resume), keeping the states in loader order."""
     return {
         "batches_done": batches_done,
         "samplers": [
@@ -398,8 +347,8 @@ def check_epoch_shards(
     *,
     expect_full_coverage: bool,
 ) -> None:
-    """Raise :class:`ShardingError` if two ranks read the same real (non-padding) sample, or, when the epoch
-    ran to its end, if some sample was read by no rank."""
+    """Raise :class:`ShardingError` if two ranks read the same real sample, or (``expect_full_coverage``) if
+    some sample was read by no rank."""
     owner: dict[int, int] = {}
     for rank, indices in enumerate(real_indices_per_rank):
         for index in indices:
@@ -443,7 +392,7 @@ def _mix(values: Any, key: int) -> Any:
 
 def _hash_lanes(chunks: Iterator[np.ndarray]) -> list[int]:
     """Per key, the sum modulo :data:`DIGEST_PRIME` of the keyed hash of every index: the same for any order of
-    the same multiset of indices, different (with probability ~1 - 2**-60 per lane) for another one."""
+    the same multiset of indices."""
     sums = [0] * len(_DIGEST_KEYS)
     for chunk in chunks:
         values = np.asarray(chunk, dtype=np.int64).view(np.uint64)
@@ -457,21 +406,14 @@ def _hash_lanes(chunks: Iterator[np.ndarray]) -> list[int]:
 def _config_hash(*fields: int) -> int:
     z = 0
     for field in fields:
-        z = (z ^ (int(field) & _MASK64)) + 0x9E3779B97F4A7C15 & _MASK64
-        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9 & _MASK64
-        z = (z ^ (z >> 27)) * 0x94D049BB133111EB & _MASK64
-        z ^= z >> 31
+        z = _splitmix64(z ^ (int(field) & _MASK64))[1]
     return z % DIGEST_PRIME
 
 
 def shard_digest(sampler: PaddedShardSampler, rank: int, world_size: int) -> list[int]:
-    """:data:`DIGEST_WIDTH` integers saying what ``sampler`` (with ``record_indices``) read this epoch, whatever
-    the dataset's length: summed over the ranks by one all-reduce and read by :func:`digest_problem`.
-
-    Hashed lanes hold ``hash(read) - hash(expected)`` where ``expected`` are the epoch order's indices at the
-    positions ``start + rank + j * world_size`` (``j`` < the number of real samples read) that process ``rank``
-    (the process group's, not the sampler's) should have read: their sum is 0 exactly when the ranks together
-    read each expected sample once, so an overlap is caught even when a gap compensates it in plain sums."""
+    """:data:`DIGEST_WIDTH` integers saying what ``sampler`` (with ``record_indices``) read this epoch, to be summed
+    over the ranks and read by :func:`digest_problem` (layout and reasoning: docs/sharding.md). Hashed lanes hold
+    ``hash(read) - hash(expected)``, expected being what process ``rank`` of the group should have read."""
     real = sampler.yielded_indices[: sampler.num_real_samples]
     n, start, k = sampler.dataset_length, sampler.start_position, len(real)
     misfit = sampler.num_replicas != world_size or (k > 0 and start + rank + (k - 1) * world_size >= n)
@@ -490,17 +432,15 @@ def shard_digest(sampler: PaddedShardSampler, rank: int, world_size: int) -> lis
 
 
 def digest_finished(total: Sequence[int], world_size: int) -> bool:
-    """Whether every rank ran the epoch to its end, from ``total`` (the sum of every rank's :func:`shard_digest`):
-    :func:`digest_problem` then checked that the ranks covered every sample left in it."""
+    """Whether every rank ran the epoch to its end, from ``total`` (the sum of every rank's :func:`shard_digest`)."""
     return total[1] == world_size
 
 
 def digest_problem(
     total: Sequence[int], own: Sequence[int], sampler: PaddedShardSampler, world_size: int
 ) -> str | None:
-    """What is wrong with the ranks' shards, from ``total`` (the sum of every rank's :func:`shard_digest`) and
-    this rank's ``own``; None when they read disjoint shards, each its own positions, and a finished epoch
-    covered every sample left in it."""
+    """What is wrong with the ranks' shards, from ``total`` (the sum of the digests) and this rank's ``own``; None
+    when they read disjoint shards, each its own positions, and a finished epoch covered what it had left."""
     count, completed, misfits = total[:_COUNTS]
     lanes = [((total[i] << _HALF) + total[i + 1]) % DIGEST_PRIME for i in range(_COUNTS, DIGEST_WIDTH, 2)]
     config = (own[-2] << _HALF) + own[-1]

@@ -1,40 +1,14 @@
-"""Counting communication without patching ``torch.distributed``: each count is taken at a point that sees it.
-
-``ShardPlusStrategy`` passes its DDP communication hook through :meth:`CommunicationHookWrapper.wrap` of every such
-callback among the Trainer's callbacks (``components.py``).
-
-:class:`CommunicationCounter` counts the gradient communication through that wrapper. Rounds and buckets are the
-wrapper's own calls. Collectives and bytes come from the process group the wrapper hands to the hook in place of
-its own: an :class:`ObservedProcessGroup`, a ``torch.distributed.ProcessGroup`` written in Python (torch's
-extension point for process groups) that notes the tensors this rank contributes to each all-reduce or all-gather
-issued through it and forwards the collective to the real group. torch's DDP hooks (``allreduce_hook``,
-``fp16_compress_hook``, ``bf16_compress_hook``, ``powerSGD_hook``) take their process group from their state and
-issue every collective through it, the ones in their ``Future.then`` continuations (other threads) included: so
-what is counted is exactly what the hook sent. A hook whose state is neither a process group (or None) nor a
-``PowerSGDState`` runs with its own state: its calls are counted, its collectives are not.
-
-:class:`CollectiveCalls` counts the collectives issued on a process group through ``torch.distributed``'s Python
-functions (``all_reduce``, ``barrier``, ...: what Lightning's ``sync_dist``, this package's metric averaging and
-Python communication hooks call), by kind, from any thread. It registers a pre-collective hook on the group
-(``ProcessGroup.register_pre_hook``, in torch 2.14) between :meth:`CollectiveCalls.start` and
-:meth:`CollectiveCalls.stop`. torch runs that hook in the thread that issues the collective, under the Python
-function that issued it: a collective counts when that function is one of ``torch.distributed``'s, which leaves
-out what DDP's C++ reducer issues itself (its built-in gradient all-reduce). Where torch has no such hooks it
-counts nothing and says so. The benchmark's all_reduce and barrier calls per step use it.
-
-Why not the alternatives: replacing ``torch.distributed.all_reduce`` and its siblings for the whole process (what
-this package did before) changes torch for everything else in the process while it counts; a registry that this
-package's own collective call sites report to would see neither the collectives torch's hooks issue nor Lightning's
-``sync_dist`` reductions, which are what the benchmark counts; torch's profiler sees every collective, but records
-every other operation too, which would distort the timings taken beside the counts.
-"""
+"""Counting communication without patching ``torch.distributed``: the gradient hook's calls, collectives and bytes
+(:class:`CommunicationCounter`, through a process group that observes the hook's collectives) and the collectives
+issued through ``torch.distributed``'s Python functions (:class:`CollectiveCalls`, by a pre-collective hook on the
+group). How each count is taken, and why not otherwise: docs/compression.md ("Counting what is sent")."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import statistics
-import sys
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -51,18 +25,14 @@ _COUNTED = ("rounds", "buckets", "collectives", "bytes")
 
 
 def _payload_bytes(tensors: Sequence[torch.Tensor]) -> int:
-    """The bytes of ``tensors``: what this rank hands to a collective (a ring all-reduce moves about
-    ``2 (n-1)/n`` times that over each rank's link)."""
+    """The bytes this rank hands to a collective (a ring all-reduce moves about ``2 (n-1)/n`` times that)."""
     return sum(tensor.numel() * tensor.element_size() for tensor in tensors)
 
 
 class ObservedProcessGroup(dist.ProcessGroup):
     """``group`` as a process group of its own that calls ``observe(tensors)`` with the tensors this rank
     contributes to each all-reduce and all-gather issued through it, then forwards the collective to ``group``.
-
-    Hand it to code that takes a process group (a DDP communication hook's state) to see that code's collectives
-    and nothing else. ``torch.distributed`` does not know it by name, so functions that look a group up in its
-    registry (``get_rank(group)``, ``get_backend(group)``, ``broadcast`` with a source rank) refuse it.
+    ``torch.distributed``'s registry does not know it: ``get_rank(group)``, ``broadcast`` from a source refuse it.
     """
 
     def __init__(self, group: dist.ProcessGroup, observe: Callable[[Sequence[torch.Tensor]], None]) -> None:
@@ -82,9 +52,8 @@ class ObservedProcessGroup(dist.ProcessGroup):
 
 
 class CommunicationHookWrapper(Callback):
-    """A callback that wraps the gradient communication hook. ``ShardPlusStrategy`` passes its hook through the
-    :meth:`wrap` of every such callback among the Trainer's callbacks, registering torch's ``allreduce_hook`` (the
-    Python equivalent of DDP's built-in all-reduce) when no hook was chosen, so that there is one to wrap."""
+    """A callback whose :meth:`wrap` ``ShardPlusStrategy`` applies to its gradient communication hook (torch's
+    ``allreduce_hook`` when no hook was chosen, so that there is one to wrap)."""
 
     def wrap(self, hook: Callable) -> Callable:
         """``hook`` with this callback's instrumentation; it must return the future that ``hook`` returns
@@ -95,10 +64,8 @@ class CommunicationHookWrapper(Callback):
 def call_with_observed_group(
     hook: Callable, state: Any, bucket: Any, observed: Callable[[dist.ProcessGroup | None], ObservedProcessGroup]
 ) -> Any:
-    """``hook(state, bucket)`` with the process group in ``state`` replaced by ``observed(group)``: the state itself
-    when it is a process group or None (torch's default hooks), ``state.process_group`` for a ``PowerSGDState``
-    (``powerSGD_hook`` reads it once, at the start of the call: it is put back when the call returns). Any other
-    state is passed as it is."""
+    """``hook(state, bucket)`` with the process group in ``state`` (itself, or a ``PowerSGDState``'s, which
+    ``powerSGD_hook`` reads once at the start of the call) replaced by ``observed(group)``; any other state as is."""
     if state is None or isinstance(state, dist.ProcessGroup):
         return hook(observed(state), bucket)
     if isinstance(state, PowerSGDState):
@@ -112,23 +79,10 @@ def call_with_observed_group(
 
 
 class CommunicationCounter(CommunicationHookWrapper):
-    """Counts what the gradient communication hook sends, per training micro-batch and per optimizer step.
-
-    Add it to the Trainer's callbacks: ``ShardPlusStrategy`` wraps its communication hook with :meth:`wrap`
-    (with ``gradient_compression="none"`` it then registers torch's ``allreduce_hook``, the Python equivalent
-    of DDP's built-in all-reduce, so that there is a hook to count). Counted, on each rank:
-
-    - ``rounds``: gradient synchronizations, i.e. backward passes whose buckets went through the hook (the
-      hook call of DDP's last bucket closes one);
-    - ``buckets``: hook calls (one per DDP bucket and round);
-    - ``collectives`` and ``bytes``: the collectives the hook issued (its continuations included) and the bytes
-      of the tensors this rank passed to them (the payload), seen through the :class:`ObservedProcessGroup` the
-      hook is given as its process group (see the module's documentation).
-
-    ``records`` holds one row per training micro-batch; :meth:`steps` groups them into optimizer steps and
-    :meth:`summary` gives the per-step medians. With ``output_dir``, each rank writes ``rank{r}.json`` there
-    when training ends (fork workers cannot hand objects back).
-    """
+    """Counts what the gradient communication hook sends on each rank: ``rounds`` (backward passes through the hook),
+    ``buckets`` (hook calls), ``collectives`` and their payload ``bytes``. ``records`` holds one row per training
+    micro-batch, :meth:`steps` groups them into optimizer steps, :meth:`summary` gives the per-step medians; with
+    ``output_dir`` each rank writes ``rank{r}.json`` when training ends (fork workers cannot hand objects back)."""
 
     def __init__(self, output_dir: str | os.PathLike | None = None) -> None:
         self.output_dir = None if output_dir is None else Path(output_dir)
@@ -163,7 +117,7 @@ class CommunicationCounter(CommunicationHookWrapper):
         return counting_hook
 
     def _count_call(self, last: bool) -> None:
-        """One hook call: one bucket, and one round when it is DDP's last bucket of the backward pass."""
+        """One hook call: one bucket, and one round at DDP's last bucket."""
         with self._lock:
             self._totals["buckets"] += 1
             self._totals["rounds"] += int(last)
@@ -223,8 +177,8 @@ class CommunicationCounter(CommunicationHookWrapper):
         return steps
 
     def summary(self) -> dict[str, Any]:
-        """Per optimizer step (medians): rounds, hook calls, collectives, bytes; and the rounds counted on
-        micro-batches that did not step the optimizer (0 when aggregation communicates only on the last)."""
+        """Per optimizer step (medians): rounds, hook calls, collectives, bytes; and the rounds on micro-batches that
+        did not step the optimizer."""
         steps = self.steps()
         medians = {key: float(statistics.median(step[key] for step in steps)) if steps else 0.0 for key in _COUNTED}
         return {
@@ -247,13 +201,9 @@ _CALLER_DEPTH = 4  # frames searched for it under the hook: the function, or it 
 
 
 class CollectiveCalls:
-    """How many collectives of each kind (``"all_reduce"``, ``"barrier"``, ``"broadcast"``, ...) were issued on a
-    process group through ``torch.distributed``'s Python functions between :meth:`start` and :meth:`stop`, by any
-    caller and from any thread; not the ones DDP's C++ reducer issues itself (see the module's documentation).
-
-    Counted by a pre-collective hook on the group (``ProcessGroup.register_pre_hook``, torch 2.14); without one,
-    :meth:`start` returns False and nothing is counted. torch expects these hooks to be registered while no
-    collective is running: start and stop between steps (a callback's ``setup`` and ``teardown``).
+    """How many collectives of each kind (``"all_reduce"``, ``"barrier"``, ...) were issued on a process group
+    through ``torch.distributed``'s Python functions between :meth:`start` and :meth:`stop`, from any thread (not
+    DDP's C++ reducer's). Start and stop between steps: torch expects no collective running while hooks change.
     """
 
     def __init__(self) -> None:
@@ -292,7 +242,7 @@ class CollectiveCalls:
 
     def _count(self, args: Any) -> None:
         """torch's pre-collective hook: count the collective if torch.distributed's Python API issued it."""
-        if not _issued_through_python_api(sys._getframe().f_back):  # None on a thread without Python frames
+        if not _issued_through_python_api(inspect.currentframe().f_back):  # None on a thread without Python frames
             return
         name = args.name.name
         kind = _KINDS.get(name, name.lower())
@@ -302,8 +252,7 @@ class CollectiveCalls:
 
 
 def _issued_through_python_api(frame: FrameType | None) -> bool:
-    """Whether one of the frames under a pre-collective hook is a ``torch.distributed`` collective function (under
-    DDP's reducer the frames are autograd's, or none on a device thread)."""
+    """Whether one of the frames under a pre-collective hook is a ``torch.distributed`` collective function."""
     for _ in range(_CALLER_DEPTH):
         if frame is None:
             return False

@@ -35,29 +35,9 @@ _TOTALS = (*STEP_PHASES, "samples", "micro_batches")
 
 
 class ScalingReport(Callback):
-    """Where each training step's time goes, summed over the fit and aggregated across ranks, with a verdict
-    (docs/scaling-report.md).
-
-    Each training micro-batch is cut at Lightning's hooks into :data:`STEP_PHASES`: ``data`` (``next()`` on the
-    training loader, timed through ``trainer.profiler``, which this callback wraps during training and hands to
-    your profiler unchanged); ``between_steps`` (the rest of the gap since the previous micro-batch: moving the
-    batch, Lightning's per-step SIGTERM broadcast, logging, checkpointing, callbacks; validation is not counted);
-    ``forward`` (to ``on_before_backward``); ``backward`` (to the end of the backward computation, marked by an
-    autograd end-of-pass callback queued from a hook on the loss, so that it runs before DDP's own, which waits for
-    the all-reduces); ``communication`` (from then to ``on_after_backward``: what backward did not hide; DDP keeps
-    its built-in all-reduce) and ``optimizer`` (to ``on_train_batch_end``). The first ``skip_first_steps``
-    micro-batches, the steps of tensor-fusion autotuning and the one after it are not counted. Each rank sums
-    locally; one ``all_gather`` of nine numbers when training ends combines the ranks. Samples/s is the samples of
-    all ranks over the slowest rank's counted time; the efficiency is ``samples/s / (world size x
-    single_device_samples_per_second)``.
-
-    On an accelerator with timing events (CUDA, ROCm, XPU) each mark is also an event on the device's current
-    stream and the phases are the device's time between them, read once the device has passed them (``query``),
-    so the host never waits for the device during training; ``report["timing"]`` names the clock.
-
-    When training ends, rank 0 prints the verdict (``rank_zero_info``), logs ``scaling/*`` figures to every
-    logger of the Trainer, and writes the report as JSON to ``output_file`` if given; every rank keeps it in
-    :attr:`report`.
+    """Where each training step's time goes (:data:`STEP_PHASES`, marked at Lightning's hooks), summed per rank and
+    gathered once when training ends; rank 0 then prints a verdict, logs ``scaling/*`` to the Trainer's loggers and
+    writes ``output_file``; every rank keeps :attr:`report`. What each phase is: docs/scaling-report.md.
 
     Args:
         single_device_samples_per_second: samples/s of the same workload on one device, for the efficiency.
@@ -101,32 +81,28 @@ class ScalingReport(Callback):
             raise TypeError(f"`device_timing`={device_timing!r} is not valid: expected None, True or False.")
         self.device_timing = device_timing
         self.report: dict[str, Any] | None = None
-        self._sums = [0.0] * len(_TOTALS)  # per `_TOTALS` key, summed locally: floats, nothing allocated per step
+        self._sums = [0.0] * len(_TOTALS)  # per `_TOTALS` key, summed locally
         self._seen = 0
         self._was_tuning = False
         self._world_size = 1
         self._batch_size: int | None = None
         self._clock: StepClock = HostClock()
-        self._on_host = True  # `_clock` is the host's: marks are `perf_counter` floats, counted as they come
         self._previous_end: Any = None  # a mark of `_clock`
         self._reset_marks()
-        self._pending: deque[_CountedStep] = deque()  # counted micro-batches whose marks the device has not passed
-        # `next()` on the training loader since the previous micro-batch ended: its seconds on the host clock, its
-        # (start, stop) marks on a device clock (read once the device has passed them)
-        self._fetch_seconds = 0.0
-        self._fetches: list[tuple[Any, Any]] = []
+        self._pending: deque[_CountedStep] = deque()  # counted micro-batches whose marks the clock has not passed
+        self._fetches: list[tuple[Any, Any]] = []  # (start, stop) marks of `next()` on the loader since the last end
         self._fetch_started: Any = None
         self._profiler: _FetchTimingProfiler | None = None
 
     def __getstate__(self) -> dict[str, Any]:  # the spawn launcher pickles the Trainer's callbacks
         # device events cannot be pickled; `setup` picks the clock again in the new process
-        fresh = {"_clock": HostClock(), "_on_host": True, "_fetches": [], "_pending": deque()}
+        fresh = {"_clock": HostClock(), "_fetches": [], "_pending": deque()}
         marks = dict.fromkeys(("_start", "_before_backward", "_computed", "_after_backward"))
         return self.__dict__ | fresh | marks | {"_profiler": None, "_fetch_started": None, "_previous_end": None}
 
     def _reset_marks(self) -> None:
-        """Forget the micro-batch's marks of `_clock` (None: not reached) and the host times of the three that
-        decide whether the backward computation ended during the backward pass."""
+        """Forget the micro-batch's marks (None: not reached) and the host times that place the end of the backward
+        computation."""
         self._start = self._before_backward = self._computed = self._after_backward = None
         self._host_before_backward = self._host_computed = self._host_after_backward = math.nan
 
@@ -138,15 +114,14 @@ class ScalingReport(Callback):
 
     def _mark_computed(self) -> None:
         """Every gradient of the pass is computed (what is left of ``backward()`` is DDP's wait)."""
-        self._host_computed = now = time.perf_counter()
-        self._computed = now if self._on_host else self._clock.mark()
+        self._host_computed = time.perf_counter()
+        self._computed = self._clock.mark()
 
     # ------------------------------------------------------------------ Lightning hooks
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
             self._clock = step_clock(trainer.strategy.root_device, self.device_timing)
-            self._on_host = isinstance(self._clock, HostClock)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._sums = [0.0] * len(_TOTALS)
@@ -174,21 +149,17 @@ class ScalingReport(Callback):
         self._restore_profiler(trainer)
 
     def _fetch_start(self) -> None:
-        self._fetch_started = time.perf_counter() if self._on_host else self._clock.mark()
+        self._fetch_started = self._clock.mark()
 
     def _fetch_stop(self) -> None:
-        if self._fetch_started is None:
-            return
-        if self._on_host:
-            self._fetch_seconds += time.perf_counter() - self._fetch_started
-        else:
+        if self._fetch_started is not None:
             self._fetches.append((self._fetch_started, self._clock.mark()))
-        self._fetch_started = None
+            self._fetch_started = None
 
     def _new_gap(self) -> None:
         """The time between micro-batches starts again now (the start of an epoch, the end of validation)."""
-        self._previous_end = time.perf_counter() if self._on_host else self._clock.mark()
-        self._fetch_seconds, self._fetches = 0.0, []
+        self._previous_end = self._clock.mark()
+        self._fetches = []
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._new_gap()
@@ -201,25 +172,25 @@ class ScalingReport(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         self._reset_marks()
-        self._start = time.perf_counter() if self._on_host else self._clock.mark()
+        self._start = self._clock.mark()
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
         if self._before_backward is None:
-            self._host_before_backward = now = time.perf_counter()
-            self._before_backward = now if self._on_host else self._clock.mark()
+            self._host_before_backward = time.perf_counter()
+            self._before_backward = self._clock.mark()
         if self._world_size > 1 and loss.requires_grad:  # with one rank there is nothing to exchange
             loss.register_hook(self._backward_started)
 
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._host_after_backward = now = time.perf_counter()
-        self._after_backward = now if self._on_host else self._clock.mark()
+        self._host_after_backward = time.perf_counter()
+        self._after_backward = self._clock.mark()
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        end = time.perf_counter() if self._on_host else self._clock.mark()
+        end = self._clock.mark()
         previous_end, self._previous_end = self._previous_end, end
-        fetch_seconds, fetches, self._fetch_seconds, self._fetches = self._fetch_seconds, self._fetches, 0.0, []
+        fetches, self._fetches = self._fetches, []
         self._seen += 1
         # tensor-fusion autotuning re-wraps DDP and tries slower bucket sizes on purpose: its steps, and the first
         # step after it (the last re-wrap, DDP's bucket rebuild), are not this run's steady state
@@ -237,30 +208,19 @@ class ScalingReport(Callback):
             end,
             self.batch_size_fn(batch) if self.batch_size_fn is not None else (self._batch_size or 0),
         )
-        if self._on_host:  # every mark has happened: counted at once, without queueing
-            return self._add(step.phases(self._clock, fetch_seconds), step.samples)
         self._pending.append(step)
-        self._count_finished(wait=False)
+        self._count_finished(wait=False)  # on the host clock: at once
 
     def _computed_in_backward(self) -> bool:
-        """Whether the backward computation ended during this backward pass, by the host's clock (NaN: a mark
-        that was not made; before_backward may be missing: no ``on_before_backward`` call)."""
+        """Whether the backward computation ended during this backward pass, by the host's clock (NaN: not made)."""
         before = self._host_before_backward
         return (before <= self._host_computed or before != before) and self._host_computed <= (
             self._host_after_backward
         )
 
-    def _add(self, phases: tuple[float, ...], samples: int) -> None:
-        sums = self._sums
-        for i, seconds in enumerate(phases):
-            if seconds > 0.0:
-                sums[i] += seconds
-        sums[-2] += samples
-        sums[-1] += 1
-
     def _count_finished(self, wait: bool) -> None:
         """Adds the phases of the pending micro-batches the clock can measure (with ``wait``: all of them)."""
-        clock = self._clock
+        clock, sums = self._clock, self._sums
         while self._pending:
             step = self._pending[0]
             if wait:
@@ -268,7 +228,11 @@ class ScalingReport(Callback):
             elif not all(clock.ready(mark) for mark in step.all_marks()):
                 return
             self._pending.popleft()
-            self._add(step.phases(clock, sum(clock.seconds(start, stop) for start, stop in step.fetches)), step.samples)
+            for i, seconds in enumerate(step.phases(clock)):
+                if seconds > 0.0:
+                    sums[i] += seconds
+            sums[-2] += step.samples
+            sums[-1] += 1
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._restore_profiler(trainer)
@@ -304,9 +268,7 @@ class ScalingReport(Callback):
 
 @dataclass
 class _CountedStep:
-    """A counted micro-batch: its clock marks (the previous micro-batch's end, the (start, stop) pairs of ``next()``
-    on the loader before it, start, before_backward, the end of the backward computation when it ended during this
-    backward, after_backward, end; None: not reached) and its samples."""
+    """A counted micro-batch: its clock marks in the order they happen (None: not reached) and its samples."""
 
     previous_end: Any
     fetches: list[tuple[Any, Any]]
@@ -321,10 +283,9 @@ class _CountedStep:
         marks = [self.previous_end, self.start, self.before_backward, self.computed, self.after_backward, self.end]
         return [mark for mark in marks if mark is not None] + [mark for pair in self.fetches for mark in pair]
 
-    def phases(self, clock: StepClock, fetch_seconds: float) -> tuple[float, ...]:
-        """Seconds per phase of :data:`STEP_PHASES` on ``clock`` (all its marks must have happened), with
-        ``fetch_seconds`` the clock's time across ``next()`` on the loader (on a device clock: nothing is queued
-        in it, the time the device went idle, if it ran out of work, waiting for data)."""
+    def phases(self, clock: StepClock) -> tuple[float, ...]:
+        """Seconds per phase of :data:`STEP_PHASES` on ``clock`` (all marks passed)."""
+        fetch_seconds = sum(clock.seconds(start, stop) for start, stop in self.fetches)
         end = self.end
         before_backward = end if self.before_backward is None else self.before_backward
         after_backward = before_backward if self.after_backward is None else self.after_backward
@@ -342,16 +303,16 @@ class _CountedStep:
 
 
 class _FetchTimingProfiler(Profiler):
-    """``trainer.profiler`` during training with a :class:`ScalingReport`: times Lightning's training batch fetch
-    for the report and passes every action on to the profiler it wraps (by default Lightning's no-op one)."""
+    """``trainer.profiler`` during training with a :class:`ScalingReport`: times the training batch fetch for the
+    report and passes every action on to the profiler it wraps."""
 
     def __init__(self, wrapped: Profiler, report: ScalingReport) -> None:
         super().__init__()
         self.wrapped, self.report = wrapped, report
 
     def profile(self, action_name: str) -> Any:
-        """The wrapped profiler's own ``profile`` for every action but the batch fetch (which Lightning times with
-        ``start`` and ``stop``): the ~40 actions profiled per step cost what they cost without this wrapper."""
+        """The wrapped profiler's own ``profile`` for every action but the batch fetch: the ~40 actions profiled per
+        step cost what they cost without this wrapper."""
         if action_name == TRAIN_DATALOADER_NEXT:
             return super().profile(action_name)
         return self.wrapped.profile(action_name)

@@ -16,15 +16,13 @@ def summarize_scaling(
     threshold: float = 0.2,
     single_device_samples_per_second: float | None = None,
     micro_batches_per_step: int = 1,
-    communication_measured: bool = True,
     timing: str = "host",
     gradient_compression: str | None = None,
 ) -> dict[str, Any]:
     """The report of :class:`ScalingReport` from each rank's totals (seconds per phase, samples, micro-batches):
     per-micro-batch milliseconds and shares of each phase (means over ranks), samples/s, efficiency, verdict.
-    ``communication_measured=False``: exposed communication could not be told apart from backward; ``timing``:
-    the clock of the figures (``"host"`` or ``"<device> events"``); ``gradient_compression``: the strategy's, so
-    that the advice names what is not in use yet."""
+    ``timing``: the clock of the figures (``"host"`` or ``"<device> events"``); ``gradient_compression``: the
+    strategy's, so that the advice names what is not in use yet."""
     world_size = len(per_rank)
     counted = [rank for rank in per_rank if rank["micro_batches"] > 0]
     if not counted:
@@ -53,7 +51,6 @@ def summarize_scaling(
         "samples_per_second": samples_per_second,
         "single_device_samples_per_second": single_device_samples_per_second,
         "scaling_efficiency": efficiency,
-        "communication_measured": communication_measured,
         "timing": timing,
         "gradient_compression": gradient_compression,
         "per_rank": per_rank,
@@ -68,8 +65,6 @@ def scaling_verdict(report: dict[str, Any], threshold: float = 0.2) -> str:
     fractions = report["fractions"]
     efficiency = report.get("scaling_efficiency")
     suffix = "" if efficiency is None else f"; scaling efficiency {efficiency:.0%}"
-    if not report.get("communication_measured", True):
-        suffix += " (exposed communication not measured, counted in backward: needs ShardPlusStrategy)"
     advice = {
         "data": "data loading takes {:.0%} of each step: raise num_workers, set pin_memory/persistent_workers, "
         "or check with SyntheticDataModule that the model scales without your data",
@@ -83,9 +78,6 @@ def scaling_verdict(report: dict[str, Any], threshold: float = 0.2) -> str:
         return "; ".join(advice[phase].format(fractions[phase]) for phase in limits) + suffix
     compute = fractions["forward"] + fractions["backward"] + fractions["optimizer"]
     return f"compute-bound: forward/backward/optimizer take {compute:.0%} of each step" + suffix
-
-
-_CLOCK_NAMES = {"host": "the host's wall clock"}
 
 
 def _communication_options(report: dict[str, Any]) -> str:
@@ -113,7 +105,8 @@ def format_scaling_report(report: dict[str, Any]) -> str:
     rate = report["samples_per_second"]
     lines.append(f"{'samples/s':>13}: " + ("unknown" if rate is None else f"{rate:.1f}"))
     lines.append(f"{'ranks':>13}: {report['world_size']}, {report['micro_batches']} steps counted per rank")
-    lines.append(f"{'timed with':>13}: " + _CLOCK_NAMES.get(report.get("timing", "host"), report.get("timing", "")))
+    timing = report.get("timing", "host")
+    lines.append(f"{'timed with':>13}: " + ("the host's wall clock" if timing == "host" else timing))
     if report["scaling_efficiency"] is not None:
         lines.append(f"{'efficiency':>13}: {report['scaling_efficiency']:.1%}")
     return "\n".join(lines)

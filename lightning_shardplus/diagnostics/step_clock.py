@@ -1,9 +1,5 @@
-"""Clocks that mark the phases of a training step: the host's wall clock, or timing events on an accelerator.
-
-On a GPU the host runs ahead of the device (kernels are queued, not waited for), so host timestamps put the
-device's time in whichever phase the host happens to block in. Events recorded on the device's current stream
-measure the device's own timeline instead; they are read once the device has passed them, without waiting.
-"""
+"""Clocks that mark the phases of a training step: the host's wall clock, or timing events on an accelerator's
+current stream, read once the device has passed them (the host runs ahead of the device: docs/scaling-report.md)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """``verify_sharding``: the cross-rank check, at each training epoch end, that the shards were disjoint and
-complete (:class:`VerifySharding`, added by ``ShardPlusStrategy(verify_sharding=True)``); the digest it sends
-and its reading are the samplers' (``sharding.shard_digest``, ``sharding.digest_problem``)."""
+complete; the digest it sends and its reading are the samplers' (``sharding.shard_digest``)."""
 
 from __future__ import annotations
 
@@ -26,13 +25,9 @@ from lightning_shardplus.sharding import (
 
 class VerifySharding(Callback):
     """At the end of each training epoch, check across ranks that the shards were disjoint, each rank read its own
-    positions of the epoch's order and, if the epoch ran to its end, covered every sample left in it. Added by
-    ``ShardPlusStrategy(verify_sharding=True)``.
-
-    Each rank sends a fixed-size digest (:func:`~lightning_shardplus.sharding.shard_digest`: counts and keyed
-    hash sums), all samplers in one all-reduce, whatever the dataset's length. Only when the digests disagree are
-    the index lists gathered, to name the ranks and a sample. When training ends, rank 0 says in one line how many
-    epochs were checked and found right (nothing is said when a check fails: it raises)."""
+    positions of the epoch's order and a finished epoch covered every sample left in it: one all-reduce of
+    fixed-size digests; the index lists are gathered only when they disagree, to name the ranks and a sample.
+    Added by ``ShardPlusStrategy(verify_sharding=True)``; rank 0 says in one line what was checked at the end."""
 
     def __init__(self) -> None:
         self.epochs_checked = 0  # in this fit
@@ -78,9 +73,8 @@ def _outcome(checked: int, complete: int) -> str:
 
 
 def _name_the_ranks(epoch: int, sampler: PaddedShardSampler, world: int, distributed: bool, problem: str) -> None:
-    """The second pass, after the digests disagreed (every rank takes it): gather the index lists to name the
-    ranks and a sample (:func:`~lightning_shardplus.sharding.check_epoch_shards`), else raise the digest's
-    finding."""
+    """After the digests disagreed (on every rank): gather the index lists to name the ranks and a sample, else
+    raise the digest's finding."""
     local = (sampler.yielded_indices[: sampler.num_real_samples], sampler.completed_epoch)
     gathered: list[Any] = [None] * world
     if distributed:
