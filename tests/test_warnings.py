@@ -115,7 +115,10 @@ class Messages(Callback):
         self.out, self.messages = out, []
         self.handler = logging.Handler()
         self.handler.emit = lambda record: self.messages.append(record.getMessage())
-        logging.getLogger("lightning.pytorch").addHandler(self.handler)  # the forked ranks inherit it
+        logger = logging.getLogger("lightning.pytorch")
+        self.level = logger.level  # an earlier test's Trainer may have raised it (e.g. to WARNING)
+        logger.setLevel(logging.INFO)
+        logger.addHandler(self.handler)  # the forked ranks inherit it
 
     def on_train_start(self, trainer, pl_module):
         self.messages.append("<on_train_start: the progress bar starts>")
@@ -125,7 +128,9 @@ class Messages(Callback):
             self.out.write_text("\n".join(self.messages))
 
     def remove(self):
-        logging.getLogger("lightning.pytorch").removeHandler(self.handler)
+        logger = logging.getLogger("lightning.pytorch")
+        logger.removeHandler(self.handler)
+        logger.setLevel(self.level)
 
 
 class DigitsLike(ShardPlusDataModule):
