@@ -61,8 +61,12 @@ NO_BATCH = NoBatch()
 
 
 def is_stream(loader: Any) -> bool:
-    """Whether ``loader`` reads an iterable-style dataset (its length per rank is not known in advance)."""
-    return isinstance(loader, DataLoader) and isinstance(loader.dataset, IterableDataset)
+    """Whether ``loader`` is a stream (its length per rank is not known in advance): a torch ``DataLoader`` over an
+    iterable-style dataset, or a loader of another kind that is itself an iterable-style dataset (WebDataset's
+    ``WebLoader`` is a pipeline around a ``DataLoader``) or has no length."""
+    if isinstance(loader, DataLoader):
+        return isinstance(loader.dataset, IterableDataset)
+    return isinstance(loader, IterableDataset) or not hasattr(loader, "__len__")
 
 
 class AgreedLoader:
