@@ -30,7 +30,7 @@ from lightning_shardplus.components import DistributedSetup, RunComponents, chec
 from lightning_shardplus.compression import GradientCompression
 from lightning_shardplus.config import ShardPlusConfig, at_ddp_defaults, check_ddp_arguments, registered_names
 from lightning_shardplus.fusion import BucketSetting, FusionResult
-from lightning_shardplus.launch import LaunchAfterCheck, check_accelerator, check_trainer_call
+from lightning_shardplus.launch import LaunchAfterCheck, check_accelerator, check_trainer_call, export_rank_variables
 from lightning_shardplus.loaders import gather_predictions
 from lightning_shardplus.metrics import share_rank_zero_buffers
 from lightning_shardplus.sharding import PaddingMode
@@ -137,6 +137,7 @@ class ShardPlusStrategy(DDPStrategy):
         self.config = config
         self._components: RunComponents | None = None  # this Trainer run's, from `setup` to `teardown`
         self._checkpointed: dict[str, Any] = {}  # component states of a checkpoint loaded before `setup`
+        self._remove_rank_variables: Callable[[], None] | None = None  # set in `setup_environment`
 
     @classmethod
     @override
@@ -217,6 +218,8 @@ class ShardPlusStrategy(DDPStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
+        # for the stream libraries that read them (Mosaic Streaming), as under torchrun; removed at teardown
+        self._remove_rank_variables = export_rank_variables(self.cluster_environment, self.num_processes)
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             _lightning.destroy_process_group_at_exit()
 
@@ -237,6 +240,9 @@ class ShardPlusStrategy(DDPStrategy):
         if self._components is not None:
             self._components.close()
         self._components, self._checkpointed = None, {}
+        if self._remove_rank_variables is not None:
+            self._remove_rank_variables()
+            self._remove_rank_variables = None
         super().teardown()
 
     # ------------------------------------------------------------------ checkpoints

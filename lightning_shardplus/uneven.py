@@ -116,6 +116,9 @@ class ResumableAgreedLoader(AgreedLoader):
         restored, self._restored = self._restored, None
         if skip:  # the rest of this pass was empty when the checkpoint was saved
             self._ran_out_at = 0
+            # Start the pass all the same (what it yields is discarded): Mosaic Streaming makes every rank of a
+            # machine meet in a barrier when a pass starts, and counts the passes.
+            next(iterator, None)
             return
         for fetched in itertools.count():
             state = restored if fetched == 0 and restored is not None else copy.deepcopy(self.loader.state_dict())

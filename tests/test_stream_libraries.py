@@ -7,12 +7,15 @@ The libraries are optional test dependencies: each test is skipped, with the rea
 from __future__ import annotations
 
 import importlib.util
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from _models import cpu_trainer
-from test_uneven import Regression, batches_of, rows, sample
+from test_uneven import Regression, SaveAtStep, assert_state_close, batches_of, rows, sample
+from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_shardplus import ShardPlusStrategy
 from lightning_shardplus.uneven import is_stream
@@ -107,3 +110,141 @@ def test_web_loaders_with_uneven_shards_take_equal_steps(tmp_path, world, policy
     # exact evaluation over the streams: every sample once, in each of the two validations
     evaluated = sorted(i for r in range(world) for row in rows(out, r, "val") for i in row["ids"])
     assert evaluated == sorted(list(range(sum(sizes))) * 2)
+
+
+# ---------------------------------------------------------------------------- a stream that meets at each pass
+
+
+class BarrierStream(IterableDataset):
+    """Rank r streams its own ``lengths[r]`` samples; every pass starts with a barrier of all ranks, as Mosaic
+    Streaming's does (in shared memory, between the ranks of a machine). ``start``: samples to skip in the next
+    pass (a resume)."""
+
+    def __init__(self, lengths: list[int]) -> None:
+        self.lengths, self.start = lengths, 0
+
+    def __iter__(self):
+        dist.barrier()
+        rank = dist.get_rank()
+        first, (start, self.start) = sum(self.lengths[:rank]), (self.start, 0)
+        for i in range(first + start, first + self.lengths[rank]):
+            yield sample(i)
+
+
+class ResumableLoader(DataLoader):
+    """A loader over :class:`BarrierStream` (batch size 1) that saves and restores its place in the pass."""
+
+    yielded = 0
+
+    def __iter__(self):
+        self.yielded = self.dataset.start
+        for batch in super().__iter__():
+            self.yielded += 1
+            yield batch
+
+    def state_dict(self):
+        return {"yielded": self.yielded}
+
+    def load_state_dict(self, state):
+        self.dataset.start = state["yielded"]
+
+
+class BarrierRegression(Regression):
+    def __init__(self, out: Path, lengths: list[int]) -> None:
+        super().__init__(out)
+        self.lengths = lengths
+
+    def train_dataloader(self):
+        return ResumableLoader(BarrierStream(self.lengths), batch_size=1)
+
+
+@pytest.mark.timeout(120)
+def test_a_resume_after_a_rank_ran_out_starts_that_ranks_pass_too(tmp_path):
+    # rank 1's stream ran out at step 2; the checkpoint is saved at step 4: on resume rank 1 has nothing left in
+    # this pass, yet it starts its iterator, so that both ranks meet in the stream's barrier (it hung there)
+    lengths, saved_at, checkpoint = [6, 2], 4, tmp_path / "mid.ckpt"
+
+    def fit(out: Path, **fit_kwargs) -> None:
+        torch.manual_seed(0)
+        strategy = ShardPlusStrategy(start_method="fork", timeout=timedelta(seconds=30))
+        trainer = cpu_trainer(strategy, 2, max_epochs=2, callbacks=[SaveAtStep(saved_at, checkpoint)])
+        trainer.fit(BarrierRegression(out, lengths), **fit_kwargs)
+
+    fit(tmp_path / "whole")
+    fit(tmp_path / "resumed", ckpt_path=checkpoint)
+    for rank in range(2):
+        whole = [row["ids"] for row in rows(tmp_path / "whole", rank, "train") if row["step"] >= saved_at]
+        assert [row["ids"] for row in rows(tmp_path / "resumed", rank, "train")] == whole
+    ends = [rows(tmp_path / d, 0, "end")[0] for d in ("whole", "resumed")]
+    assert ends[1]["global_step"] == ends[0]["global_step"] == 12
+    assert_state_close(ends[1]["state"], ends[0]["state"])
+
+
+# ------------------------------------------------------------------------------------------- Mosaic Streaming
+
+needs_mosaic = pytest.mark.skipif(
+    importlib.util.find_spec("streaming") is None,
+    reason="mosaicml-streaming is not installed (it needs a torchvision matching torch: docs/uneven-inputs.md)",
+)
+
+MOSAIC_SCRIPT = """
+import json, sys
+sys.path.insert(0, {tests!r})
+import lightning.pytorch as pl
+import torch
+from streaming import StreamingDataset
+from torch.utils.data import DataLoader
+import lightning_shardplus
+from test_uneven import Regression, sample
+
+
+class MosaicRegression(Regression):
+    def train_dataloader(self):  # built in each process, after the strategy set up the distributed environment
+        return DataLoader(StreamingDataset(local={data!r}, batch_size=2, shuffle=False), batch_size=2)
+
+    def training_step(self, batch, batch_idx):
+        ids = batch["id"].tolist()
+        x, y = torch.stack([sample(i)[0] for i in ids]), torch.stack([sample(i)[1] for i in ids])
+        return super().training_step((x, y, torch.tensor(ids)), batch_idx)
+
+
+if __name__ == "__main__":
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, strategy="shardplus", max_epochs=2, logger=False, enable_progress_bar=False,
+        enable_checkpointing=False, enable_model_summary=False,
+    )
+    trainer.fit(MosaicRegression({out!r}))
+"""
+
+
+@needs_mosaic
+@pytest.mark.timeout(300)
+def test_mosaic_streaming_trains_under_lightnings_own_launcher(tmp_path):
+    # Mosaic reads RANK and LOCAL_WORLD_SIZE, which Lightning's launcher does not set: every process took itself
+    # for rank 0 of one and the second failed with FileExistsError on Mosaic's shared memory, before any step
+    import os
+    import subprocess
+    import sys
+
+    from streaming import MDSWriter
+
+    count, data, out = 7, tmp_path / "mds", tmp_path / "records"
+    with MDSWriter(out=str(data), columns={"id": "int"}) as writer:
+        for i in range(count):
+            writer.write({"id": i})
+    script = tmp_path / "train.py"
+    tests = str(Path(__file__).parent)
+    script.write_text(MOSAIC_SCRIPT.format(tests=tests, data=str(data), out=str(out)))
+    root = str(Path(__file__).parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        env.pop(name, None)
+    result = subprocess.run(
+        [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=280
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    per_rank = [[i for row in rows(out, r, "train") if row["epoch"] == 0 for i in row["ids"]] for r in range(2)]
+    # Mosaic pads the ranks to equal shards by repeating samples (its design): every sample at least once
+    assert set(per_rank[0]) | set(per_rank[1]) == set(range(count)) and len(per_rank[0]) == len(per_rank[1])
+    ends = [rows(out, r, "end")[0] for r in range(2)]
+    assert ends[0]["global_step"] == ends[1]["global_step"] == 4 and ends[0]["state"] == ends[1]["state"]
