@@ -149,11 +149,10 @@ def export_rank_variables(environment: ClusterEnvironment, local_world_size: int
     process takes itself for rank 0 of one and fails with ``FileExistsError``)."""
     values = (environment.global_rank(), environment.world_size(), environment.local_rank(), local_world_size)
     added = [name for name in RANK_VARIABLES if name not in os.environ]
-    os.environ.update({name: str(value) for name, value in zip(RANK_VARIABLES, values) if name in added})
+    os.environ.update({name: str(value) for name, value in zip(RANK_VARIABLES, values, strict=True) if name in added})
 
     def remove() -> None:
         for name in added:
             os.environ.pop(name, None)
 
     return remove
-

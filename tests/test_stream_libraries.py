@@ -7,6 +7,9 @@ The libraries are optional test dependencies: each test is skipped, with the rea
 from __future__ import annotations
 
 import importlib.util
+import os
+import subprocess
+import sys
 from datetime import timedelta
 from pathlib import Path
 
@@ -180,6 +183,26 @@ def test_a_resume_after_a_rank_ran_out_starts_that_ranks_pass_too(tmp_path):
     assert_state_close(ends[1]["state"], ends[0]["state"])
 
 
+class RankVariables(Regression):
+    def on_train_start(self):
+        names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+        self._write("environment", **{name: os.environ.get(name) for name in names})
+
+
+@pytest.mark.timeout(120)
+def test_each_process_has_the_rank_variables_stream_libraries_read_during_the_run(tmp_path):
+    out = tmp_path / "records"
+    trainer = cpu_trainer(ShardPlusStrategy(start_method="fork"), 3, max_steps=1)
+    trainer.fit(RankVariables(out), DataLoader([sample(i) for i in range(6)], batch_size=2))
+    for rank in range(3):
+        (seen,) = rows(out, rank, "environment")
+        assert seen == {"kind": "environment", "RANK": str(rank), "WORLD_SIZE": "3", "LOCAL_RANK": str(rank),
+                        "LOCAL_WORLD_SIZE": "3"}  # fmt: skip
+    one = cpu_trainer(ShardPlusStrategy(start_method="fork"), 1, max_steps=1)
+    one.fit(RankVariables(tmp_path / "one"), DataLoader([sample(i) for i in range(6)], batch_size=2))
+    assert "RANK" not in os.environ and "LOCAL_WORLD_SIZE" not in os.environ  # removed at teardown
+
+
 # ------------------------------------------------------------------------------------------- Mosaic Streaming
 
 needs_mosaic = pytest.mark.skipif(
@@ -222,10 +245,6 @@ if __name__ == "__main__":
 def test_mosaic_streaming_trains_under_lightnings_own_launcher(tmp_path):
     # Mosaic reads RANK and LOCAL_WORLD_SIZE, which Lightning's launcher does not set: every process took itself
     # for rank 0 of one and the second failed with FileExistsError on Mosaic's shared memory, before any step
-    import os
-    import subprocess
-    import sys
-
     from streaming import MDSWriter
 
     count, data, out = 7, tmp_path / "mds", tmp_path / "records"
