@@ -34,7 +34,7 @@ from lightning_shardplus.launch import LaunchAfterCheck, check_accelerator, chec
 from lightning_shardplus.loaders import gather_predictions
 from lightning_shardplus.metrics import share_rank_zero_buffers
 from lightning_shardplus.sharding import PaddingMode
-from lightning_shardplus.uneven import NO_BATCH, UnevenInputs
+from lightning_shardplus.uneven import NO_BATCH, UnevenInputs, silence_litdata_drop_last_warning
 
 
 class ShardPlusStrategy(DDPStrategy):
@@ -137,7 +137,7 @@ class ShardPlusStrategy(DDPStrategy):
         self.config = config
         self._components: RunComponents | None = None  # this Trainer run's, from `setup` to `teardown`
         self._checkpointed: dict[str, Any] = {}  # component states of a checkpoint loaded before `setup`
-        self._remove_rank_variables: Callable[[], None] | None = None  # set in `setup_environment`
+        self._undo_at_teardown: list[Callable[[], None]] = []  # what `setup_environment` changed for the run
 
     @classmethod
     @override
@@ -219,7 +219,9 @@ class ShardPlusStrategy(DDPStrategy):
     def setup_environment(self) -> None:
         super().setup_environment()
         # for the stream libraries that read them (Mosaic Streaming), as under torchrun; removed at teardown
-        self._remove_rank_variables = export_rank_variables(self.cluster_environment, self.num_processes)
+        self._undo_at_teardown.append(export_rank_variables(self.cluster_environment, self.num_processes))
+        if self._exact_across_ranks:  # uneven evaluation streams are safe then, uneven training streams always
+            self._undo_at_teardown.append(silence_litdata_drop_last_warning())
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             _lightning.destroy_process_group_at_exit()
 
@@ -240,9 +242,8 @@ class ShardPlusStrategy(DDPStrategy):
         if self._components is not None:
             self._components.close()
         self._components, self._checkpointed = None, {}
-        if self._remove_rank_variables is not None:
-            self._remove_rank_variables()
-            self._remove_rank_variables = None
+        while self._undo_at_teardown:
+            self._undo_at_teardown.pop()()
         super().teardown()
 
     # ------------------------------------------------------------------ checkpoints

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import logging
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Literal, NamedTuple, Protocol
@@ -369,3 +370,20 @@ def _samples(batch: Any) -> int:
         return int(extract_batch_size(batch))
     except Exception:  # a batch Lightning cannot size: count it as one sample
         return 1
+
+
+LITDATA_DROP_LAST_WARNING = "You're operating within a distributed environment and have disabled the `drop_last` option"
+
+
+def silence_litdata_drop_last_warning() -> Callable[[], None]:
+    """Drop litdata's warning that ``StreamingDataset(drop_last=False)`` "may lead to training interruptions" when
+    distributed (once per dataset and rank): false here, where training streams take equal steps and exact
+    evaluation has no per-batch collective. Returns what puts the warning back (at teardown)."""
+    litdata_logger = logging.getLogger("litdata.streaming.dataset")
+
+    def keep(record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(LITDATA_DROP_LAST_WARNING)
+
+    litdata_logger.addFilter(keep)
+    return lambda: litdata_logger.removeFilter(keep)
+

@@ -7,6 +7,8 @@ The libraries are optional test dependencies: each test is skipped, with the rea
 from __future__ import annotations
 
 import importlib.util
+import json
+import logging
 import os
 import subprocess
 import sys
@@ -16,8 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from _models import cpu_trainer
-from test_uneven import Regression, SaveAtStep, assert_state_close, batches_of, rows, sample
+from _models import IndexedDataset, RecordingModule, cpu_trainer
+from test_uneven import Regression, SaveAtStep, assert_state_close, batches_of, rows, sample, write_litdata
 from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_shardplus import ShardPlusStrategy
@@ -267,3 +269,46 @@ def test_mosaic_streaming_trains_under_lightnings_own_launcher(tmp_path):
     assert set(per_rank[0]) | set(per_rank[1]) == set(range(count)) and len(per_rank[0]) == len(per_rank[1])
     ends = [rows(out, r, "end")[0] for r in range(2)]
     assert ends[0]["global_step"] == ends[1]["global_step"] == 4 and ends[0]["state"] == ends[1]["state"]
+
+
+# ------------------------------------------------------------------------------------ litdata's drop_last warning
+
+needs_litdata = pytest.mark.skipif(importlib.util.find_spec("litdata") is None, reason="litdata is not installed")
+
+
+class LitdataWarnings(RecordingModule):
+    """Builds a ``StreamingDataset(drop_last=False)`` in ``setup`` (where datamodules build theirs) and records
+    what litdata logged about it on this rank."""
+
+    def __init__(self, record_dir: Path, data: Path) -> None:
+        super().__init__(record_dir)
+        self.data = data
+
+    def setup(self, stage):
+        from litdata import StreamingDataset
+
+        caught: list[logging.LogRecord] = []
+        handler = logging.Handler()
+        handler.emit = caught.append
+        litdata_logger = logging.getLogger("litdata.streaming.dataset")
+        litdata_logger.addHandler(handler)
+        try:
+            StreamingDataset(str(self.data), drop_last=False)
+        finally:
+            litdata_logger.removeHandler(handler)
+        said = [record.getMessage() for record in caught if "drop_last" in record.getMessage()]
+        (self.record_dir / f"said{self.global_rank}.json").write_text(json.dumps(said))
+
+
+@needs_litdata
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("exact_evaluation", [True, False])
+def test_litdatas_drop_last_warning_is_silenced_where_shardplus_makes_it_false(tmp_path, exact_evaluation):
+    # "may lead to training interruptions if your system depends on distributed collectives": not so with equal
+    # training steps and evaluation without per-batch collectives (exact_evaluation=False has them)
+    data = write_litdata(tmp_path / "data", 5)
+    out = tmp_path / "records"
+    trainer = cpu_trainer(ShardPlusStrategy(start_method="fork", exact_evaluation=exact_evaluation), 2)
+    trainer.validate(LitdataWarnings(out, data), DataLoader(IndexedDataset(4), batch_size=2))
+    said = [json.loads((out / f"said{rank}.json").read_text()) for rank in range(2)]
+    assert said == ([[], []] if exact_evaluation else [[said[0][0]], [said[0][0]]])
