@@ -196,6 +196,26 @@ def set_computed(result_metric: Any, value: Any) -> None:
         result_metric._computed = value
 
 
+def publish_loader_values(trainer: Any, dataloader_idx: int | None) -> None:
+    """Put the epoch values logged for evaluation loader ``dataloader_idx`` into ``callback_metrics``, the logged
+    and the progress-bar metrics, as Lightning does when its loop moves to the next loader
+    (``update_eval_epoch_metrics`` reads the values of ``_ResultCollection.dataloader_idx`` only)."""
+    results = trainer._results
+    current, results.dataloader_idx = results.dataloader_idx, dataloader_idx
+    try:
+        trainer._logger_connector.update_eval_epoch_metrics()
+    finally:
+        results.dataloader_idx = current
+
+
+def set_metric_sync(metric: Any, sync_on_compute: bool, dist_sync_on_step: bool) -> None:
+    """Set a torchmetrics ``Metric``'s sync switches. Its ``compute()`` reads the private ``_to_sync``, which
+    torchmetrics copies from ``sync_on_compute`` only at construction and at the end of ``forward``: a Metric fed
+    with ``update()`` would otherwise sync inside Lightning's epoch-end read, on the ranks that logged it only."""
+    metric.sync_on_compute, metric.dist_sync_on_step = sync_on_compute, dist_sync_on_step
+    metric._to_sync = sync_on_compute
+
+
 # ==========================================================================================================
 # Training metrics (`lightning_shardplus.training_metrics`): the logged values of the training loop.
 #

@@ -144,6 +144,7 @@ class DigitsStreamDataModule(pl.LightningDataModule):
 
     def prepare_data(self) -> None:
         """Write the train and validation splits as litdata datasets (local rank 0; the others wait)."""
+        import inspect
         from functools import partial
         from pathlib import Path
 
@@ -153,9 +154,11 @@ class DigitsStreamDataModule(pl.LightningDataModule):
             output = Path(self.data_dir) / split
             if (output / "index.json").exists():
                 continue
+            # `verbose=False` where litdata has it: no progress bar, no account advertisement
+            quiet = {"verbose": False} if "verbose" in inspect.signature(litdata.optimize).parameters else {}
             litdata.optimize(
                 fn=partial(_digit, dataset=dataset), inputs=list(range(len(dataset))), output_dir=str(output),
-                chunk_bytes="256KB", num_workers=1, mode="overwrite",
+                chunk_bytes="256KB", num_workers=1, mode="overwrite", **quiet,
             )
 
     def _loader(self, split: str, shuffle: bool) -> Any:

@@ -67,10 +67,30 @@ def combine(reduction: str, values: torch.Tensor, counts: torch.Tensor) -> torch
     raise ValueError(f"unknown reduction {reduction!r}")
 
 
+def list_state_layouts(metric: Metric) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Trailing shape and dtype of each list ("cat") state of ``metric`` that holds data on this rank. A rank
+    without data has empty lists, which torchmetrics gathers as a 1-d float tensor: for 2-d or integer states
+    the gather's collectives would not match those of the other ranks (gloo aborts)."""
+    return {
+        name: (tuple(state[0].shape[1:]), state[0].dtype)
+        for name, state in metric.metric_state.items()
+        if isinstance(state, list) and state
+    }
+
+
+def fill_empty_list_states(metric: Metric, layouts: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> None:
+    """Give each empty list state of ``metric`` one empty tensor laid out as another rank's (see
+    :func:`list_state_layouts`), so that every rank's sync makes the same collectives."""
+    for name, (trailing, dtype) in layouts.items():
+        if getattr(metric, name) == []:
+            setattr(metric, name, [torch.empty((0, *trailing), dtype=dtype, device=metric.device)])
+
+
 def describe(key: str, result_metric: Any) -> dict[str, Any]:
     """What another rank needs to register the same logged key (picklable, no tensors)."""
     meta = result_metric.meta
     return {
+        "list_states": {} if result_metric.is_tensor else list_state_layouts(result_metric.value),
         "key": key,
         "fx": meta.fx.split(".")[0],
         "name": meta.name,
@@ -95,9 +115,11 @@ class ExactEvaluation(Callback):
 
     From the start of an evaluation run until its epoch end it is :attr:`deferring`: the strategy's ``reduce`` does
     not communicate then (Lightning's per-value ``sync_dist`` would be a per-batch collective), and torchmetrics
-    ``Metric`` modules do not sync; at the epoch end every rank joins one reduction of all logged values, then the
-    Metrics' own sync. Lightning reads the epoch values before that and advises ``sync_dist=True`` for values
-    logged without it: the advice is silenced for the values reduced here, during the evaluation run only.
+    ``Metric`` modules do not sync, neither per step nor in Lightning's epoch-end read (which runs on the ranks
+    that logged them only); at the epoch end every rank joins one reduction of all logged values, then each
+    Metric's own sync in key order: so every rank makes the same collectives whatever its shard. Lightning reads
+    the epoch values before that and advises ``sync_dist=True`` for values logged without it: the advice is
+    silenced for the values reduced here, during the evaluation run only.
     """
 
     def __init__(self) -> None:
@@ -113,7 +135,7 @@ class ExactEvaluation(Callback):
         for metric in pl_module.modules():
             if isinstance(metric, Metric):
                 self._metric_flags[metric] = (metric.sync_on_compute, metric.dist_sync_on_step)
-                metric.sync_on_compute = metric.dist_sync_on_step = False
+                _lightning.set_metric_sync(metric, sync_on_compute=False, dist_sync_on_step=False)
 
     def _close(self, trainer: pl.Trainer) -> None:
         self.deferring = False
@@ -122,10 +144,7 @@ class ExactEvaluation(Callback):
         self._restore_warnings.clear()
         self._silenced.clear()
         for metric, (sync_on_compute, dist_sync_on_step) in self._metric_flags.items():
-            metric.sync_on_compute, metric.dist_sync_on_step = sync_on_compute, dist_sync_on_step
-            # torchmetrics copies `sync_on_compute` into `_to_sync` on each update: a `compute()` the user calls
-            # before the next update must sync again.
-            metric._to_sync = sync_on_compute
+            _lightning.set_metric_sync(metric, sync_on_compute, dist_sync_on_step)
         self._metric_flags.clear()
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -172,6 +191,9 @@ class ExactEvaluation(Callback):
         entries = dict(sorted({k: v for rank_entries in gathered for k, v in rank_entries.items()}.items()))
         if not entries:
             return
+        for rank_entries in gathered:  # list-state layouts from any rank that has them
+            for key, entry in rank_entries.items():
+                entries[key]["list_states"].update(entry["list_states"])
         device = trainer.strategy.root_device
         result_metrics = {}
         for key, entry in entries.items():
@@ -201,9 +223,14 @@ class ExactEvaluation(Callback):
         for key, entry in entries.items():
             if entry["reduction"] == "metric":
                 metric = result_metrics[key].value
+                fill_empty_list_states(metric, entry["list_states"])
                 with metric.sync_context(should_sync=True, should_unsync=True):
                     value = type(metric).compute(metric)
                 _lightning.set_computed(result_metrics[key], torch.as_tensor(value))
+        # Lightning published the values of each loader but the last when its loop moved on (before this
+        # reduction; those of a loader without a batch here never): publish them again, on every rank.
+        for dataloader_idx in {entry["dataloader_idx"] for entry in entries.values()} - {results.dataloader_idx}:
+            _lightning.publish_loader_values(trainer, dataloader_idx)
 
     def _register(self, results: Any, entry: dict[str, Any], pl_module: pl.LightningModule, trainer: pl.Trainer) -> Any:
         if entry["reduction"] == "metric":

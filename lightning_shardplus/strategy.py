@@ -34,11 +34,11 @@ from lightning_shardplus.config import (
     registered_names,
 )
 from lightning_shardplus.fusion import BucketSetting, FusionResult
-from lightning_shardplus.launch import LaunchAfterCheck, check_accelerator, check_trainer_call
+from lightning_shardplus.launch import LaunchAfterCheck, check_accelerator, check_trainer_call, export_rank_variables
 from lightning_shardplus.loaders import gather_predictions
 from lightning_shardplus.metrics import share_rank_zero_buffers
 from lightning_shardplus.sharding import PaddingMode
-from lightning_shardplus.uneven import NO_BATCH, UnevenInputs
+from lightning_shardplus.uneven import NO_BATCH, UnevenInputs, silence_litdata_drop_last_warning
 
 
 class ShardPlusStrategy(DDPStrategy):
@@ -148,6 +148,7 @@ class ShardPlusStrategy(DDPStrategy):
         self.config = config
         self._components: RunComponents | None = None  # this Trainer run's, from `setup` to `teardown`
         self._checkpointed: dict[str, Any] = {}  # component states of a checkpoint loaded before `setup`
+        self._undo_at_teardown: list[Callable[[], None]] = []  # what `setup_environment` changed for the run
 
     @classmethod
     @override
@@ -228,6 +229,10 @@ class ShardPlusStrategy(DDPStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
+        # for the stream libraries that read them (Mosaic Streaming), as under torchrun; removed at teardown
+        self._undo_at_teardown.append(export_rank_variables(self.cluster_environment, self.num_processes))
+        if self._exact_across_ranks:  # uneven evaluation streams are safe then, uneven training streams always
+            self._undo_at_teardown.append(silence_litdata_drop_last_warning())
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             _lightning.destroy_process_group_at_exit()
 
@@ -248,6 +253,8 @@ class ShardPlusStrategy(DDPStrategy):
         if self._components is not None:
             self._components.close()
         self._components, self._checkpointed = None, {}
+        while self._undo_at_teardown:
+            self._undo_at_teardown.pop()()
         super().teardown()
 
     # ------------------------------------------------------------------ checkpoints

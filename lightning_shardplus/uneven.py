@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import logging
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Literal, NamedTuple
@@ -58,8 +59,12 @@ NO_BATCH = NoBatch()
 
 
 def is_stream(loader: Any) -> bool:
-    """Whether ``loader`` reads an iterable-style dataset (its length per rank is not known in advance)."""
-    return isinstance(loader, DataLoader) and isinstance(loader.dataset, IterableDataset)
+    """Whether ``loader`` is a stream (its length per rank is not known in advance): a torch ``DataLoader`` over an
+    iterable-style dataset, or a loader of another kind that is itself an iterable-style dataset (WebDataset's
+    ``WebLoader`` is a pipeline around a ``DataLoader``) or has no length."""
+    if isinstance(loader, DataLoader):
+        return isinstance(loader.dataset, IterableDataset)
+    return isinstance(loader, IterableDataset) or not hasattr(loader, "__len__")
 
 
 class AgreedLoader:
@@ -109,6 +114,9 @@ class ResumableAgreedLoader(AgreedLoader):
         restored, self._restored = self._restored, None
         if skip:  # the rest of this pass was empty when the checkpoint was saved
             self._ran_out_at = 0
+            # Start the pass all the same (what it yields is discarded): Mosaic Streaming makes every rank of a
+            # machine meet in a barrier when a pass starts, and counts the passes.
+            next(iterator, None)
             return
         for fetched in itertools.count():
             state = restored if fetched == 0 and restored is not None else copy.deepcopy(self.loader.state_dict())
@@ -330,3 +338,20 @@ def _samples(batch: Any) -> int:
         return int(extract_batch_size(batch))
     except Exception:  # a batch Lightning cannot size: count it as one sample
         return 1
+
+
+LITDATA_DROP_LAST_WARNING = "You're operating within a distributed environment and have disabled the `drop_last` option"
+
+
+def silence_litdata_drop_last_warning() -> Callable[[], None]:
+    """Drop litdata's warning that ``StreamingDataset(drop_last=False)`` "may lead to training interruptions" when
+    distributed (once per dataset and rank): false here, where training streams take equal steps and exact
+    evaluation has no per-batch collective. Returns what puts the warning back (at teardown)."""
+    litdata_logger = logging.getLogger("litdata.streaming.dataset")
+
+    def keep(record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(LITDATA_DROP_LAST_WARNING)
+
+    litdata_logger.addFilter(keep)
+    return lambda: litdata_logger.removeFilter(keep)
+
