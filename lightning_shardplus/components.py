@@ -15,7 +15,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.trainer.states import TrainerFn
 
-from lightning_shardplus import aggregation, compression, fusion, sharding
+from lightning_shardplus import _lightning, aggregation, compression, fusion, sharding
 from lightning_shardplus.aggregation import GradientAggregation
 from lightning_shardplus.compression import CommunicationHook
 from lightning_shardplus.config import ShardPlusConfig
@@ -60,6 +60,7 @@ class RunComponents:
     aggregation: GradientAggregation | None = None
     hook: CommunicationHook | None = None
     fusion: fusion.TensorFusion | None = None
+    backend: str = "gloo"  # the process group's
 
     @classmethod
     def build(cls, config: ShardPlusConfig, trainer: pl.Trainer, setup: DistributedSetup) -> RunComponents:
@@ -80,7 +81,7 @@ class RunComponents:
         )
         exact = next((cb for cb in trainer.callbacks if isinstance(cb, ExactEvaluation)), None)
         metrics = next((cb for cb in trainer.callbacks if isinstance(cb, AverageTrainingMetrics)), None)
-        parts = cls(loaders, exact=exact if exact_across_ranks else None, metrics=metrics)
+        parts = cls(loaders, exact=exact if exact_across_ranks else None, metrics=metrics, backend=setup.backend)
         if trainer.state.fn == TrainerFn.FITTING:
             abstain = metrics.abstain_this_step if metrics is not None else None
             parts.even = EvenSteps(config.uneven_inputs, setup.num_replicas, setup.backend, trainer, abstain)
@@ -101,6 +102,39 @@ class RunComponents:
             )
             parts.fusion = _tensor_fusion(config, trainer, setup, parts.aggregation.micro_batches_per_step)
         return parts
+
+    def load_states(self, states: dict[str, Any]) -> None:
+        """Give each stateful component its entry of ``states`` (a checkpoint loaded before ``setup``), popped."""
+        for key, component in self.stateful().items():
+            if key in states:
+                component.load_state_dict(states.pop(key))
+
+    def process_dataloader(self, dataloader: object, training: bool) -> object:
+        """shardplus samplers in a loader Lightning prepared; training streams in steps all ranks take together."""
+        dataloader = self.loaders.process(dataloader)
+        if training and self.aggregation is not None:
+            self.aggregation.announce(dataloader)
+        if training and self.even is not None:
+            dataloader = self.even.wrap(dataloader)
+        return dataloader
+
+    def on_train_start(self, trainer: pl.Trainer) -> None:
+        assert self.aggregation is not None and self.fusion is not None
+        self.loaders.training_loaders_built()
+        if self.even is not None:
+            self.even.check_combination(*_lightning.training_loaders_combination(trainer))
+        self.aggregation.on_train_start()
+        self.fusion.on_train_start()
+
+    def on_train_batch_start(self, trainer: pl.Trainer, batch_idx: int) -> fusion.BucketSetting | None:
+        """The bucket setting to re-wrap DDP with before this batch (fusion tuning), or None."""
+        assert self.fusion is not None
+        if batch_idx == 0:
+            # Lightning reads the loaders' lengths once per fit: a resharded resumed epoch has another length
+            _lightning.refresh_training_batch_count(trainer)
+        if self.even is not None:
+            self.even.batch_taken()
+        return self.fusion.at_batch_start(batch_idx)
 
     def stateful(self) -> dict[str, Any]:
         """The components with checkpoint state (``state_dict`` / ``load_state_dict``), by checkpoint key."""
@@ -132,9 +166,11 @@ def checkpointed_states(checkpoint: dict[str, Any], checkpoint_path: Any) -> dic
     return states
 
 
-def remove_checkpoint_files(checkpoint_path: Any, rank: int) -> None:
-    """A checkpoint is removed (ModelCheckpoint's top-k): remove this rank's files beside it."""
-    compression.remove_rank_states(checkpoint_path, rank)
+def process_group_backend(given: str | None, device: torch.device) -> str:
+    """The backend of the process group: the one running, else the one DDPStrategy would start."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return str(torch.distributed.get_backend())
+    return given or ("nccl" if device.type == "cuda" else "gloo")  # as DDPStrategy's default for the device
 
 
 def _add_callbacks(config: ShardPlusConfig, trainer: pl.Trainer, exact_across_ranks: bool) -> None:

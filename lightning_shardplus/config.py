@@ -159,29 +159,27 @@ STRATEGY_OPTIONS: tuple[str, ...] = (
 )
 
 
-def at_ddp_defaults(settings: dict[str, Any]) -> list[str]:
-    """The names of ``settings`` (DistributedDataParallel arguments) whose value is DDP's default."""
-    return [name for name, value in settings.items() if name in DDP_DEFAULTS and value is DDP_DEFAULTS[name]]
-
-
-def check_ddp_arguments(
-    config: ShardPlusConfig,
-    start_method: str,
-    timeout: Any,
-    process_group_backend: str | None,
-    ddp_comm_hook: Callable | None,
-    ddp_comm_state: object | None,
-    ddp_kwargs: dict[str, Any],
-) -> tuple[timedelta | None, dict[str, Any]]:
-    """Check the ``DDPStrategy`` arguments and how they combine with ``config``; returns the timeout as a
-    timedelta (a number is seconds, as a YAML config gives it) and DDP's keyword arguments as DDP takes them."""
-    check_choice("start_method", start_method, START_METHODS)
-    check_process_group_backend(process_group_backend)  # its name when the processes start (`preflight`)
-    _check_communication_hook(config, ddp_comm_hook, ddp_comm_state)
-    _check_bucket_arguments(config, ddp_kwargs)
-    ddp_kwargs = check_ddp_kwargs(ddp_kwargs)
+def check_arguments(arguments: dict[str, Any]) -> tuple[ShardPlusConfig, timedelta | None, dict[str, Any], list[str]]:
+    """``ShardPlusStrategy``'s arguments (its ``locals()``) checked: its config, DDP's timeout (a number is
+    seconds, as YAML gives it), the keyword arguments for ``DDPStrategy`` as DDP takes them, and the names of
+    those at DDP's own default (left out then, as with ``strategy="ddp"``)."""
+    config, a = ShardPlusConfig.from_arguments(arguments), arguments
+    flags = {"static_graph": a["static_graph"], "gradient_as_bucket_view": a["gradient_as_bucket_view"]}
+    ddp_kwargs = dict(a["ddp_kwargs"])
+    for name in ("find_unused_parameters", "broadcast_buffers"):  # only when given (torch 2.13 deprecates the latter)
+        if a[name] is not None:
+            ddp_kwargs[name] = a[name]
+    plugins = ("cluster_environment", "checkpoint_io", "precision_plugin", "ddp_comm_hook", "ddp_comm_wrapper")
+    check_strategy_plugins(a["accelerator"], a["model_averaging_period"], **{name: a[name] for name in plugins})
+    check_choice("start_method", a["start_method"], START_METHODS)
+    check_process_group_backend(a["process_group_backend"])  # its name when the processes start (`preflight`)
+    _check_communication_hook(config, a["ddp_comm_hook"], a["ddp_comm_state"])
+    _check_bucket_arguments(config, {**flags, **ddp_kwargs})
+    ddp_kwargs = check_ddp_kwargs({**flags, **ddp_kwargs})  # numpy's bools as bool
     check_static_graph(config.aggregation_frequency, ddp_kwargs.get("static_graph") is True, "`aggregation_frequency`")
-    return process_group_timeout(timeout), ddp_kwargs
+    given = {"bucket_cap_mb": config.tensor_fusion_threshold_mb, **{name: ddp_kwargs[name] for name in flags}}
+    defaults = [name for name, value in given.items() if value is DDP_DEFAULTS[name]]
+    return config, process_group_timeout(a["timeout"]), ddp_kwargs, defaults
 
 
 # DistributedDataParallel's flags (each checked where this torch has it); the optional ones take None (its default).
