@@ -1,25 +1,9 @@
 """Averaged training metrics: the values each rank logs while training, replaced by their reduction over all ranks.
 
-With ``ShardPlusStrategy(average_training_metrics=True)`` every tensor logged with ``on_step=True`` from
-``training_step``, the training-batch hooks and the backward and optimizer hooks is collected on each rank and, at
-the start of ``on_train_batch_end`` of the last micro-batch of each optimizer step (every batch in manual
-optimization), replaced by its reduction over the ranks: plain values (and ``sync_dist=True`` ones with
-``reduce_fx="mean"``) by the mean weighted by batch size (``self.log(..., batch_size=...)``, else the size Lightning
-infers, else 1) over every micro-batch of the step, epoch means by the same global sums; ``sync_dist=True`` values
-with ``reduce_fx`` ``"sum"``, ``"max"`` or ``"min"`` by that reduction (Lightning's own sync is skipped). Left to
-Lightning: torchmetrics ``Metric`` objects, ``rank_zero_only`` values, syncs over a ``sync_dist_group``,
-``on_step=False`` values, and values logged in ``on_train_batch_end`` (this rank's own, with a warning).
-
-Protocol. The ranks agree on a layout, the sorted (key, reduction) pairs (state declared once per name, as
-torchmetrics' ``add_state``), by ``all_gather_object`` at the first step. Each step every rank packs its values
-into it behind two 0/1 header slots (it has data; its names differ from the layout) and runs ONE SUM
-``all_reduce`` on the root device (plus one MAX in layouts with max/min names: min as the max of the negation),
-written back as device tensors: no host read. The summed "differ" slot accumulates in a device counter read where
-the loggers read the values anyway and at each epoch end: non-zero raises :class:`MetricMismatchError` on every
-rank, naming the first such step and the names. A rank whose names differ from the layout (or without data,
-``uneven_inputs="join"``) reads the step's header at once: if every rank with data differs (the same code runs
-everywhere: a name logged from some step on), the ranks agree again and reduce the step again in the new layout;
-else the old layout stays (names outside it are this rank's own, with a warning) and the next check raises.
+With ``average_training_metrics`` every tensor logged ``on_step`` in training is replaced, at the end of each
+optimizer step, by its mean over ranks weighted by batch size (``sync_dist`` ones by their ``reduce_fx``): one SUM
+all-reduce per step on device tensors (plus one MAX for max/min) in a layout the ranks agree on by name, no host read
+per step; ranks that logged different names raise :class:`MetricMismatchError` (docs/training-metrics.md).
 """
 
 from __future__ import annotations
