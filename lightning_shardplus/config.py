@@ -1,13 +1,7 @@
-"""``ShardPlusConfig``: every ``ShardPlusStrategy`` argument, typed, validated once and frozen.
+"""``ShardPlusConfig``: every ``ShardPlusStrategy`` argument, typed, validated once at construction and frozen.
 
-The strategy builds one from its keyword arguments and never changes it; what a fit learns (the tuned bucket
-size, the sampler positions) belongs to the components built from it. Errors name the argument, the value and
-what would be valid, and are raised at construction, before any process group starts.
-
-Example::
-
-    config = ShardPlusConfig(aggregation_frequency=4, gradient_compression="fp16")
-    config.autotune_settings.max_tuning_steps  # the search space of `auto_tune_tensor_fusion`
+Errors name the argument, the value and what would be valid, before any process group starts; what a fit learns
+belongs to the components built from the config.
 """
 
 from __future__ import annotations
@@ -73,10 +67,7 @@ DDP_DEFAULTS = {
 
 @dataclass(frozen=True)
 class ShardPlusConfig:
-    """The shardplus arguments of :class:`~lightning_shardplus.ShardPlusStrategy` (documented there, and one line
-    each in the README's table). ``autotune_candidates_mb`` of None: sizes chosen from the model's gradient size
-    (:func:`~lightning_shardplus.fusion.default_candidates_mb`); ``autotune_first_bucket_candidates_mb`` of None:
-    :mod:`~lightning_shardplus.fusion`'s default."""
+    """The shardplus arguments of :class:`~lightning_shardplus.ShardPlusStrategy` (documented there)."""
 
     aggregation_frequency: int = 1
     average_aggregated_gradients: bool = True
@@ -140,13 +131,8 @@ class ShardPlusConfig:
         )
 
     @property
-    def bucket_setting(self) -> fusion.BucketSetting:
-        """The buckets DDP gets without tuning: the given size, else DDP's own default."""
-        return self.autotune_settings.reference
-
-    @property
     def epoch_seed(self) -> int:
-        """Seed of the epoch permutation: ``shuffle_seed``, else the ``seed_everything`` seed, else 0."""
+        """``shuffle_seed``, else the ``seed_everything`` seed, else 0."""
         if self.shuffle_seed is not None:
             return self.shuffle_seed
         return int(os.environ.get("PL_GLOBAL_SEED", 0))
@@ -191,8 +177,7 @@ _DDP_OPTIONAL_FLAGS = ("broadcast_buffers", "forward_sync_buffers")
 
 
 def check_ddp_kwargs(ddp_kwargs: dict[str, Any]) -> dict[str, Any]:
-    """DistributedDataParallel's keyword arguments (known to this torch: :func:`_check_bucket_arguments`) checked
-    as DDP would take them in every worker; returned with numpy's bools and numbers as Python's."""
+    """DDP's keyword arguments checked as DDP would take them in every worker; numpy's bools and numbers as Python's."""
     checked = dict(ddp_kwargs)
     for name in (*_DDP_FLAGS, *_DDP_OPTIONAL_FLAGS):
         if name in checked and not (name in _DDP_OPTIONAL_FLAGS and checked[name] is None):
@@ -230,9 +215,7 @@ def _device(name: str, value: Any) -> int | str | torch.device:
 
 
 def _check_types(ddp_kwargs: dict[str, Any]) -> None:
-    """DDP's arguments that are objects: the process group (or the 1-D device mesh giving it), its mixed precision
-    (``param_dtype``, ``reduce_dtype`` and ``buffer_dtype``, as torch's ``_MixedPrecision``), and the parameters
-    whose all-reduce is delayed until ``param_to_hook_all_reduce``'s gradient is ready (both or neither)."""
+    """DDP's arguments that are objects: process group or device mesh, mixed precision, delayed all-reduce."""
     from torch.distributed.device_mesh import DeviceMesh
 
     kinds = {"process_group": dist.ProcessGroup, "device_mesh": DeviceMesh, "param_to_hook_all_reduce": Parameter}
@@ -269,9 +252,7 @@ def _qualname(kind: type) -> str:
 
 
 def check_strategy_plugins(accelerator: Any, model_averaging_period: Any, **plugins: Any) -> None:
-    """``DDPStrategy``'s own arguments, which Lightning otherwise checks only when the Trainer is built or the
-    processes run: ``accelerator`` (an Accelerator or a name, as DDPStrategy takes it) and ``plugins`` by name
-    (:data:`_PLUGIN_TYPES`)."""
+    """``DDPStrategy``'s own arguments, which Lightning checks only later: ``accelerator`` and ``plugins`` by name."""
     names = ("auto", "gpu", *sorted(AcceleratorRegistry.available_accelerators()))
     if accelerator is not None and not isinstance(accelerator, (*_lightning_classes("Accelerator"), str)):
         raise TypeError(f"`accelerator`={accelerator!r} is not valid: expected None, an Accelerator or one of {names}.")
@@ -306,8 +287,7 @@ _LIGHTNING_MODULES = {
 
 
 def _lightning_classes(name: str) -> tuple[type, ...]:
-    """Lightning's class ``name`` in each of its namespaces already imported (``lightning`` and the standalone
-    ``pytorch_lightning`` / ``lightning_fabric``: an object of the latter comes from an imported module)."""
+    """Lightning's class ``name`` in each of its namespaces already imported (``lightning``, ``pytorch_lightning``)."""
     return tuple(getattr(sys.modules[module], name) for module in _LIGHTNING_MODULES[name] if module in sys.modules)
 
 
@@ -366,26 +346,21 @@ def _check_bucket_arguments(config: ShardPlusConfig, ddp_kwargs: dict[str, Any])
 
 
 def closest_option(name: str) -> str | None:
-    """The option of ``ShardPlusStrategy`` (its own, or DistributedDataParallel's it passes on) closest to a
-    misspelled ``name`` (difflib), or None when none is close."""
+    """The strategy's option (or DDP's) closest to a misspelled ``name``, or None when none is close."""
     close = difflib.get_close_matches(name, [*STRATEGY_OPTIONS, *sorted(DDP_KWARGS)], n=1, cutoff=0.75)
     return close[0] if close else None
 
 
 def registered_names() -> dict[str, tuple[str, dict[str, Any]]]:
-    """Lightning's ``ddp*`` family of names as ``shardplus*`` (``shardplus_spawn``,
-    ``shardplus_fork_find_unused_parameters_true``, ...): name -> (description, ``init_params``), the parameters
-    Lightning registers for the ``ddp`` name of the same suffix (the strategy then leaves DDP's defaults out of
-    DDP's arguments, as with ``strategy="ddp"``)."""
+    """Lightning's ``ddp*`` family of names as ``shardplus*``: name -> (description, ``init_params``)."""
     methods = {"": "popen", "_spawn": "spawn", "_fork": "fork", "_notebook": "fork"}
     unused_flags = {"": None, "_find_unused_parameters_true": True, "_find_unused_parameters_false": False}
     names = {}
     for (suffix, method), (flag, unused) in itertools.product(methods.items(), unused_flags.items()):
         init_params: dict[str, Any] = {"start_method": method}
-        if unused is not None:
-            init_params["find_unused_parameters"] = unused
         description = f"ShardPlus data-parallel strategy with `start_method` '{method}'"
         if unused is not None:
+            init_params["find_unused_parameters"] = unused
             description += f" and `find_unused_parameters={unused}`"
         names[f"shardplus{suffix}{flag}"] = (description, init_params)
     return names
