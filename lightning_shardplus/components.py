@@ -1,9 +1,5 @@
-"""``RunComponents``: what one Trainer run of ``ShardPlusStrategy`` is made of, built from its config.
-
-The strategy builds one in ``setup()`` and drops it in ``teardown()``: every piece of per-run state lives in
-these components, not in strategy attributes. The ones with checkpoint state are saved under their own keys by
-the strategy's one loop (:meth:`RunComponents.stateful`).
-"""
+"""``RunComponents``: one Trainer run of ``ShardPlusStrategy``, built from its config in ``setup()`` and dropped in
+``teardown()``; every piece of per-run state lives here, checkpointed under one key per component."""
 
 from __future__ import annotations
 
@@ -142,8 +138,7 @@ class RunComponents:
         return {key: part for key, part in parts.items() if part is not None}
 
     def checkpoint_states(self, checkpoint_path: Any) -> dict[str, Any]:
-        """Each stateful component's checkpoint entry, by key (None ones left out). Call it on every rank: the
-        communication hook writes this rank's PowerSGD state beside ``checkpoint_path``."""
+        """Each stateful component's checkpoint entry, by key; on every rank (each writes its PowerSGD file)."""
         states = {
             key: part.state_dict(checkpoint_path) if part is self.hook else part.state_dict()
             for key, part in self.stateful().items()
@@ -158,8 +153,7 @@ class RunComponents:
 
 
 def checkpointed_states(checkpoint: dict[str, Any], checkpoint_path: Any) -> dict[str, Any]:
-    """The component entries of a loaded checkpoint, by key; the compression entry learns the checkpoint's path
-    (its per-rank files lie beside it, see :func:`compression.rank_file`)."""
+    """The component entries of a loaded checkpoint, by key; the compression entry learns the checkpoint's path."""
     states = {key: checkpoint[key] for key in CHECKPOINT_KEYS if key in checkpoint}
     if isinstance(entry := states.get(compression.CHECKPOINT_KEY), dict):
         states[compression.CHECKPOINT_KEY] = {**entry, "checkpoint_path": str(checkpoint_path)}

@@ -1,6 +1,4 @@
-"""``ShardPlusStrategy``: DDP whose overrides wire components into Lightning's hooks. It holds one frozen
-:class:`~lightning_shardplus.config.ShardPlusConfig`; the components (:mod:`lightning_shardplus.components`) are
-built in ``setup`` for one Trainer run, own that run's state and are dropped in ``teardown``."""
+"""``ShardPlusStrategy``: DDP whose overrides delegate to one frozen config and one run's components."""
 
 from __future__ import annotations
 

@@ -134,8 +134,7 @@ class _Layout:
 
 
 class _Pending(NamedTuple):
-    """A name logged since the last reduction: its last call, its reduction over ranks, and its epoch state before
-    the first call (None unless ``on_epoch``)."""
+    """A name logged since the last reduction: its last call, its reduction, its epoch state before (or None)."""
 
     logged: _lightning.LoggedValue
     reduction: str
@@ -143,10 +142,8 @@ class _Pending(NamedTuple):
 
 
 class AverageTrainingMetrics(Callback):
-    """Replaces the training values logged on each rank by their reduction over all ranks, once per optimizer step:
-    see the module docstring. Put first in the Trainer's callbacks by
-    ``ShardPlusStrategy(average_training_metrics=True)``, so that it runs before the progress bar, checkpointing and
-    any other callback read the metrics."""
+    """Replaces the training values logged on each rank by their reduction over all ranks, once per optimizer step;
+    put first in the Trainer's callbacks (by the strategy), before any other callback reads the metrics."""
 
     def __init__(self) -> None:
         self._restore: Callable[[], None] | None = None
@@ -166,8 +163,7 @@ class AverageTrainingMetrics(Callback):
         self._warned: set[str] = set()
 
     def abstain_this_step(self) -> None:
-        """This rank has no data in the current micro-batch (``uneven_inputs="join"``): in a step where it logged
-        nothing it takes part in the collective without contributing, so the values are over the ranks with data."""
+        """This rank has no data in this micro-batch (``uneven_inputs="join"``): it reduces without contributing."""
         self._without_data = True
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -305,9 +301,8 @@ class AverageTrainingMetrics(Callback):
         raise MetricMismatchError(describe_mismatch(names, where))
 
     def _write(self, summed: Tensor, maxed: Tensor | None, without_data: bool) -> None:
-        """The reduced values as the step values (device tensors) and into the epoch states. A rank without data
-        writes the names it logged in its last step with data, so that what its schedulers and callbacks read is
-        the other ranks' values."""
+        """The reduced values as the step values (device tensors) and into the epoch states; a rank without data
+        writes those of its last step with data."""
         assert self._layout is not None
         layout, vectors = self._layout, {}
         values = layout.values(summed, maxed)
@@ -343,9 +338,8 @@ class AverageTrainingMetrics(Callback):
 
 
 def _epoch_state(reduce_fx: str, before: EpochState, step: Tensor, sums: Tensor) -> EpochState:
-    """The epoch accumulation after a reduced step: a mean adds the global (weighted sum, weight) ``sums``, so the
-    epoch value is the batch-weighted mean over all ranks and steps; sum/max/min apply ``reduce_fx`` to the step
-    value."""
+    """The epoch accumulation after a reduced step: a mean adds the global (weighted sum, weight) ``sums``; sum, max
+    and min apply ``reduce_fx`` to the step value."""
     value, count = before
     if reduce_fx == "mean":
         assert count is not None
@@ -364,8 +358,7 @@ def _gather(obj: Any) -> list[Any]:
 
 
 def describe_mismatch(per_rank: Sequence[Sequence[tuple[str, str, str]]], where: str) -> str:
-    """The error text for ranks that logged different metrics: ``per_rank[r]`` lists rank r's (key, reduction,
-    label) entries."""
+    """The error text for ranks that logged different metrics (``per_rank[r]``: rank r's (key, reduction, label))."""
     sets = [set(entries) for entries in per_rank]
     common = set.intersection(*sets) if sets else set()
     lines = []
