@@ -43,26 +43,15 @@ from lightning_shardplus.compression import GRADIENT_COMPRESSIONS, GradientCompr
 from lightning_shardplus.sharding import PADDING_MODES, PaddingMode
 from lightning_shardplus.uneven import UNEVEN_INPUTS, UnevenInputs
 
-# Keyword arguments DDPStrategy forwards to torch's DistributedDataParallel.
-DDP_KWARGS = frozenset(inspect.signature(DistributedDataParallel.__init__).parameters) - {
-    "self",
-    "module",
-    "device_ids",
-    "bucket_cap_mb",  # set through `tensor_fusion_threshold_mb`
-}
+_DDP_PARAMETERS = inspect.signature(DistributedDataParallel.__init__).parameters
+# Keyword arguments DDPStrategy forwards to DDP (`bucket_cap_mb` is set through `tensor_fusion_threshold_mb`).
+DDP_KWARGS = frozenset(_DDP_PARAMETERS) - {"self", "module", "device_ids", "bucket_cap_mb"}
+DDP_DEFAULTS = {name: p.default for name, p in _DDP_PARAMETERS.items() if p.default is not inspect.Parameter.empty}
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
-# ShardPlusStrategy's own arguments: DDPStrategy's, the shardplus ones (ShardPlusConfig) and the DDP flags it names.
 _DDP_STRATEGY_ARGUMENTS = tuple(
-    name
-    for name, parameter in inspect.signature(DDPStrategy.__init__).parameters.items()
-    if name != "self" and parameter.kind is parameter.POSITIONAL_OR_KEYWORD
-)
-# DistributedDataParallel's defaults: what it gets when an argument is left out.
-DDP_DEFAULTS = {
-    name: parameter.default
-    for name, parameter in inspect.signature(DistributedDataParallel.__init__).parameters.items()
-    if parameter.default is not inspect.Parameter.empty
-}
+    name for name, p in inspect.signature(DDPStrategy.__init__).parameters.items()
+    if name != "self" and p.kind is p.POSITIONAL_OR_KEYWORD
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
