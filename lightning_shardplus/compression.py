@@ -36,14 +36,9 @@ _STATE_FORMAT = 1
 def default_powersgd_state() -> PowerSGDState:
     """``gradient_compression="powersgd"``'s PowerSGD: rank 1, error feedback and warm start, from the 10th step."""
     return PowerSGDState(
-        process_group=None,
-        matrix_approximation_rank=1,
-        start_powerSGD_iter=DEFAULT_POWERSGD_START_ITER,
-        min_compression_rate=2,
-        use_error_feedback=True,
-        warm_start=True,
-        random_seed=0,
-    )
+        None, matrix_approximation_rank=1, start_powerSGD_iter=DEFAULT_POWERSGD_START_ITER, min_compression_rate=2,
+        use_error_feedback=True, warm_start=True, random_seed=0,
+    )  # fmt: skip
 
 
 def shardplus_bf16_compress_hook(process_group, bucket):  # no annotations: DDP checks them against its types
@@ -52,9 +47,7 @@ def shardplus_bf16_compress_hook(process_group, bucket):  # no annotations: DDP 
     return default_hooks.bf16_compress_hook(process_group, bucket)
 
 
-def build_compression(
-    name: str, ddp_comm_state: object | None = None
-) -> CastCompression | PowerSGDCompression | None:
+def build_compression(name: str, ddp_comm_state: object | None = None) -> CastCompression | PowerSGDCompression | None:
     """The compression object for ``name`` (None for ``"none"``), with fresh state for one fit."""
     if name not in GRADIENT_COMPRESSIONS:
         raise ValueError(f"`gradient_compression`={name!r} is not valid: expected one of {GRADIENT_COMPRESSIONS}.")
@@ -114,9 +107,7 @@ class PowerSGDCompression:
         self._shapes: dict[str, torch.Size] = {}
         self._layout: dict[int, tuple[str, ...]] = {}  # bucket index -> its parameter names, as last seen
         self._loose: dict[str, dict[str, torch.Tensor]] = {}  # name -> {"error"|"p"|"q": piece} not in a bucket
-        self._serialize = True
-        self._previous: torch.futures.Future | None = None
-        self._round: list[torch.futures.Future] = []
+        self._serialize, self._previous, self._round = True, None, []  # (see `hook`)
 
     def check_backend(self, backend: str, device: torch.device) -> None:
         pass
@@ -126,16 +117,12 @@ class PowerSGDCompression:
         named = [(name, p) for name, p in model.module.named_parameters() if p.requires_grad]
         self._names = {id(p): name for name, p in named}
         self._shapes = {name: p.shape for name, p in named}
-        self._serialize = backend != "nccl"
-        self._previous = None
-        self._round = []
+        self._serialize, self._previous, self._round = backend != "nccl", None, []
         return self.hook, self.state
 
-    # ------------------------------------------------------------------ the hook
-
     def hook(self, state, bucket):  # no annotations: DDP checks them against its types
-        """``powerSGD_hook`` after (1) waiting for the previous bucket (not on NCCL) and (2) re-cutting the
-        state when DDP's bucket layout changed."""
+        """``powerSGD_hook`` after waiting for the previous bucket (not on NCCL) and re-cutting the state to DDP's
+        bucket layout where it changed."""
         if self._serialize and self._previous is not None:
             previous, self._previous = self._previous, None
             _quiet_wait(previous)
@@ -155,8 +142,6 @@ class PowerSGDCompression:
             self._previous = future
             self._round.append(future)
         return future
-
-    # ------------------------------------------------------------------ per-parameter state
 
     def _numel(self, name: str) -> int:
         return int(torch.Size(self._shapes[name]).numel())
@@ -219,8 +204,6 @@ class PowerSGDCompression:
         if (index in self.state.p_memory_dict) != (index in self.state.q_memory_dict):
             self.state.p_memory_dict.pop(index, None)  # warm start needs both, else PowerSGD starts afresh
             self.state.q_memory_dict.pop(index, None)
-
-    # ------------------------------------------------------------------ checkpoints
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's state, independent of DDP's buckets: per-parameter error feedback and P/Q pieces (CPU), the
@@ -358,16 +341,10 @@ class CommunicationHook:
     user's ``ddp_comm_hook``, wrapped by ``ddp_comm_wrapper``, then by ``wrappers``; its state in checkpoints."""
 
     def __init__(
-        self,
-        name: str,
-        *,
-        backend: str,
-        device: torch.device,
-        user_hook: Callable | None = None,
-        user_state: object | None = None,
-        user_wrapper: Callable | None = None,
+        self, name: str, *, backend: str, device: torch.device, user_hook: Callable | None = None,
+        user_state: object | None = None, user_wrapper: Callable | None = None,
         wrappers: list[Callable[[Callable], Callable]] | None = None,
-    ) -> None:
+    ) -> None:  # fmt: skip
         self.name, self.backend = name, backend
         self.user_hook, self.user_state, self.user_wrapper = user_hook, user_state, user_wrapper
         self.wrappers, self.device = wrappers or [], device
