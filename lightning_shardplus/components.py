@@ -23,12 +23,7 @@ from lightning_shardplus.training_metrics import AverageTrainingMetrics
 from lightning_shardplus.uneven import EvenSteps
 
 # Where each stateful component's state goes in a Lightning checkpoint.
-CHECKPOINT_KEYS = (
-    sharding.CHECKPOINT_KEY,
-    compression.CHECKPOINT_KEY,
-    fusion.CHECKPOINT_KEY,
-    aggregation.CHECKPOINT_KEY,
-)
+CHECKPOINT_KEYS = tuple(module.CHECKPOINT_KEY for module in (sharding, compression, fusion, aggregation))
 
 
 @dataclass
@@ -64,17 +59,12 @@ class RunComponents:
         exact_across_ranks = config.exact_evaluation and setup.num_replicas > 1
         _add_callbacks(config, trainer, exact_across_ranks)
         datamodule = getattr(trainer, "datamodule", None)
+        # Lightning marks every training loader as shuffled when it injects its sampler: read the datamodule's
+        shuffle = not isinstance(datamodule, ShardPlusDataModule) or datamodule.shuffle
         loaders = ShardedLoaders(
-            trainer,
-            setup.num_replicas,
-            setup.rank,
-            padding=config.shard_padding,
-            seed=config.epoch_seed,
-            # Lightning marks every training loader as shuffled when it injects its sampler: read the datamodule's
-            shuffle=not isinstance(datamodule, ShardPlusDataModule) or datamodule.shuffle,
-            exact_evaluation=config.exact_evaluation,
-            record_indices=config.verify_sharding,
-        )
+            trainer, setup.num_replicas, setup.rank, padding=config.shard_padding, seed=config.epoch_seed,
+            shuffle=shuffle, exact_evaluation=config.exact_evaluation, record_indices=config.verify_sharding,
+        )  # fmt: skip
         exact = next((cb for cb in trainer.callbacks if isinstance(cb, ExactEvaluation)), None)
         metrics = next((cb for cb in trainer.callbacks if isinstance(cb, AverageTrainingMetrics)), None)
         parts = cls(loaders, exact=exact if exact_across_ranks else None, metrics=metrics, backend=setup.backend)
@@ -82,20 +72,14 @@ class RunComponents:
             abstain = metrics.abstain_this_step if metrics is not None else None
             parts.even = EvenSteps(config.uneven_inputs, setup.num_replicas, setup.backend, trainer, abstain)
             parts.aggregation = GradientAggregation(
-                trainer,
-                config.aggregation_frequency,
-                config.average_aggregated_gradients,
+                trainer, config.aggregation_frequency, config.average_aggregated_gradients,
                 ranks_correction=parts.even.gradient_correction,
-            )
+            )  # fmt: skip
             parts.hook = CommunicationHook(
-                config.gradient_compression,
-                backend=setup.backend,
-                device=setup.device,
-                user_hook=setup.ddp_comm_hook,
-                user_state=setup.ddp_comm_state,
-                user_wrapper=setup.ddp_comm_wrapper,
+                config.gradient_compression, backend=setup.backend, device=setup.device, user_hook=setup.ddp_comm_hook,
+                user_state=setup.ddp_comm_state, user_wrapper=setup.ddp_comm_wrapper,
                 wrappers=[cb.wrap for cb in trainer.callbacks if isinstance(cb, CommunicationHookWrapper)],
-            )
+            )  # fmt: skip
             parts.fusion = _tensor_fusion(config, trainer, setup, parts.aggregation.micro_batches_per_step)
         return parts
 
@@ -191,10 +175,6 @@ def _tensor_fusion(
         **{k: ddp_kwargs.get(k, False) for k in ("find_unused_parameters", "static_graph", "gradient_as_bucket_view")},
     }
     return fusion.TensorFusion(
-        trainer,
-        config.autotune_settings,
-        tune=config.auto_tune_tensor_fusion,
-        log_path=config.autotune_log,
-        cache=config.autotune_cache,
-        cache_extra=extra,
-    )
+        trainer, config.autotune_settings, tune=config.auto_tune_tensor_fusion, log_path=config.autotune_log,
+        cache=config.autotune_cache, cache_extra=extra,
+    )  # fmt: skip
