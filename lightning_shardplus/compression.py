@@ -216,12 +216,8 @@ class PowerSGDCompression:
         return {
             "format": _STATE_FORMAT,
             "iter": int(self.state.iter),
-            "rng": {
-                "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
-                "pos": int(pos),
-                "has_gauss": int(has_gauss),
-                "cached_gaussian": float(cached_gaussian),
-            },
+            "rng": {"keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)), "pos": int(pos),
+                    "has_gauss": int(has_gauss), "cached_gaussian": float(cached_gaussian)},  # fmt: skip
             "stats": [int(getattr(self.state, name)) for name in _STATS],
             "matrix_approximation_rank": int(self.state.matrix_approximation_rank),
             "params": {name: parts for name, parts in params.items() if parts},

@@ -110,14 +110,13 @@ class ShardPlusConfig:
     @cached_property
     def autotune_settings(self) -> fusion.AutotuneSettings:
         """The search space and budget of ``auto_tune_tensor_fusion``."""
-        candidates, first = self.autotune_candidates_mb, self.autotune_first_bucket_candidates_mb
-        return fusion.AutotuneSettings(
-            candidates_mb=candidates,  # None: the model's (fusion.default_candidates_mb), chosen in setup
+        first = self.autotune_first_bucket_candidates_mb
+        return fusion.AutotuneSettings(  # candidates None: the model's, chosen in setup
+            candidates_mb=self.autotune_candidates_mb,
             first_bucket_candidates_mb=fusion.DEFAULT_FIRST_BUCKET_CANDIDATES_MB if first is None else first,
-            steps_per_sample=self.autotune_steps_per_sample,
-            warmup_steps=self.autotune_warmup_steps,
+            steps_per_sample=self.autotune_steps_per_sample, warmup_steps=self.autotune_warmup_steps,
             fixed_bucket_cap_mb=self.tensor_fusion_threshold_mb,
-        )
+        )  # fmt: skip
 
     @property
     def epoch_seed(self) -> int:
@@ -144,8 +143,7 @@ def check_arguments(arguments: dict[str, Any]) -> tuple[ShardPlusConfig, timedel
     for name in ("find_unused_parameters", "broadcast_buffers"):  # only when given (torch 2.13 deprecates the latter)
         if a[name] is not None:
             ddp_kwargs[name] = a[name]
-    plugins = ("cluster_environment", "checkpoint_io", "precision_plugin", "ddp_comm_hook", "ddp_comm_wrapper")
-    check_strategy_plugins(a["accelerator"], a["model_averaging_period"], **{name: a[name] for name in plugins})
+    check_strategy_plugins(a["accelerator"], a["model_averaging_period"], **{name: a[name] for name in _PLUGIN_TYPES})
     check_choice("start_method", a["start_method"], START_METHODS)
     check_process_group_backend(a["process_group_backend"])  # its name when the processes start (`preflight`)
     _check_communication_hook(config, a["ddp_comm_hook"], a["ddp_comm_state"])
@@ -260,13 +258,8 @@ def check_strategy_plugins(accelerator: Any, model_averaging_period: Any, **plug
 
 
 # The plugin arguments: the Lightning class each must be an instance of (None: a callable).
-_PLUGIN_TYPES = {
-    "cluster_environment": "ClusterEnvironment",
-    "checkpoint_io": "CheckpointIO",
-    "precision_plugin": "Precision",
-    "ddp_comm_hook": None,
-    "ddp_comm_wrapper": None,
-}
+_PLUGIN_TYPES = {"cluster_environment": "ClusterEnvironment", "checkpoint_io": "CheckpointIO",
+                 "precision_plugin": "Precision", "ddp_comm_hook": None, "ddp_comm_wrapper": None}  # fmt: skip
 _LIGHTNING_MODULES = {
     "Accelerator": ("lightning.pytorch.accelerators", "pytorch_lightning.accelerators"),
     "ClusterEnvironment": ("lightning.fabric.plugins", "lightning_fabric.plugins"),
