@@ -43,17 +43,14 @@ def per_device_batch_size(global_batch_size: int, world_size: int) -> int:
 
 
 class ShardPlusDataModule(pl.LightningDataModule):
-    """Datasets in, loaders out, with the batch size given for the whole job: every loader uses
-    ``per_device_batch_size = global_batch_size // world_size`` (docs/batch-size.md). Pass the datasets, or
-    override ``build_train_dataset`` (``build_val_dataset``, ...) in a subclass; they are built once, in ``setup``.
+    """Datasets in, loaders out, each with ``global_batch_size // world_size`` samples per batch (docs/batch-size.md).
 
     Args:
         global_batch_size: samples per optimizer micro-step over all processes together.
-        train_dataset, val_dataset, test_dataset, predict_dataset: map-style datasets (or None).
-        num_workers, pin_memory, persistent_workers, collate_fn: passed to every DataLoader
-            (``persistent_workers`` only where ``num_workers > 0``, which torch requires).
-        shuffle: shuffle the training set (the strategy reshuffles it globally every epoch); False: every epoch
-            in dataset order, index ``i`` on rank ``i % world_size``.
+        train_dataset, val_dataset, test_dataset, predict_dataset: map-style datasets (or None; or override
+            ``build_train_dataset``, ...: built once, in ``setup``).
+        num_workers, pin_memory, persistent_workers, collate_fn: passed to every DataLoader.
+        shuffle: shuffle the training set globally every epoch; False: dataset order, index ``i`` on rank ``i % W``.
     """
 
     def __init__(
