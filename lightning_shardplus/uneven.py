@@ -135,13 +135,9 @@ class EvenSteps:
     gloo group beside any other ``backend``; ``on_step_without_data`` is called where this rank has no batch."""
 
     def __init__(
-        self,
-        policy: UnevenInputs,
-        world_size: int,
-        backend: str = "gloo",
-        trainer: Any = None,
+        self, policy: UnevenInputs, world_size: int, backend: str = "gloo", trainer: Any = None,
         on_step_without_data: Callable[[], None] | None = None,
-    ) -> None:
+    ) -> None:  # fmt: skip
         self.policy, self.world_size, self.backend, self.trainer = policy, world_size, backend, trainer
         self.on_step_without_data = on_step_without_data
         self.group: Any = None  # of the agreement: made when the first stream is wrapped
