@@ -148,7 +148,7 @@ def process_group_backend(given: str | None, device: torch.device) -> str:
     """The backend of the process group: the one running, else the one DDPStrategy would start."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return str(torch.distributed.get_backend())
-    return given or ("nccl" if device.type == "cuda" else "gloo")  # as DDPStrategy's default for the device
+    return given or torch.distributed.Backend.default_device_backend_map.get(device.type, "gloo")  # as DDPStrategy
 
 
 def _add_callbacks(config: ShardPlusConfig, trainer: pl.Trainer, exact_across_ranks: bool) -> None:
