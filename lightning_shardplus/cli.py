@@ -14,8 +14,7 @@ from lightning_shardplus.config import closest_option, registered_names
 
 
 class ShardPlusArgumentParser(LightningArgumentParser):
-    """Lightning's parser; an option that ``ShardPlusStrategy`` does not take (a typo in a config file or on the
-    command line) gets the closest valid name added to jsonargparse's error."""
+    """Lightning's parser; a strategy option misspelled gets the closest valid name added to jsonargparse's error."""
 
     def error(self, message: str, ex: Exception | None = None) -> NoReturn:
         if "ShardPlusStrategy" in message:
@@ -30,9 +29,8 @@ class ShardPlusArgumentParser(LightningArgumentParser):
         super().error(message, ex)
 
     def parse_string(self, *args: Any, **kwargs: Any) -> Namespace:
-        """Parse a config (``--config`` files come here); a registered shardplus name as the strategy
-        (``strategy: shardplus``) becomes the class with that name's arguments, so that later
-        ``--trainer.strategy.<option>`` arguments apply to it (jsonargparse takes them only on a class)."""
+        """Parse a config; a shardplus name as the strategy becomes the class with that name's arguments, so that
+        later ``--trainer.strategy.<option>`` arguments apply to it (jsonargparse takes them only on a class)."""
         cfg = super().parse_string(*args, **kwargs)
         names = registered_names()
         for key in [key for key in cfg.keys() if key == "trainer.strategy" or key.endswith(".trainer.strategy")]:
@@ -45,12 +43,10 @@ STRATEGY_DEFAULT = {"class_path": STRATEGY_CLASS}
 
 
 class ShardPlusCLI(LightningCLI):
-    """``LightningCLI`` in subclass mode (any LightningModule / DataModule by ``class_path``) whose trainer
-    defaults to the ``shardplus`` strategy, and whose ``fit`` ends with a summary of the final metrics."""
+    """``LightningCLI`` in subclass mode, the ``shardplus`` strategy by default, a summary of the metrics after fit."""
 
     def __init__(self, *args: Any, trainer_defaults: dict[str, Any] | None = None, **kwargs: Any) -> None:
-        defaults = {"strategy": STRATEGY_DEFAULT}
-        defaults.update(trainer_defaults or {})
+        defaults = {"strategy": STRATEGY_DEFAULT, **(trainer_defaults or {})}
         kwargs.setdefault("parser_class", ShardPlusArgumentParser)
         kwargs.setdefault("subclass_mode_model", True)
         kwargs.setdefault("subclass_mode_data", True)

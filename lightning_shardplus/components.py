@@ -1,9 +1,5 @@
-"""``RunComponents``: what one Trainer run of ``ShardPlusStrategy`` is made of, built from its config.
-
-The strategy builds one in ``setup()`` and drops it in ``teardown()``: every piece of per-run state lives in
-these components, not in strategy attributes. The ones with checkpoint state are saved under their own keys by
-the strategy's one loop (:meth:`RunComponents.stateful`).
-"""
+"""``RunComponents``: one Trainer run of ``ShardPlusStrategy``, built from its config in ``setup()`` and dropped in
+``teardown()``; every piece of per-run state lives here, checkpointed under one key per component."""
 
 from __future__ import annotations
 
@@ -15,7 +11,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.trainer.states import TrainerFn
 
-from lightning_shardplus import aggregation, compression, fusion, sharding
+from lightning_shardplus import _lightning, aggregation, compression, fusion, sharding
 from lightning_shardplus.aggregation import GradientAggregation
 from lightning_shardplus.compression import CommunicationHook
 from lightning_shardplus.config import ShardPlusConfig
@@ -27,12 +23,7 @@ from lightning_shardplus.training_metrics import AverageTrainingMetrics
 from lightning_shardplus.uneven import EvenSteps
 
 # Where each stateful component's state goes in a Lightning checkpoint.
-CHECKPOINT_KEYS = (
-    sharding.CHECKPOINT_KEY,
-    compression.CHECKPOINT_KEY,
-    fusion.CHECKPOINT_KEY,
-    aggregation.CHECKPOINT_KEY,
-)
+CHECKPOINT_KEYS = tuple(module.CHECKPOINT_KEY for module in (sharding, compression, fusion, aggregation))
 
 
 @dataclass
@@ -60,6 +51,7 @@ class RunComponents:
     aggregation: GradientAggregation | None = None
     hook: CommunicationHook | None = None
     fusion: fusion.TensorFusion | None = None
+    backend: str = "gloo"  # the process group's
 
     @classmethod
     def build(cls, config: ShardPlusConfig, trainer: pl.Trainer, setup: DistributedSetup) -> RunComponents:
@@ -67,40 +59,62 @@ class RunComponents:
         exact_across_ranks = config.exact_evaluation and setup.num_replicas > 1
         _add_callbacks(config, trainer, exact_across_ranks)
         datamodule = getattr(trainer, "datamodule", None)
+        # Lightning marks every training loader as shuffled when it injects its sampler: read the datamodule's
+        shuffle = not isinstance(datamodule, ShardPlusDataModule) or datamodule.shuffle
         loaders = ShardedLoaders(
-            trainer,
-            setup.num_replicas,
-            setup.rank,
-            padding=config.shard_padding,
-            seed=config.epoch_seed,
-            # Lightning marks every training loader as shuffled when it injects its sampler: read the datamodule's
-            shuffle=not isinstance(datamodule, ShardPlusDataModule) or datamodule.shuffle,
-            exact_evaluation=config.exact_evaluation,
-            record_indices=config.verify_sharding,
-        )
+            trainer, setup.num_replicas, setup.rank, padding=config.shard_padding, seed=config.epoch_seed,
+            shuffle=shuffle, exact_evaluation=config.exact_evaluation, record_indices=config.verify_sharding,
+        )  # fmt: skip
         exact = next((cb for cb in trainer.callbacks if isinstance(cb, ExactEvaluation)), None)
         metrics = next((cb for cb in trainer.callbacks if isinstance(cb, AverageTrainingMetrics)), None)
-        parts = cls(loaders, exact=exact if exact_across_ranks else None, metrics=metrics)
+        parts = cls(loaders, exact=exact if exact_across_ranks else None, metrics=metrics, backend=setup.backend)
         if trainer.state.fn == TrainerFn.FITTING:
             abstain = metrics.abstain_this_step if metrics is not None else None
             parts.even = EvenSteps(config.uneven_inputs, setup.num_replicas, setup.backend, trainer, abstain)
             parts.aggregation = GradientAggregation(
-                trainer,
-                config.aggregation_frequency,
-                config.average_aggregated_gradients,
+                trainer, config.aggregation_frequency, config.average_aggregated_gradients,
                 ranks_correction=parts.even.gradient_correction,
-            )
+            )  # fmt: skip
             parts.hook = CommunicationHook(
-                config.gradient_compression,
-                backend=setup.backend,
-                device=setup.device,
-                user_hook=setup.ddp_comm_hook,
-                user_state=setup.ddp_comm_state,
-                user_wrapper=setup.ddp_comm_wrapper,
+                config.gradient_compression, backend=setup.backend, device=setup.device, user_hook=setup.ddp_comm_hook,
+                user_state=setup.ddp_comm_state, user_wrapper=setup.ddp_comm_wrapper,
                 wrappers=[cb.wrap for cb in trainer.callbacks if isinstance(cb, CommunicationHookWrapper)],
-            )
+            )  # fmt: skip
             parts.fusion = _tensor_fusion(config, trainer, setup, parts.aggregation.micro_batches_per_step)
         return parts
+
+    def load_states(self, states: dict[str, Any]) -> None:
+        """Give each stateful component its entry of ``states`` (a checkpoint loaded before ``setup``), popped."""
+        for key, component in self.stateful().items():
+            if key in states:
+                component.load_state_dict(states.pop(key))
+
+    def process_dataloader(self, dataloader: object, training: bool) -> object:
+        """shardplus samplers in a loader Lightning prepared; training streams in steps all ranks take together."""
+        dataloader = self.loaders.process(dataloader)
+        if training and self.aggregation is not None:
+            self.aggregation.announce(dataloader)
+        if training and self.even is not None:
+            dataloader = self.even.wrap(dataloader)
+        return dataloader
+
+    def on_train_start(self, trainer: pl.Trainer) -> None:
+        assert self.aggregation is not None and self.fusion is not None
+        self.loaders.training_loaders_built()
+        if self.even is not None:
+            self.even.check_combination(*_lightning.training_loaders_combination(trainer))
+        self.aggregation.on_train_start()
+        self.fusion.on_train_start()
+
+    def on_train_batch_start(self, trainer: pl.Trainer, batch_idx: int) -> fusion.BucketSetting | None:
+        """The bucket setting to re-wrap DDP with before this batch (fusion tuning), or None."""
+        assert self.fusion is not None
+        if batch_idx == 0:
+            # Lightning reads the loaders' lengths once per fit: a resharded resumed epoch has another length
+            _lightning.refresh_training_batch_count(trainer)
+        if self.even is not None:
+            self.even.batch_taken()
+        return self.fusion.at_batch_start(batch_idx)
 
     def stateful(self) -> dict[str, Any]:
         """The components with checkpoint state (``state_dict`` / ``load_state_dict``), by checkpoint key."""
@@ -108,8 +122,7 @@ class RunComponents:
         return {key: part for key, part in parts.items() if part is not None}
 
     def checkpoint_states(self, checkpoint_path: Any) -> dict[str, Any]:
-        """Each stateful component's checkpoint entry, by key (None ones left out). Call it on every rank: the
-        communication hook writes this rank's PowerSGD state beside ``checkpoint_path``."""
+        """Each stateful component's checkpoint entry, by key; on every rank (each writes its PowerSGD file)."""
         states = {
             key: part.state_dict(checkpoint_path) if part is self.hook else part.state_dict()
             for key, part in self.stateful().items()
@@ -124,17 +137,18 @@ class RunComponents:
 
 
 def checkpointed_states(checkpoint: dict[str, Any], checkpoint_path: Any) -> dict[str, Any]:
-    """The component entries of a loaded checkpoint, by key; the compression entry learns the checkpoint's path
-    (its per-rank files lie beside it, see :func:`compression.rank_file`)."""
+    """The component entries of a loaded checkpoint, by key; the compression entry learns the checkpoint's path."""
     states = {key: checkpoint[key] for key in CHECKPOINT_KEYS if key in checkpoint}
     if isinstance(entry := states.get(compression.CHECKPOINT_KEY), dict):
         states[compression.CHECKPOINT_KEY] = {**entry, "checkpoint_path": str(checkpoint_path)}
     return states
 
 
-def remove_checkpoint_files(checkpoint_path: Any, rank: int) -> None:
-    """A checkpoint is removed (ModelCheckpoint's top-k): remove this rank's files beside it."""
-    compression.remove_rank_states(checkpoint_path, rank)
+def process_group_backend(given: str | None, device: torch.device) -> str:
+    """The backend of the process group: the one running, else the one DDPStrategy would start."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return str(torch.distributed.get_backend())
+    return given or torch.distributed.Backend.default_device_backend_map.get(device.type, "gloo")  # as DDPStrategy
 
 
 def _add_callbacks(config: ShardPlusConfig, trainer: pl.Trainer, exact_across_ranks: bool) -> None:
@@ -161,10 +175,6 @@ def _tensor_fusion(
         **{k: ddp_kwargs.get(k, False) for k in ("find_unused_parameters", "static_graph", "gradient_as_bucket_view")},
     }
     return fusion.TensorFusion(
-        trainer,
-        config.autotune_settings,
-        tune=config.auto_tune_tensor_fusion,
-        log_path=config.autotune_log,
-        cache=config.autotune_cache,
-        cache_extra=extra,
-    )
+        trainer, config.autotune_settings, tune=config.auto_tune_tensor_fusion, log_path=config.autotune_log,
+        cache=config.autotune_cache, cache_extra=extra,
+    )  # fmt: skip

@@ -1,38 +1,9 @@
-"""Gradient compression: a name -> a DDP communication hook (+ its state, checkpointable), on every device.
+"""Gradient compression: ``gradient_compression`` -> a DDP communication hook (+ its state), on every device type.
 
-``ShardPlusStrategy(gradient_compression=...)`` picks one of:
-
-- ``"none"``: DDP's own all-reduce (no hook; float32 gradients on the wire).
-- ``"fp16"``: torch's ``fp16_compress_hook``: the bucket is cast to float16 (divided by the world size
-  first), all-reduced, and cast back. Half the bytes; float16's range and 11-bit mantissa apply to the summed
-  gradient.
-- ``"bf16"``: the same in bfloat16 (float32's range, 8-bit mantissa). torch's DDP refuses its
-  ``bf16_compress_hook`` *by name* unless torch was built with CUDA and NCCL >= 2.10, although gloo
-  all-reduces bfloat16 (checked with a one-element all-reduce at setup): on other backends
-  than NCCL the strategy registers the same hook under another name. On NCCL torch's hook and its check are
-  used as they are.
-- ``"powersgd"``: torch's ``powerSGD_hook`` (Vogels et al., 2019): each gradient matrix is all-reduced as a
-  rank-r approximation ``P Q^T``, with error feedback (what compression dropped is added to the next step's
-  gradient, kept per rank) and warm start (``Q`` of the previous step starts the next power iteration). The
-  default state is :func:`default_powersgd_state`; pass a ``PowerSGDState`` as the strategy's
-  ``ddp_comm_state`` to choose the rank, the first compressed step, and so on.
-
-The hook runs only on the steps that communicate: with aggregation, on the last micro-batch of each window.
-
-PowerSGD on gloo with several buckets hung in torch's hook: its continuations block a gloo worker thread each
-(``all_reduce(...).wait()`` inside ``Future.then`` callbacks), and with several buckets in flight they block
-all worker threads while the collectives they wait for queue behind them; the callbacks also issue collectives
-from different threads in an order that may differ between ranks. :class:`PowerSGDCompression` therefore runs
-the buckets one after the other on every backend but NCCL (each bucket waits for the previous bucket's future
-before it starts), which removes both problems at the cost of overlap between buckets.
-
-PowerSGD's state is keyed by DDP bucket index, but DDP re-cuts its buckets after the first iteration and a
-fresh DDP wrapper (a resumed run, or a re-wrap during fit) starts with one bucket again.
-:class:`PowerSGDCompression` keeps the state per *parameter* across such changes, which is also the form saved
-in checkpoints (see :meth:`PowerSGDCompression.state_dict`), so a resumed run continues with the same error
-feedback and warm start. Each rank writes its own state to ``<checkpoint>.powersgd/rank-<r>-of-<W>.pt``
-(:func:`rank_file`); rank 0's checkpoint holds only what is the same on every rank, so it does not grow with W.
-A rank's file that is missing, unreadable or from another save restarts every rank's error feedback, with a warning.
+``"fp16"``/``"bf16"`` are torch's cast hooks; ``"powersgd"`` is torch's ``powerSGD_hook`` whose state is kept per
+parameter across DDP's bucket re-cuts and re-wraps, and saved per rank beside checkpoints (``docs/compression.md``).
+Off NCCL its buckets run one after the other: on gloo torch's hook hung with several buckets (its continuations
+block gloo's worker threads and may issue collectives in a different order on each rank).
 """
 
 from __future__ import annotations
@@ -63,18 +34,11 @@ _STATE_FORMAT = 1
 
 
 def default_powersgd_state() -> PowerSGDState:
-    """The PowerSGD configuration of ``gradient_compression="powersgd"``: rank 1, error feedback and warm
-    start on, compression from the 10th communicating step on (the first ones use a plain all-reduce, as torch
-    recommends), seed 0."""
+    """``gradient_compression="powersgd"``'s PowerSGD: rank 1, error feedback and warm start, from the 10th step."""
     return PowerSGDState(
-        process_group=None,
-        matrix_approximation_rank=1,
-        start_powerSGD_iter=DEFAULT_POWERSGD_START_ITER,
-        min_compression_rate=2,
-        use_error_feedback=True,
-        warm_start=True,
-        random_seed=0,
-    )
+        None, matrix_approximation_rank=1, start_powerSGD_iter=DEFAULT_POWERSGD_START_ITER, min_compression_rate=2,
+        use_error_feedback=True, warm_start=True, random_seed=0,
+    )  # fmt: skip
 
 
 def shardplus_bf16_compress_hook(process_group, bucket):  # no annotations: DDP checks them against its types
@@ -83,21 +47,13 @@ def shardplus_bf16_compress_hook(process_group, bucket):  # no annotations: DDP 
     return default_hooks.bf16_compress_hook(process_group, bucket)
 
 
-def build_compression(
-    name: str, ddp_comm_state: object | None = None
-) -> CastCompression | PowerSGDCompression | None:
+def build_compression(name: str, ddp_comm_state: object | None = None) -> CastCompression | PowerSGDCompression | None:
     """The compression object for ``name`` (None for ``"none"``), with fresh state for one fit."""
-    if name == "none":
-        return None
-    if name == "fp16":
-        return CastCompression("fp16", torch.float16)
-    if name == "bf16":
-        return CastCompression("bf16", torch.bfloat16)
+    if name not in GRADIENT_COMPRESSIONS:
+        raise ValueError(f"`gradient_compression`={name!r} is not valid: expected one of {GRADIENT_COMPRESSIONS}.")
     if name == "powersgd":
         return PowerSGDCompression(ddp_comm_state if isinstance(ddp_comm_state, PowerSGDState) else None)
-    raise ValueError(
-        f"`gradient_compression`={name!r} is not valid: expected one of {GRADIENT_COMPRESSIONS}."
-    )
+    return None if name == "none" else CastCompression(name, torch.float16 if name == "fp16" else torch.bfloat16)
 
 
 class CastCompression:
@@ -125,9 +81,7 @@ class CastCompression:
     def hook_for(self, model: DistributedDataParallel, backend: str) -> tuple[Callable, object]:
         if self.dtype == torch.float16:
             return default_hooks.fp16_compress_hook, None
-        if backend == "nccl":
-            return default_hooks.bf16_compress_hook, None
-        return shardplus_bf16_compress_hook, None
+        return (default_hooks.bf16_compress_hook if backend == "nccl" else shardplus_bf16_compress_hook), None
 
     def state_dict(self) -> dict[str, Any] | None:
         return None
@@ -136,24 +90,14 @@ class CastCompression:
         pass
 
 
-def _quiet_wait(future: torch.futures.Future | None) -> None:
-    """Wait for ``future``; its error, if any, reaches DDP through the future itself."""
-    if future is None:
-        return
-    try:
+def _quiet_wait(future: torch.futures.Future) -> None:
+    with contextlib.suppress(Exception):  # its error reaches DDP, which waits on the same future
         future.wait()
-    except Exception:  # DDP reports it when it waits on the same future
-        pass
 
 
 class PowerSGDCompression:
-    """``"powersgd"``: torch's ``powerSGD_hook`` with its ``PowerSGDState``, made safe on gloo with several
-    buckets, kept across DDP bucket re-cuts and re-wraps, and saved per rank in checkpoints.
-
-    Args:
-        template: a ``PowerSGDState`` whose settings (rank, start iteration, ...) and random generator state
-            to copy; None: :func:`default_powersgd_state`. The state of one fit is always fresh.
-    """
+    """``"powersgd"``: torch's ``powerSGD_hook``, safe on gloo with several buckets, its state kept per parameter.
+    ``template``: a ``PowerSGDState`` whose settings and generator are copied (None: the default)."""
 
     name = "powersgd"
 
@@ -162,12 +106,8 @@ class PowerSGDCompression:
         self._names: dict[int, str] = {}  # id(parameter) -> name, for the registered DDP wrapper
         self._shapes: dict[str, torch.Size] = {}
         self._layout: dict[int, tuple[str, ...]] = {}  # bucket index -> its parameter names, as last seen
-        self._loose: dict[
-            str, dict[str, torch.Tensor]
-        ] = {}  # name -> {"error"|"p"|"q": piece} not in a bucket
-        self._serialize = True
-        self._previous: torch.futures.Future | None = None
-        self._round: list[torch.futures.Future] = []
+        self._loose: dict[str, dict[str, torch.Tensor]] = {}  # name -> {"error"|"p"|"q": piece} not in a bucket
+        self._serialize, self._previous, self._round = True, None, []  # (see `hook`)
 
     def check_backend(self, backend: str, device: torch.device) -> None:
         pass
@@ -177,16 +117,12 @@ class PowerSGDCompression:
         named = [(name, p) for name, p in model.module.named_parameters() if p.requires_grad]
         self._names = {id(p): name for name, p in named}
         self._shapes = {name: p.shape for name, p in named}
-        self._serialize = backend != "nccl"
-        self._previous = None
-        self._round = []
+        self._serialize, self._previous, self._round = backend != "nccl", None, []
         return self.hook, self.state
 
-    # ------------------------------------------------------------------ the hook
-
     def hook(self, state, bucket):  # no annotations: DDP checks them against its types
-        """``powerSGD_hook`` after (1) waiting for the previous bucket (not on NCCL) and (2) re-cutting the
-        state when DDP's bucket layout changed."""
+        """``powerSGD_hook`` after waiting for the previous bucket (not on NCCL) and re-cutting the state to DDP's
+        bucket layout where it changed."""
         if self._serialize and self._previous is not None:
             previous, self._previous = self._previous, None
             _quiet_wait(previous)
@@ -206,8 +142,6 @@ class PowerSGDCompression:
             self._previous = future
             self._round.append(future)
         return future
-
-    # ------------------------------------------------------------------ per-parameter state
 
     def _numel(self, name: str) -> int:
         return int(torch.Size(self._shapes[name]).numel())
@@ -230,24 +164,26 @@ class PowerSGDCompression:
                 lengths[name] = (n * r, m * r)
         return [name for group in groups.values() for name in group], lengths
 
+    def _layouts(self, names: tuple[str, ...]) -> list[tuple[str, dict, list[tuple[str, int]]]]:
+        """Per kind of state (error feedback, P, Q): its dict in PowerSGD's state and the (name, length) pieces a
+        bucket of ``names`` holds in it, in order; no pieces where a name is unknown."""
+        known = bool(names) and all(name in self._shapes for name in names)
+        order, lengths = self._compressed(names) if known else ([], {})
+        return [
+            ("error", self.state.error_dict, [(name, self._numel(name)) for name in names] if known else []),
+            ("p", self.state.p_memory_dict, [(name, lengths[name][0]) for name in order]),
+            ("q", self.state.q_memory_dict, [(name, lengths[name][1]) for name in order]),
+        ]
+
     def _split(self, index: int, names: tuple[str, ...], pop: bool) -> dict[str, dict[str, torch.Tensor]]:
         """Bucket ``index``'s error, P and Q memory cut into per-parameter pieces (copies)."""
-        take = dict.pop if pop else dict.get
-        error = take(self.state.error_dict, index, None)
-        p_memory = take(self.state.p_memory_dict, index, None)
-        q_memory = take(self.state.q_memory_dict, index, None)
         pieces: dict[str, dict[str, torch.Tensor]] = {name: {} for name in names}
-        if names and all(name in self._shapes for name in names):
-            sizes = [self._numel(name) for name in names]
-            if error is not None and error.numel() == sum(sizes):
-                for name, piece in zip(names, error.split(sizes), strict=True):
-                    pieces[name]["error"] = piece.detach().clone()
-            order, lengths = self._compressed(names)
-            for key, memory, column in (("p", p_memory, 0), ("q", q_memory, 1)):
-                sizes = [lengths[name][column] for name in order]
-                if order and memory is not None and memory.numel() == sum(sizes):
-                    for name, piece in zip(order, memory.split(sizes), strict=True):
-                        pieces[name][key] = piece.detach().clone()
+        for key, memory, layout in self._layouts(names):
+            tensor = memory.pop(index, None) if pop else memory.get(index)
+            sizes = [size for _, size in layout]
+            if layout and tensor is not None and tensor.numel() == sum(sizes):
+                for (name, _), piece in zip(layout, tensor.split(sizes), strict=True):
+                    pieces[name][key] = piece.detach().clone()
         return pieces
 
     def _dissolve(self) -> None:
@@ -258,36 +194,21 @@ class PowerSGDCompression:
 
     def _assemble(self, index: int, names: tuple[str, ...], buffer: torch.Tensor) -> None:
         """Put the loose pieces of ``names`` together as bucket ``index``'s state, where all are there."""
-        parts = [self._loose.pop(name, {}) for name in names]
-        if not any(parts) or not all(name in self._shapes for name in names):
+        parts = dict(zip(names, [self._loose.pop(name, {}) for name in names], strict=True))
+        if not any(parts.values()):
             return
-        device, dtype = buffer.device, buffer.dtype
-        errors = [part.get("error") for part in parts]
-        if all(e is not None and e.numel() == self._numel(n) for e, n in zip(errors, names, strict=True)):
-            self.state.error_dict[index] = torch.cat([e.reshape(-1) for e in errors]).to(device, dtype)
-        order, lengths = self._compressed(names)
-        by_name = dict(zip(names, parts, strict=True))
-        for key, memory, column in (("p", self.state.p_memory_dict, 0), ("q", self.state.q_memory_dict, 1)):
-            pieces = [by_name[name].get(key) for name in order]
-            if order and all(
-                piece is not None and piece.numel() == lengths[name][column]
-                for piece, name in zip(pieces, order, strict=True)
-            ):
-                memory[index] = torch.cat([piece.reshape(-1) for piece in pieces]).to(device, dtype)
+        for key, memory, layout in self._layouts(names):
+            pieces = [parts[name].get(key) for name, _ in layout]
+            if layout and all(p is not None and p.numel() == n for p, (_, n) in zip(pieces, layout, strict=True)):
+                memory[index] = torch.cat([p.reshape(-1) for p in pieces]).to(buffer.device, buffer.dtype)
         if (index in self.state.p_memory_dict) != (index in self.state.q_memory_dict):
             self.state.p_memory_dict.pop(index, None)  # warm start needs both, else PowerSGD starts afresh
             self.state.q_memory_dict.pop(index, None)
 
-    # ------------------------------------------------------------------ checkpoints
-
     def state_dict(self) -> dict[str, Any]:
-        """This rank's PowerSGD state, independent of DDP's bucket layout: per-parameter error feedback and
-        warm-start P/Q pieces (CPU tensors), the step counter and the random generator (plain types and
-        tensors only, so ``torch.load(weights_only=True)`` reads it)."""
-        params: dict[str, dict[str, torch.Tensor]] = {
-            name: {key: piece.detach().cpu().clone() for key, piece in parts.items()}
-            for name, parts in self._loose.items()
-        }
+        """This rank's state, independent of DDP's buckets: per-parameter error feedback and P/Q pieces (CPU), the
+        step counter, the random generator (plain types and tensors: ``torch.load(weights_only=True)`` reads it)."""
+        params = {name: {k: v.detach().cpu().clone() for k, v in parts.items()} for name, parts in self._loose.items()}
         for index, names in self._layout.items():
             for name, parts in self._split(index, names, pop=False).items():
                 params.setdefault(name, {}).update({key: piece.cpu() for key, piece in parts.items()})
@@ -295,47 +216,26 @@ class PowerSGDCompression:
         return {
             "format": _STATE_FORMAT,
             "iter": int(self.state.iter),
-            "rng": {
-                "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
-                "pos": int(pos),
-                "has_gauss": int(has_gauss),
-                "cached_gaussian": float(cached_gaussian),
-            },
-            "stats": [
-                int(self.state.total_numel_before_compression),
-                int(self.state.total_numel_after_compression),
-                int(self.state.next_stats_report),
-            ],
+            "rng": {"keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)), "pos": int(pos),
+                    "has_gauss": int(has_gauss), "cached_gaussian": float(cached_gaussian)},  # fmt: skip
+            "stats": [int(getattr(self.state, name)) for name in _STATS],
             "matrix_approximation_rank": int(self.state.matrix_approximation_rank),
             "params": {name: parts for name, parts in params.items() if parts},
         }
 
     def load_state_dict(self, saved: dict[str, Any], keep_error_feedback: bool = True) -> None:
-        """Continue from ``saved`` (from :meth:`state_dict`). The pieces are put into DDP's buckets at the
-        first backward; pieces whose size no longer fits (another rank of approximation, another model) are
-        dropped and PowerSGD starts those buckets afresh."""
+        """Continue from ``saved`` (:meth:`state_dict`); pieces put into DDP's buckets at the first backward, those
+        that no longer fit (another approximation rank, another model) dropped: those buckets start afresh."""
         if saved.get("format") != _STATE_FORMAT:
-            raise ValueError(
-                f"unknown PowerSGD state format {saved.get('format')!r} (expected {_STATE_FORMAT})"
-            )
+            raise ValueError(f"unknown PowerSGD state format {saved.get('format')!r} (expected {_STATE_FORMAT})")
         self.state.iter = int(saved["iter"])
         rng = saved["rng"]
-        self.state.rng.set_state(
-            (
-                "MT19937",
-                rng["keys"].numpy().astype(np.uint32),
-                rng["pos"],
-                rng["has_gauss"],
-                rng["cached_gaussian"],
-            )
-        )
-        before, after, next_report = saved["stats"]
-        self.state.total_numel_before_compression = before
-        self.state.total_numel_after_compression = after
-        self.state.next_stats_report = next_report
-        self.state.error_dict.clear()
-        self.state.p_memory_dict.clear()
-        self.state.q_memory_dict.clear()
+        keys = rng["keys"].numpy().astype(np.uint32)
+        self.state.rng.set_state(("MT19937", keys, rng["pos"], rng["has_gauss"], rng["cached_gaussian"]))
+        for name, value in zip(_STATS, saved["stats"], strict=True):
+            setattr(self.state, name, value)
+        for memory in (self.state.error_dict, self.state.p_memory_dict, self.state.q_memory_dict):
+            memory.clear()
         self._layout.clear()
         self._loose = {
             name: {key: piece for key, piece in parts.items() if keep_error_feedback or key != "error"}
@@ -343,8 +243,7 @@ class PowerSGDCompression:
         }
 
     def load_checkpoint_entry(self, entry: dict[str, Any], own: dict[str, Any] | None, unusable: str) -> None:
-        """Continue from a checkpoint entry of :func:`checkpoint_entry` and this rank's own state (``own``, from
-        its file beside the checkpoint; None where any rank's cannot be used, ``unusable`` saying why)."""
+        """Continue from a checkpoint entry and this rank's own state (None where unusable, ``unusable`` says why)."""
         if own is not None:
             self.load_state_dict(own)
             return
@@ -358,30 +257,26 @@ class PowerSGDCompression:
 def _fresh_state(template: PowerSGDState | None) -> PowerSGDState:
     if template is None:
         return default_powersgd_state()
-    state = PowerSGDState(
-        process_group=template.process_group,
-        matrix_approximation_rank=template.matrix_approximation_rank,
-        start_powerSGD_iter=template.start_powerSGD_iter,
-        min_compression_rate=template.min_compression_rate,
-        use_error_feedback=template.use_error_feedback,
-        warm_start=template.warm_start,
-        orthogonalization_epsilon=template.orthogonalization_epsilon,
-        compression_stats_logging_frequency=template.compression_stats_logging_frequency,
-        batch_tensors_with_same_shape=template.batch_tensors_with_same_shape,
-    )
+    state = PowerSGDState(**{name: getattr(template, name) for name in _SETTINGS})
     state.rng.set_state(template.rng.get_state())
     return state
 
 
+# PowerSGDState's settings, copied from a template into each fit's fresh state; its statistics counters, saved.
+_SETTINGS = (
+    "process_group", "matrix_approximation_rank", "start_powerSGD_iter", "min_compression_rate", "use_error_feedback",
+    "warm_start", "orthogonalization_epsilon", "compression_stats_logging_frequency", "batch_tensors_with_same_shape",
+)  # fmt: skip
+_STATS = ("total_numel_before_compression", "total_numel_after_compression", "next_stats_report")
+
+
 CHECKPOINT_KEY = "shardplus_gradient_compression"
-RANK_FILES_SUFFIX = ".powersgd"
-"""Each rank's PowerSGD state goes to ``<checkpoint>.powersgd/rank-<r>-of-<W>.pt``, written by that rank."""
+RANK_FILES_SUFFIX = ".powersgd"  # each rank writes its state to <checkpoint>.powersgd/rank-<r>-of-<W>.pt
 
 
 def checkpoint_entry(name: str, world_size: int, state: dict[str, Any]) -> dict[str, Any]:
-    """What rank 0 stores under ``checkpoint[CHECKPOINT_KEY]``: the name, the world size and rank 0's state without
-    its error feedback (step counter, random generator and warm-start P/Q are the same on every rank). The same
-    size whatever the world size: each rank's full state is in its own file (:func:`rank_file`)."""
+    """The checkpoint's entry: the name, the world size and rank 0's state without its error feedback (the rest is the
+    same on every rank), so that it does not grow with the world size."""
     params = {n: {k: v for k, v in parts.items() if k != "error"} for n, parts in state["params"].items()}
     return {"name": name, "world_size": world_size, "state": {**state, "params": params}}
 
@@ -406,12 +301,10 @@ def save_rank_state(state: dict[str, Any], checkpoint_path: str | PathLike, rank
 _FILE_PROBLEMS = {1: "is missing", 2: "cannot be read (truncated or corrupt)", 3: "is from another save"}
 
 
-def load_rank_state(
-    checkpoint_path: str | PathLike, rank: int, world_size: int, step: int | None
-) -> tuple[dict[str, Any] | None, int]:
+def load_rank_state(path: str | PathLike, rank: int, world: int, step: int | None) -> tuple[dict[str, Any] | None, int]:
     """This rank's state saved beside the checkpoint of step counter ``step``, and 0; or None and why not
-    (:data:`_FILE_PROBLEMS`): a file that cannot be read is not an error here, so that every rank can agree."""
-    path = rank_file(checkpoint_path, rank, world_size)
+    (:data:`_FILE_PROBLEMS`): no error here, so that every rank can agree."""
+    path = rank_file(path, rank, world)
     fs = get_filesystem(path)
     try:
         if not fs.exists(path):
@@ -428,8 +321,7 @@ def load_rank_state(
 
 
 def remove_rank_states(checkpoint_path: str | PathLike, rank: int) -> None:
-    """Remove this rank's files beside a removed checkpoint (of any world size), then the folder if empty: every
-    rank calls it, so per-rank files on node-local disks go too."""
+    """Remove this rank's files beside a removed checkpoint (any world size), then the folder if empty."""
     folder = f"{os.fspath(checkpoint_path)}{RANK_FILES_SUFFIX}"
     fs = get_filesystem(folder)
     for path in fs.glob(f"{folder}/rank-{rank}-of-*.pt"):
@@ -441,31 +333,17 @@ def remove_rank_states(checkpoint_path: str | PathLike, rank: int) -> None:
 
 
 class CommunicationHook:
-    """The gradient communication hook of one fit, registered on each DDP wrapper the strategy builds: the hook
-    of ``gradient_compression`` (with its state) or the user's ``ddp_comm_hook``, wrapped by ``ddp_comm_wrapper``
-    and then by ``wrappers`` (the instrumentation callbacks' ``wrap``); and the compression state in checkpoints.
-
-    Example::
-
-        hook = CommunicationHook("fp16", backend="gloo", device=torch.device("cpu"))
-        hook.register(ddp_model)  # again after each re-wrap: PowerSGD's state carries over
-    """
+    """The gradient communication hook of one fit, registered on each DDP wrapper: ``gradient_compression``'s or the
+    user's ``ddp_comm_hook``, wrapped by ``ddp_comm_wrapper``, then by ``wrappers``; its state in checkpoints."""
 
     def __init__(
-        self,
-        name: str,
-        *,
-        backend: str,
-        device: torch.device,
-        user_hook: Callable | None = None,
-        user_state: object | None = None,
-        user_wrapper: Callable | None = None,
+        self, name: str, *, backend: str, device: torch.device, user_hook: Callable | None = None,
+        user_state: object | None = None, user_wrapper: Callable | None = None,
         wrappers: list[Callable[[Callable], Callable]] | None = None,
-    ) -> None:
+    ) -> None:  # fmt: skip
         self.name, self.backend = name, backend
         self.user_hook, self.user_state, self.user_wrapper = user_hook, user_state, user_wrapper
-        self.wrappers = wrappers or []
-        self.device = device
+        self.wrappers, self.device = wrappers or [], device
         self.compression = build_compression(name, user_state)
         if self.compression is not None:
             self.compression.check_backend(backend, device)
@@ -499,9 +377,7 @@ class CommunicationHook:
         return None if self.compression is None else self.compression.state_dict()
 
     def state_dict(self, checkpoint_path: str | PathLike | None = None) -> dict[str, Any] | None:
-        """The checkpoint entry (:func:`checkpoint_entry`, the same size at any world size); this rank's full state
-        is written to its own file beside ``checkpoint_path`` (:func:`rank_file`). Call it on every rank; it does
-        not communicate. None when stateless."""
+        """The checkpoint entry (None when stateless); this rank's state goes to its file beside the checkpoint."""
         state = self.local_state_dict()
         if state is None:
             return None
@@ -511,9 +387,8 @@ class CommunicationHook:
         return checkpoint_entry(self.name, world, state)
 
     def load_state_dict(self, entry: dict[str, Any]) -> None:
-        """Continue with a checkpoint's compression state: the entry, and this rank's file beside the checkpoint
-        (``entry["checkpoint_path"]``, added at load time). One all-reduce of a count: if any rank's file is
-        missing or stale, every rank restarts its error feedback (with one warning)."""
+        """Continue with a checkpoint's entry and this rank's file beside ``entry["checkpoint_path"]``; one all-reduce:
+        if any rank's file cannot be used, every rank restarts its error feedback (one warning)."""
         if self.compression is None or entry.get("name") != self.name or "state" not in entry:
             rank_zero_warn(
                 f"shardplus: the checkpoint holds {entry.get('name')!r} gradient-compression state, this run "

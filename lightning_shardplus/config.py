@@ -1,13 +1,7 @@
-"""``ShardPlusConfig``: every ``ShardPlusStrategy`` argument, typed, validated once and frozen.
+"""``ShardPlusConfig``: every ``ShardPlusStrategy`` argument, typed, validated once at construction and frozen.
 
-The strategy builds one from its keyword arguments and never changes it; what a fit learns (the tuned bucket
-size, the sampler positions) belongs to the components built from it. Errors name the argument, the value and
-what would be valid, and are raised at construction, before any process group starts.
-
-Example::
-
-    config = ShardPlusConfig(aggregation_frequency=4, gradient_compression="fp16")
-    config.autotune_settings.max_tuning_steps  # the search space of `auto_tune_tensor_fusion`
+Errors name the argument, the value and what would be valid, before any process group starts; what a fit learns
+belongs to the components built from the config.
 """
 
 from __future__ import annotations
@@ -49,34 +43,20 @@ from lightning_shardplus.compression import GRADIENT_COMPRESSIONS, GradientCompr
 from lightning_shardplus.sharding import PADDING_MODES, PaddingMode
 from lightning_shardplus.uneven import UNEVEN_INPUTS, UnevenInputs
 
-# Keyword arguments DDPStrategy forwards to torch's DistributedDataParallel.
-DDP_KWARGS = frozenset(inspect.signature(DistributedDataParallel.__init__).parameters) - {
-    "self",
-    "module",
-    "device_ids",
-    "bucket_cap_mb",  # set through `tensor_fusion_threshold_mb`
-}
+_DDP_PARAMETERS = inspect.signature(DistributedDataParallel.__init__).parameters
+# Keyword arguments DDPStrategy forwards to DDP (`bucket_cap_mb` is set through `tensor_fusion_threshold_mb`).
+DDP_KWARGS = frozenset(_DDP_PARAMETERS) - {"self", "module", "device_ids", "bucket_cap_mb"}
+DDP_DEFAULTS = {name: p.default for name, p in _DDP_PARAMETERS.items() if p.default is not inspect.Parameter.empty}
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
-# ShardPlusStrategy's own arguments: DDPStrategy's, the shardplus ones (ShardPlusConfig) and the DDP flags it names.
 _DDP_STRATEGY_ARGUMENTS = tuple(
-    name
-    for name, parameter in inspect.signature(DDPStrategy.__init__).parameters.items()
-    if name != "self" and parameter.kind is parameter.POSITIONAL_OR_KEYWORD
-)
-# DistributedDataParallel's defaults: what it gets when an argument is left out.
-DDP_DEFAULTS = {
-    name: parameter.default
-    for name, parameter in inspect.signature(DistributedDataParallel.__init__).parameters.items()
-    if parameter.default is not inspect.Parameter.empty
-}
+    name for name, p in inspect.signature(DDPStrategy.__init__).parameters.items()
+    if name != "self" and p.kind is p.POSITIONAL_OR_KEYWORD
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
 class ShardPlusConfig:
-    """The shardplus arguments of :class:`~lightning_shardplus.ShardPlusStrategy` (documented there, and one line
-    each in the README's table). ``autotune_candidates_mb`` of None: sizes chosen from the model's gradient size
-    (:func:`~lightning_shardplus.fusion.default_candidates_mb`); ``autotune_first_bucket_candidates_mb`` of None:
-    :mod:`~lightning_shardplus.fusion`'s default."""
+    """The shardplus arguments of :class:`~lightning_shardplus.ShardPlusStrategy` (documented there)."""
 
     aggregation_frequency: int = 1
     average_aggregated_gradients: bool = True
@@ -130,23 +110,17 @@ class ShardPlusConfig:
     @cached_property
     def autotune_settings(self) -> fusion.AutotuneSettings:
         """The search space and budget of ``auto_tune_tensor_fusion``."""
-        candidates, first = self.autotune_candidates_mb, self.autotune_first_bucket_candidates_mb
-        return fusion.AutotuneSettings(
-            candidates_mb=candidates,  # None: the model's (fusion.default_candidates_mb), chosen in setup
+        first = self.autotune_first_bucket_candidates_mb
+        return fusion.AutotuneSettings(  # candidates None: the model's, chosen in setup
+            candidates_mb=self.autotune_candidates_mb,
             first_bucket_candidates_mb=fusion.DEFAULT_FIRST_BUCKET_CANDIDATES_MB if first is None else first,
-            steps_per_sample=self.autotune_steps_per_sample,
-            warmup_steps=self.autotune_warmup_steps,
+            steps_per_sample=self.autotune_steps_per_sample, warmup_steps=self.autotune_warmup_steps,
             fixed_bucket_cap_mb=self.tensor_fusion_threshold_mb,
-        )
-
-    @property
-    def bucket_setting(self) -> fusion.BucketSetting:
-        """The buckets DDP gets without tuning: the given size, else DDP's own default."""
-        return self.autotune_settings.reference
+        )  # fmt: skip
 
     @property
     def epoch_seed(self) -> int:
-        """Seed of the epoch permutation: ``shuffle_seed``, else the ``seed_everything`` seed, else 0."""
+        """``shuffle_seed``, else the ``seed_everything`` seed, else 0."""
         if self.shuffle_seed is not None:
             return self.shuffle_seed
         return int(os.environ.get("PL_GLOBAL_SEED", 0))
@@ -159,29 +133,26 @@ STRATEGY_OPTIONS: tuple[str, ...] = (
 )
 
 
-def at_ddp_defaults(settings: dict[str, Any]) -> list[str]:
-    """The names of ``settings`` (DistributedDataParallel arguments) whose value is DDP's default."""
-    return [name for name, value in settings.items() if name in DDP_DEFAULTS and value is DDP_DEFAULTS[name]]
-
-
-def check_ddp_arguments(
-    config: ShardPlusConfig,
-    start_method: str,
-    timeout: Any,
-    process_group_backend: str | None,
-    ddp_comm_hook: Callable | None,
-    ddp_comm_state: object | None,
-    ddp_kwargs: dict[str, Any],
-) -> tuple[timedelta | None, dict[str, Any]]:
-    """Check the ``DDPStrategy`` arguments and how they combine with ``config``; returns the timeout as a
-    timedelta (a number is seconds, as a YAML config gives it) and DDP's keyword arguments as DDP takes them."""
-    check_choice("start_method", start_method, START_METHODS)
-    check_process_group_backend(process_group_backend)  # its name when the processes start (`preflight`)
-    _check_communication_hook(config, ddp_comm_hook, ddp_comm_state)
-    _check_bucket_arguments(config, ddp_kwargs)
-    ddp_kwargs = check_ddp_kwargs(ddp_kwargs)
+def check_arguments(arguments: dict[str, Any]) -> tuple[ShardPlusConfig, timedelta | None, dict[str, Any], list[str]]:
+    """``ShardPlusStrategy``'s arguments (its ``locals()``) checked: its config, DDP's timeout (a number is
+    seconds, as YAML gives it), the keyword arguments for ``DDPStrategy`` as DDP takes them, and the names of
+    those at DDP's own default (left out then, as with ``strategy="ddp"``)."""
+    config, a = ShardPlusConfig.from_arguments(arguments), arguments
+    flags = {"static_graph": a["static_graph"], "gradient_as_bucket_view": a["gradient_as_bucket_view"]}
+    ddp_kwargs = dict(a["ddp_kwargs"])
+    for name in ("find_unused_parameters", "broadcast_buffers"):  # only when given (torch 2.13 deprecates the latter)
+        if a[name] is not None:
+            ddp_kwargs[name] = a[name]
+    check_strategy_plugins(a["accelerator"], a["model_averaging_period"], **{name: a[name] for name in _PLUGIN_TYPES})
+    check_choice("start_method", a["start_method"], START_METHODS)
+    check_process_group_backend(a["process_group_backend"])  # its name when the processes start (`preflight`)
+    _check_communication_hook(config, a["ddp_comm_hook"], a["ddp_comm_state"])
+    _check_bucket_arguments(config, {**flags, **ddp_kwargs})
+    ddp_kwargs = check_ddp_kwargs({**flags, **ddp_kwargs})  # numpy's bools as bool
     check_static_graph(config.aggregation_frequency, ddp_kwargs.get("static_graph") is True, "`aggregation_frequency`")
-    return process_group_timeout(timeout), ddp_kwargs
+    given = {"bucket_cap_mb": config.tensor_fusion_threshold_mb, **{name: ddp_kwargs[name] for name in flags}}
+    defaults = [name for name, value in given.items() if value is DDP_DEFAULTS[name]]
+    return config, process_group_timeout(a["timeout"]), ddp_kwargs, defaults
 
 
 # DistributedDataParallel's flags (each checked where this torch has it); the optional ones take None (its default).
@@ -193,8 +164,7 @@ _DDP_OPTIONAL_FLAGS = ("broadcast_buffers", "forward_sync_buffers")
 
 
 def check_ddp_kwargs(ddp_kwargs: dict[str, Any]) -> dict[str, Any]:
-    """DistributedDataParallel's keyword arguments (known to this torch: :func:`_check_bucket_arguments`) checked
-    as DDP would take them in every worker; returned with numpy's bools and numbers as Python's."""
+    """DDP's keyword arguments checked as DDP would take them in every worker; numpy's bools and numbers as Python's."""
     checked = dict(ddp_kwargs)
     for name in (*_DDP_FLAGS, *_DDP_OPTIONAL_FLAGS):
         if name in checked and not (name in _DDP_OPTIONAL_FLAGS and checked[name] is None):
@@ -232,9 +202,7 @@ def _device(name: str, value: Any) -> int | str | torch.device:
 
 
 def _check_types(ddp_kwargs: dict[str, Any]) -> None:
-    """DDP's arguments that are objects: the process group (or the 1-D device mesh giving it), its mixed precision
-    (``param_dtype``, ``reduce_dtype`` and ``buffer_dtype``, as torch's ``_MixedPrecision``), and the parameters
-    whose all-reduce is delayed until ``param_to_hook_all_reduce``'s gradient is ready (both or neither)."""
+    """DDP's arguments that are objects: process group or device mesh, mixed precision, delayed all-reduce."""
     from torch.distributed.device_mesh import DeviceMesh
 
     kinds = {"process_group": dist.ProcessGroup, "device_mesh": DeviceMesh, "param_to_hook_all_reduce": Parameter}
@@ -271,9 +239,7 @@ def _qualname(kind: type) -> str:
 
 
 def check_strategy_plugins(accelerator: Any, model_averaging_period: Any, **plugins: Any) -> None:
-    """``DDPStrategy``'s own arguments, which Lightning otherwise checks only when the Trainer is built or the
-    processes run: ``accelerator`` (an Accelerator or a name, as DDPStrategy takes it) and ``plugins`` by name
-    (:data:`_PLUGIN_TYPES`)."""
+    """``DDPStrategy``'s own arguments, which Lightning checks only later: ``accelerator`` and ``plugins`` by name."""
     names = ("auto", "gpu", *sorted(AcceleratorRegistry.available_accelerators()))
     if accelerator is not None and not isinstance(accelerator, (*_lightning_classes("Accelerator"), str)):
         raise TypeError(f"`accelerator`={accelerator!r} is not valid: expected None, an Accelerator or one of {names}.")
@@ -292,13 +258,8 @@ def check_strategy_plugins(accelerator: Any, model_averaging_period: Any, **plug
 
 
 # The plugin arguments: the Lightning class each must be an instance of (None: a callable).
-_PLUGIN_TYPES = {
-    "cluster_environment": "ClusterEnvironment",
-    "checkpoint_io": "CheckpointIO",
-    "precision_plugin": "Precision",
-    "ddp_comm_hook": None,
-    "ddp_comm_wrapper": None,
-}
+_PLUGIN_TYPES = {"cluster_environment": "ClusterEnvironment", "checkpoint_io": "CheckpointIO",
+                 "precision_plugin": "Precision", "ddp_comm_hook": None, "ddp_comm_wrapper": None}  # fmt: skip
 _LIGHTNING_MODULES = {
     "Accelerator": ("lightning.pytorch.accelerators", "pytorch_lightning.accelerators"),
     "ClusterEnvironment": ("lightning.fabric.plugins", "lightning_fabric.plugins"),
@@ -308,8 +269,7 @@ _LIGHTNING_MODULES = {
 
 
 def _lightning_classes(name: str) -> tuple[type, ...]:
-    """Lightning's class ``name`` in each of its namespaces already imported (``lightning`` and the standalone
-    ``pytorch_lightning`` / ``lightning_fabric``: an object of the latter comes from an imported module)."""
+    """Lightning's class ``name`` in each of its namespaces already imported (``lightning``, ``pytorch_lightning``)."""
     return tuple(getattr(sys.modules[module], name) for module in _LIGHTNING_MODULES[name] if module in sys.modules)
 
 
@@ -368,26 +328,21 @@ def _check_bucket_arguments(config: ShardPlusConfig, ddp_kwargs: dict[str, Any])
 
 
 def closest_option(name: str) -> str | None:
-    """The option of ``ShardPlusStrategy`` (its own, or DistributedDataParallel's it passes on) closest to a
-    misspelled ``name`` (difflib), or None when none is close."""
+    """The strategy's option (or DDP's) closest to a misspelled ``name``, or None when none is close."""
     close = difflib.get_close_matches(name, [*STRATEGY_OPTIONS, *sorted(DDP_KWARGS)], n=1, cutoff=0.75)
     return close[0] if close else None
 
 
 def registered_names() -> dict[str, tuple[str, dict[str, Any]]]:
-    """Lightning's ``ddp*`` family of names as ``shardplus*`` (``shardplus_spawn``,
-    ``shardplus_fork_find_unused_parameters_true``, ...): name -> (description, ``init_params``), the parameters
-    Lightning registers for the ``ddp`` name of the same suffix (the strategy then leaves DDP's defaults out of
-    DDP's arguments, as with ``strategy="ddp"``)."""
+    """Lightning's ``ddp*`` family of names as ``shardplus*``: name -> (description, ``init_params``)."""
     methods = {"": "popen", "_spawn": "spawn", "_fork": "fork", "_notebook": "fork"}
     unused_flags = {"": None, "_find_unused_parameters_true": True, "_find_unused_parameters_false": False}
     names = {}
     for (suffix, method), (flag, unused) in itertools.product(methods.items(), unused_flags.items()):
         init_params: dict[str, Any] = {"start_method": method}
-        if unused is not None:
-            init_params["find_unused_parameters"] = unused
         description = f"ShardPlus data-parallel strategy with `start_method` '{method}'"
         if unused is not None:
+            init_params["find_unused_parameters"] = unused
             description += f" and `find_unused_parameters={unused}`"
         names[f"shardplus{suffix}{flag}"] = (description, init_params)
     return names

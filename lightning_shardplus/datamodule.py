@@ -12,12 +12,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 
 from lightning_shardplus._validation import check_bool, check_int
 
-_STAGE_SPLITS = {
-    "fit": ("train", "val"),
-    "validate": ("val",),
-    "test": ("test",),
-    "predict": ("predict",),
-}
+_STAGE_SPLITS = {"fit": ("train", "val"), "validate": ("val",), "test": ("test",), "predict": ("predict",)}
 
 
 def check_map_style(name: str, dataset: Any) -> None:
@@ -48,17 +43,14 @@ def per_device_batch_size(global_batch_size: int, world_size: int) -> int:
 
 
 class ShardPlusDataModule(pl.LightningDataModule):
-    """Datasets in, loaders out, with the batch size given for the whole job: every loader uses
-    ``per_device_batch_size = global_batch_size // world_size`` (docs/batch-size.md). Pass the datasets, or
-    override ``build_train_dataset`` (``build_val_dataset``, ...) in a subclass; they are built once, in ``setup``.
+    """Datasets in, loaders out, each with ``global_batch_size // world_size`` samples per batch (docs/batch-size.md).
 
     Args:
         global_batch_size: samples per optimizer micro-step over all processes together.
-        train_dataset, val_dataset, test_dataset, predict_dataset: map-style datasets (or None).
-        num_workers, pin_memory, persistent_workers, collate_fn: passed to every DataLoader
-            (``persistent_workers`` only where ``num_workers > 0``, which torch requires).
-        shuffle: shuffle the training set (the strategy reshuffles it globally every epoch); False: every epoch
-            in dataset order, index ``i`` on rank ``i % world_size``.
+        train_dataset, val_dataset, test_dataset, predict_dataset: map-style datasets (or None; or override
+            ``build_train_dataset``, ...: built once, in ``setup``).
+        num_workers, pin_memory, persistent_workers, collate_fn: passed to every DataLoader.
+        shuffle: shuffle the training set globally every epoch; False: dataset order, index ``i`` on rank ``i % W``.
     """
 
     def __init__(
@@ -86,12 +78,9 @@ class ShardPlusDataModule(pl.LightningDataModule):
             check_map_style(f"{split}_dataset", dataset)
         self._trainer: pl.Trainer | None = None
         super().__init__()
-        self.global_batch_size = global_batch_size
-        self.num_workers = num_workers
-        self.pin_memory = pin_memory
+        self.global_batch_size, self.num_workers, self.pin_memory = global_batch_size, num_workers, pin_memory
         self.persistent_workers = persistent_workers and num_workers > 0
-        self.collate_fn = collate_fn
-        self.shuffle = shuffle
+        self.collate_fn, self.shuffle = collate_fn, shuffle
         self._given = given
         self.datasets: dict[str, Dataset | None] = {}
         self.world_size = 1
@@ -163,14 +152,9 @@ class ShardPlusDataModule(pl.LightningDataModule):
         if dataset is None:
             return []
         return DataLoader(
-            dataset,
-            batch_size=self.per_device_batch_size,
-            shuffle=shuffle,
-            num_workers=self.num_workers,
-            pin_memory=self.pin_memory,
-            persistent_workers=self.persistent_workers,
-            collate_fn=self.collate_fn,
-        )
+            dataset, batch_size=self.per_device_batch_size, shuffle=shuffle, num_workers=self.num_workers,
+            pin_memory=self.pin_memory, persistent_workers=self.persistent_workers, collate_fn=self.collate_fn,
+        )  # fmt: skip
 
     def train_dataloader(self) -> DataLoader | list:
         return self._loader("train", self.shuffle)
@@ -211,11 +195,8 @@ class SyntheticDataModule(ShardPlusDataModule):
         ):
             raise ValueError(f"`input_shape`={input_shape!r} is not valid: expected a sequence of integers >= 1.")
         super().__init__(global_batch_size, num_workers=num_workers)
-        self.num_samples = num_samples
-        self.val_samples = val_samples
-        self.input_shape = tuple(input_shape)
-        self.num_classes = num_classes
-        self.seed = seed
+        self.num_samples, self.val_samples, self.input_shape = num_samples, val_samples, tuple(input_shape)
+        self.num_classes, self.seed = num_classes, seed
         generator = torch.Generator().manual_seed(seed)
         features = int(torch.tensor(self.input_shape).prod())
         self._rule = torch.randn(features, num_classes, generator=generator)

@@ -1,10 +1,7 @@
 """Tensor fusion: DDP's gradient bucket size (``bucket_cap_mb``), given or chosen by measuring training steps.
 
-With ``auto_tune_tensor_fusion`` the candidates, the *reference* (what DDP builds without tuning) among them,
-are raced over ``ROUNDS`` rounds, each measuring every candidate once in alternating order (so that drift
-spreads evenly). A sample: ``warmup_steps`` untimed and ``steps_per_sample`` timed optimizer steps after a
-re-wrap; its score the median step, MAX over ranks (one all_reduce: every rank decides the same, by
-:func:`decide`). The result is cached (JSON), logged (CSV, rank 0) and checkpointed."""
+Tuning races the candidates (the reference among them) over ``ROUNDS`` rounds in alternating order; a sample's
+score is its median step, MAX over ranks, so every rank decides the same (:func:`decide`). docs/fusion-autotuning.md."""
 
 from __future__ import annotations
 
@@ -55,8 +52,7 @@ class BucketSetting:
     first_bucket_mb: float | None = None
 
     def ddp_kwargs(self) -> dict[str, Any]:
-        """``DistributedDataParallel``'s arguments for this setting (None: left out). :data:`DDP_DEFAULT` leaves
-        both out: exactly what ``strategy="ddp"`` builds, on any torch."""
+        """DDP's arguments for this setting (None: left out, as for :data:`DDP_DEFAULT`: what ``"ddp"`` builds)."""
         if self == DDP_DEFAULT:
             return {"bucket_cap_mb": None, "bucket_cap_mb_list": None}
         caps = None if self.first_bucket_mb is None else [self.first_bucket_mb, self.bucket_cap_mb]
@@ -94,8 +90,7 @@ def _sizes(name: str, values: Any, minimum_count: int) -> tuple[float, ...]:
 
 
 def default_candidates_mb(parameters: Sequence[torch.Tensor]) -> tuple[float, ...]:
-    """The model's gradient bytes over each of :data:`DEFAULT_BUCKETS_PER_MODEL` buckets (2 significant digits),
-    and DDP's uniform 25 MB."""
+    """The model's gradient bytes over 2, 4, 8 and 16 buckets (2 significant digits), and DDP's 25 MB."""
     total = sum(p.numel() * p.element_size() for p in parameters if p.requires_grad)
     sizes = {float(f"{total / buckets / _MB:.2g}") for buckets in DEFAULT_BUCKETS_PER_MODEL} if total else set()
     return tuple(sorted(s for s in sizes | {DEFAULT_BUCKET_CAP_MB} if is_bucket_size(s)))
@@ -132,8 +127,7 @@ class AutotuneSettings:
 
     @property
     def candidates(self) -> list[BucketSetting]:
-        """The settings raced, the reference last: the uniform sizes (none beside a user's size), then the
-        reference's size with each smaller first bucket."""
+        """The settings raced, the reference last: uniform sizes, then the reference's with smaller first buckets."""
         if self.candidates_mb is None and self.fixed_bucket_cap_mb is None:
             raise ValueError("AutotuneSettings: the default candidates depend on the model: call for_model() first")
         reference, cap = self.reference, self.reference.bucket_cap_mb
@@ -143,8 +137,7 @@ class AutotuneSettings:
 
     @property
     def max_tuning_steps(self) -> int:
-        """Optimizer steps the race takes at most (for any model where its candidates are the model's), not
-        counting steps that span an epoch end or a validation."""
+        """Optimizer steps the race takes at most (not counting those spanning an epoch end or a validation)."""
         most = dataclasses.replace(self, candidates_mb=tuple(range(1, len(DEFAULT_BUCKETS_PER_MODEL) + 2)))
         count = len((self if self.candidates_mb is not None else most).candidates)
         return count * ROUNDS * (self.warmup_steps + self.steps_per_sample) + FIRST_SAMPLE_EXTRA_WARMUP
@@ -152,10 +145,8 @@ class AutotuneSettings:
 
 def decide(times: dict[BucketSetting, list[float]], reference: BucketSetting, tolerance: float
            ) -> tuple[BucketSetting, float | None]:  # fmt: skip
-    """The setting to keep, from one score per candidate and round (``times[c][r]``; the last round may be short),
-    and reference / it paired: the median of their per-round ratios (None: the reference was not measured). The
-    lowest median replaces ``reference`` only if faster than it by more than ``tolerance`` by the medians and
-    paired (a change of load between rounds cancels there)."""
+    """The setting to keep from ``times[c][r]`` (one score per candidate and round) and the paired gain over the
+    reference (None: not measured): the lowest median wins only if faster by ``tolerance`` by medians and paired."""
     if not times.get(reference):
         return reference, None
     best = min((c for c in times if times[c]), key=lambda c: statistics.median(times[c]))
@@ -165,8 +156,7 @@ def decide(times: dict[BucketSetting, list[float]], reference: BucketSetting, to
 
 
 def default_cache_path() -> Path:
-    """``$XDG_CACHE_HOME/lightning_shardplus/fusion.json``; ``~/.cache/...`` where XDG_CACHE_HOME is unset, empty
-    or relative (the XDG spec ignores a relative one)."""
+    """``$XDG_CACHE_HOME/lightning_shardplus/fusion.json``; ``~/.cache/...`` where it is unset, empty or relative."""
     base = os.environ.get("XDG_CACHE_HOME", "")
     root = Path(base) if os.path.isabs(base) else Path("~/.cache").expanduser()
     return root / "lightning_shardplus" / "fusion.json"
@@ -175,8 +165,7 @@ def default_cache_path() -> Path:
 def cache_key(
     parameters: Iterable[torch.Tensor], world_size: int, device_type: str, backend: str, extra: dict | None = None
 ) -> str:
-    """A hash of what determines the best setting: the shapes and dtypes of the parameters with gradients in
-    registration order, world size, device type, backend, torch version, and ``extra`` (hook, search space)."""
+    """A hash of what the best setting depends on: parameter shapes, dtypes, world, device, backend, torch."""
     layout = [[list(p.shape), str(p.dtype)] for p in parameters if p.requires_grad]
     described = {"parameters": layout, "world_size": world_size, "device_type": device_type, "backend": backend,
                  "torch": torch.__version__, "extra": extra or {}}  # fmt: skip
@@ -188,8 +177,7 @@ class NotACacheError(ValueError):
 
 
 def read_cache(path: Path) -> dict[str, Any]:
-    """The entries of the cache at ``path`` ({} for no file or an empty one); :class:`NotACacheError` for a file
-    that is not a JSON object of entries each with a ``bucket_cap_mb`` (someone else's: never overwritten)."""
+    """The entries of the cache at ``path`` ({} for none); :class:`NotACacheError` for a file that is not a cache."""
     try:
         text = Path(path).read_bytes()
     except FileNotFoundError:
@@ -204,8 +192,7 @@ def read_cache(path: Path) -> dict[str, Any]:
 
 
 def check_cache_file(name: str, cache: str | os.PathLike | bool) -> Path:
-    """Refuse an ``autotune_cache`` that cannot be written or is an existing file that is not a cache; True
-    stands for :func:`default_cache_path`. Returns the path."""
+    """The path of ``autotune_cache`` (True: the default), refused if not writable or an existing non-cache file."""
     expected = "a writable file path, or False (no cache)"
     path = check_writable_file(name, cache, default_cache_path() if cache is True else None, replaced=True,
                                expected=expected)  # fmt: skip
@@ -231,8 +218,7 @@ def cached_setting(entry: dict[str, Any]) -> BucketSetting:
 
 
 def store_cached(path: Path, key: str, entry: dict[str, Any]) -> None:
-    """Add ``entry`` under ``key`` (the file written whole beside it, then renamed); :class:`NotACacheError`,
-    the file left alone, when it is not a cache."""
+    """Add ``entry`` under ``key`` (written beside, then renamed); :class:`NotACacheError` when it is not a cache."""
     entries = read_cache(path) | {key: entry}
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -301,10 +287,8 @@ def _all_ranks(values: list[float], device: torch.device | None, reduce_max: boo
 
 
 class TensorFusion:
-    """DDP's bucket setting for one fit: ``settings.reference``, or with ``tune`` the winner of the race. The
-    strategy wraps DDP with :meth:`initial_setting`, calls :meth:`on_train_start`, :meth:`at_batch_start` before
-    every training micro-batch (re-wrapping DDP with the setting it returns, on every rank), :meth:`interrupt`
-    before validation and :meth:`on_train_end`. ``cache_extra``: what else the best setting depends on."""
+    """DDP's bucket setting for one fit: ``settings.reference``, or with ``tune`` the winner of the race (DDP is
+    re-wrapped with what :meth:`at_batch_start` returns). ``cache_extra``: what else the best setting depends on."""
 
     def __init__(self, trainer: Any, settings: AutotuneSettings, *, tune: bool = False,
                  log_path: str | os.PathLike | None = None, cache: str | os.PathLike | bool = True,
@@ -328,8 +312,7 @@ class TensorFusion:
         return self.result is None and bool(self.schedule)
 
     def initial_setting(self, module: torch.nn.Module, world_size: int, device: torch.device, backend: str):
-        """The setting to wrap DDP with first: without ``tune`` the reference; else the checkpoint's or the
-        cached one, or the race's first (rank 0 reads the files and broadcasts: call it on every rank)."""
+        """The setting to wrap DDP with first: the reference, the checkpoint's or cached one, or the race's first."""
         if not self.tune:
             return self.settings.reference
         parameters = [p for p in module.parameters() if p.requires_grad]
@@ -348,8 +331,7 @@ class TensorFusion:
         return self.schedule[0]
 
     def _known_result(self, gradient_tensors: int) -> FusionResult | None:
-        """The result known without a race: the resumed checkpoint's or the cached setting, or the reference
-        when there is nothing to race (one gradient tensor: one bucket whatever the size)."""
+        """The result known without a race (checkpoint, cache, or nothing to race); rank 0 reads and broadcasts."""
         found = [0.0, 0.0, -1.0]  # where (1: cache, 2: checkpoint), bucket size, first bucket or -1
         for where, entry, source in self._stored() if self.trainer.is_global_zero else ():
             try:
@@ -407,8 +389,7 @@ class TensorFusion:
         self._last_boundary = None
 
     def at_batch_start(self, batch_idx: int) -> BucketSetting | None:
-        """A training micro-batch starts. At an optimizer-step boundary while tuning: time the step that ended
-        (not when it spans an epoch end: ``batch_idx`` 0); returns the setting to re-wrap DDP with, or None."""
+        """At a step boundary while tuning, time the step that ended; the setting to re-wrap with, or None."""
         if self.measuring is None or batch_idx % self.trainer.accumulate_grad_batches:
             return None  # inside an aggregation window DDP is never re-wrapped
         now = self.clock()

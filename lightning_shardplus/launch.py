@@ -128,8 +128,12 @@ def check_trainer_call(strategy: Any, *call_args: Any, trainer: Any = None) -> N
     for arg in call_args:
         if isinstance(arg, ShardPlusDataModule):
             per_device_batch_size(arg.global_batch_size, strategy.num_replicas)
+    check_fit(strategy, trainer, next((arg for arg in call_args if isinstance(arg, pl.LightningModule)), None))
+
+
+def check_fit(strategy: Any, trainer: Any, model: Any) -> None:
+    """The aggregation frequency against ``trainer`` (None: none yet) when it fits ``model`` (None: not known)."""
     if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
-        model = next((arg for arg in call_args if isinstance(arg, pl.LightningModule)), None)
         static_graph = bool(_lightning.ddp_kwargs(strategy).get("static_graph"))
         check_aggregation(strategy.config.aggregation_frequency, trainer, model, static_graph)
 

@@ -1,6 +1,4 @@
-"""``ShardPlusStrategy``: DDP whose overrides wire components into Lightning's hooks. It holds one frozen
-:class:`~lightning_shardplus.config.ShardPlusConfig`; the components (:mod:`lightning_shardplus.components`) are
-built in ``setup`` for one Trainer run, own that run's state and are dropped in ``teardown``."""
+"""``ShardPlusStrategy``: DDP whose overrides delegate to one frozen config and one run's components."""
 
 from __future__ import annotations
 
@@ -17,24 +15,23 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.trainer.states import TrainerFn
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_shardplus import _lightning
-from lightning_shardplus.aggregation import check_aggregation, effective_batch_size
-from lightning_shardplus.components import DistributedSetup, RunComponents, checkpointed_states, remove_checkpoint_files
-from lightning_shardplus.compression import GradientCompression
-from lightning_shardplus.config import (
-    ShardPlusConfig,
-    at_ddp_defaults,
-    check_ddp_arguments,
-    check_strategy_plugins,
-    registered_names,
-)
+from lightning_shardplus.aggregation import effective_batch_size
+from lightning_shardplus.components import DistributedSetup, RunComponents, checkpointed_states, process_group_backend
+from lightning_shardplus.compression import GradientCompression, remove_rank_states
+from lightning_shardplus.config import check_arguments, registered_names
 from lightning_shardplus.fusion import BucketSetting, FusionResult
-from lightning_shardplus.launch import LaunchAfterCheck, check_accelerator, check_trainer_call, export_rank_variables
+from lightning_shardplus.launch import (
+    LaunchAfterCheck,
+    check_accelerator,
+    check_fit,
+    check_trainer_call,
+    export_rank_variables,
+)
 from lightning_shardplus.loaders import gather_predictions
 from lightning_shardplus.metrics import share_rank_zero_buffers
 from lightning_shardplus.sharding import PaddingMode
@@ -44,41 +41,27 @@ from lightning_shardplus.uneven import NO_BATCH, UnevenInputs, silence_litdata_d
 class ShardPlusStrategy(DDPStrategy):
     """DDP with the training optimizations of Horovod, Determined and NVIDIA Clara Train, for Lightning.
 
-    Synchronous data-parallel training. Each argument has a page in ``docs/``; the README has one line per argument.
-
     Args:
-        aggregation_frequency: micro-batches per optimizer step; the gradients of all but the last stay local
-            (Horovod's ``backward_passes_per_step``). Replaces the Trainer's ``accumulate_grad_batches``.
+        aggregation_frequency: micro-batches per optimizer step (replaces ``accumulate_grad_batches``).
         average_aggregated_gradients: the mean of the aggregated gradients (True) or their sum (False).
-        gradient_compression: the DDP communication hook on every device type: ``"none"``, ``"fp16"``, ``"bf16"``
-            or ``"powersgd"`` (a ``PowerSGDState`` as ``ddp_comm_state`` configures it). Not with ``ddp_comm_hook``.
-        shard_padding: short training shards are filled with the dataset's first element (``"first"``, as Clara)
-            or the epoch order's first indices (``"wrap"``, as torch's ``DistributedSampler``).
+        gradient_compression: DDP's communication hook: ``"none"``, ``"fp16"``, ``"bf16"`` or ``"powersgd"``.
+        shard_padding: short training shards filled with the first element (``"first"``) or wrapped (``"wrap"``).
         shuffle_seed: seed of the training epoch permutation; None: the ``seed_everything`` seed, else 0.
-        exact_evaluation: evaluation loaders get unpadded shards and epoch metrics equal a single-process run.
-        verify_sharding: debug aid: after each training epoch, check that the shards were disjoint and complete.
-        tensor_fusion_threshold_mb: DDP's bucket size (``bucket_cap_mb``, < 2**43 MB); None: DDP's default.
-        auto_tune_tensor_fusion: choose the bucket size by measuring the first optimizer steps (cached per setup).
-        autotune_log: CSV file with one row per measured sample, or one saying why nothing was raced (written by
-            rank 0); None: no log.
-        autotune_candidates_mb: bucket sizes raced. None (printed ``null``): chosen from the model's gradient size,
-            its gradient bytes over 2, 4, 8 and 16 buckets, and 25 MB (``fusion.default_candidates_mb``).
-        autotune_first_bucket_candidates_mb: first-bucket sizes raced with the reference's bucket size (DDP's 25 MB
-            or ``tensor_fusion_threshold_mb``) in the same race (None: 1 MB, DDP's own first bucket).
+        exact_evaluation: unpadded evaluation shards; epoch metrics equal a single-process run.
+        verify_sharding: debug aid: check after each training epoch that the shards were disjoint and complete.
+        tensor_fusion_threshold_mb: DDP's bucket size (``bucket_cap_mb``); None: DDP's default.
+        auto_tune_tensor_fusion: choose the bucket size by measuring the first optimizer steps.
+        autotune_log: CSV file of the measured samples (rank 0); None: no log.
+        autotune_candidates_mb: bucket sizes raced; None: chosen from the model's gradient size.
+        autotune_first_bucket_candidates_mb: first-bucket sizes raced; None: 1 MB, DDP's own first bucket.
         autotune_steps_per_sample: timed optimizer steps per sample.
         autotune_warmup_steps: optimizer steps not timed after each re-wrap.
-        autotune_cache: JSON cache of tuned results: True (``$XDG_CACHE_HOME/lightning_shardplus/fusion.json``,
-            else ``~/.cache/...``), a path, or False. An existing file that is not such a cache is refused, never
-            overwritten; an entry that is not valid (edited by hand) is ignored with a warning and searched again.
-        average_training_metrics: training values logged with ``on_step=True`` are averaged over all ranks once per
-            optimizer step, inside DDP's gradient all-reduce where it can be; False: Lightning's behaviour.
-        uneven_inputs: training streams (iterable datasets) of different lengths per rank: ``"join"`` (every sample
-            once; ranks that ran out take part without data) or ``"drop"`` (every rank stops at the shortest).
-        find_unused_parameters, static_graph, gradient_as_bucket_view, broadcast_buffers: passed to
-            ``DistributedDataParallel``, as are other keyword arguments it accepts (``find_unused_parameters`` and
-            ``broadcast_buffers`` only where given: None leaves DDP's default).
+        autotune_cache: JSON cache of tuned results: True (the user cache folder), a path, or False.
+        average_training_metrics: training values logged ``on_step`` are averaged over all ranks.
+        uneven_inputs: training streams of different lengths per rank: ``"join"`` or ``"drop"``.
+        find_unused_parameters, static_graph, gradient_as_bucket_view, broadcast_buffers: DDP's (None: its default).
 
-    The others are ``DDPStrategy``'s; its ``ddp_comm_hook`` and ``ddp_comm_wrapper`` work on every device type.
+    The others are ``DDPStrategy``'s (``ddp_comm_hook``, ``ddp_comm_wrapper`` on every device); ``docs/arguments.md``.
     """
 
     strategy_name = "shardplus"
@@ -121,31 +104,15 @@ class ShardPlusStrategy(DDPStrategy):
         broadcast_buffers: bool | None = None,
         **ddp_kwargs: Any,
     ) -> None:
-        config = ShardPlusConfig.from_arguments(locals())
-        flags = dict(static_graph=static_graph, gradient_as_bucket_view=gradient_as_bucket_view)
-        if find_unused_parameters is not None:  # only when given, kept as given (as DDPStrategy keeps it)
-            ddp_kwargs["find_unused_parameters"] = find_unused_parameters
-        if broadcast_buffers is not None:
-            ddp_kwargs["broadcast_buffers"] = broadcast_buffers  # only when given: torch 2.13 deprecates it
-        check_strategy_plugins(
-            accelerator, model_averaging_period, cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin, ddp_comm_hook=ddp_comm_hook, ddp_comm_wrapper=ddp_comm_wrapper,
-        )  # fmt: skip
-        timeout, ddp_kwargs = check_ddp_arguments(
-            config, start_method, timeout, process_group_backend, ddp_comm_hook, ddp_comm_state, {**flags, **ddp_kwargs}
-        )
-        flags = {name: ddp_kwargs.pop(name) for name in flags}  # as checked: numpy's bools as bool
-        super().__init__(  # DDPStrategy's arguments, in its order
+        config, timeout, ddp_kwargs, ddp_defaults = check_arguments(locals())
+        super().__init__(  # in DDPStrategy's order; `bucket_cap_mb` by name, hiding it from LightningCLI's kwargs
             accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin, ddp_comm_state,
             ddp_comm_hook, ddp_comm_wrapper, model_averaging_period, process_group_backend, timeout, start_method,
-            # None: DDP's own default (25 MB buckets, the first 1 MB), as with strategy="ddp". Passed by name even
-            # then: LightningCLI (jsonargparse) would otherwise offer DDP's `bucket_cap_mb` among `**ddp_kwargs`.
-            bucket_cap_mb=config.tensor_fusion_threshold_mb, **flags, **ddp_kwargs,
+            bucket_cap_mb=config.tensor_fusion_threshold_mb, **ddp_kwargs,
         )  # fmt: skip
-        # DDP gets its own defaults by leaving them out (as with strategy="ddp"), not by passing them again
-        given = {"bucket_cap_mb": config.tensor_fusion_threshold_mb, **flags}
-        _lightning.set_ddp_kwargs(self, dict.fromkeys(at_ddp_defaults(given)))  # None: left out
+        _lightning.set_ddp_kwargs(self, dict.fromkeys(ddp_defaults))  # DDP's defaults left out, as with "ddp"
         self.config = config
+        self._user_hook, self._start = (ddp_comm_hook, ddp_comm_state, ddp_comm_wrapper), start_method  # as given
         self._components: RunComponents | None = None  # this Trainer run's, from `setup` to `teardown`
         self._checkpointed: dict[str, Any] = {}  # component states of a checkpoint loaded before `setup`
         self._undo_at_teardown: list[Callable[[], None]] = []  # what `setup_environment` changed for the run
@@ -156,23 +123,19 @@ class ShardPlusStrategy(DDPStrategy):
         for name, (description, init_params) in registered_names().items():
             strategy_registry.register(name, cls, description=description, override=True, **init_params)
 
-    # ------------------------------------------------------------------ what the run sees
-
     @property
     def num_replicas(self) -> int:
         return self.num_nodes * self.num_processes
 
     @property
     def micro_batches_per_step(self) -> int:
-        """Micro-batches per optimizer step: ``aggregation_frequency`` (or, with it left at 1, the Trainer's
-        ``accumulate_grad_batches``)."""
+        """``aggregation_frequency`` (or, left at 1, the Trainer's ``accumulate_grad_batches``)."""
         aggregation = self._components and self._components.aggregation
         return aggregation.micro_batches_per_step if aggregation else self.config.aggregation_frequency
 
     @property
     def effective_batch_size(self) -> int | None:
-        """Samples per optimizer step over all processes (``per-device batch x world size x micro-batches per
-        step``) once the training data is known; None before. ``ScaleLearningRate`` scales with it."""
+        """Samples per optimizer step over all processes once the training data is known; None before."""
         trainer = _lightning.attached_trainer(self.lightning_module)
         return None if trainer is None else effective_batch_size(trainer)
 
@@ -196,8 +159,6 @@ class ShardPlusStrategy(DDPStrategy):
     def _exact_across_ranks(self) -> bool:
         return self.config.exact_evaluation and self.num_replicas > 1
 
-    # ------------------------------------------------------------------ before the run
-
     @property
     @override
     def accelerator(self) -> pl.accelerators.Accelerator | None:
@@ -206,25 +167,21 @@ class ShardPlusStrategy(DDPStrategy):
     @accelerator.setter
     def accelerator(self, accelerator: pl.accelerators.Accelerator) -> None:
         # the Trainer sets the accelerator it resolved here: refuse MPS as Lightning refuses the DDP family
-        check_accelerator(accelerator, self.strategy_name, self._start_method)
+        check_accelerator(accelerator, self.strategy_name, self._start)
         self._accelerator = accelerator
 
     @override
     def _configure_launcher(self) -> None:
         super()._configure_launcher()
         # checks in the launching process, before any worker starts (the launcher keeps its type for Lightning)
-        self._launcher.launch = LaunchAfterCheck(partial(check_trainer_call, self), self._launcher.launch)
+        self.launcher.launch = LaunchAfterCheck(partial(check_trainer_call, self), self.launcher.launch)  # type: ignore
 
     @override
     def connect(self, model: pl.LightningModule) -> None:
         super().connect(model)
-        if self.config.exact_evaluation:
-            # Exact evaluation shards are empty on some ranks when the dataset is smaller than the world size.
+        if self.config.exact_evaluation:  # its shards are empty on some ranks when the dataset is that small
             model.allow_zero_length_dataloader_with_multiple_devices = True
-        trainer = _lightning.attached_trainer(model)
-        if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
-            static_graph = bool(_lightning.ddp_kwargs(self).get("static_graph"))
-            check_aggregation(self.config.aggregation_frequency, trainer, model, static_graph)
+        check_fit(self, _lightning.attached_trainer(model), model)
 
     @override
     def setup_environment(self) -> None:
@@ -239,13 +196,11 @@ class ShardPlusStrategy(DDPStrategy):
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         setup = DistributedSetup(
-            self.num_replicas, self.global_rank, self._backend(), self.root_device,
-            self._ddp_comm_hook, self._ddp_comm_state, self._ddp_comm_wrapper, _lightning.ddp_kwargs(self),
+            self.num_replicas, self.global_rank, process_group_backend(self.process_group_backend, self.root_device),
+            self.root_device, *self._user_hook, _lightning.ddp_kwargs(self),
         )  # fmt: skip
         self._components = RunComponents.build(self.config, trainer, setup)
-        for key, component in self._components.stateful().items():
-            if key in self._checkpointed:
-                component.load_state_dict(self._checkpointed.pop(key))
+        self._components.load_states(self._checkpointed)
         super().setup(trainer)
 
     @override
@@ -257,12 +212,9 @@ class ShardPlusStrategy(DDPStrategy):
             self._undo_at_teardown.pop()()
         super().teardown()
 
-    # ------------------------------------------------------------------ checkpoints
-
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        """Add each component's state under its own key (training checkpoints only, not weights-only ones). Called on
-        every rank (a collective mid aggregation window): each writes its PowerSGD state beside ``filepath``."""
+        """Add each component's state under its own key (training checkpoints only); every rank writes its files."""
         if self._components is not None and "loops" in checkpoint:
             checkpoint.update(self._components.checkpoint_states(filepath))
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
@@ -277,51 +229,31 @@ class ShardPlusStrategy(DDPStrategy):
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
         super().remove_checkpoint(filepath)
-        remove_checkpoint_files(filepath, self.global_rank)  # every rank: its files beside the checkpoint
+        remove_rank_states(filepath, self.global_rank)  # every rank: its files beside the checkpoint
 
     def compression_state_dict(self) -> dict[str, Any] | None:
         """This rank's gradient-compression state (PowerSGD's); None for stateless compression or outside fit."""
         return hook.local_state_dict() if (hook := self._components and self._components.hook) else None
 
-    # ------------------------------------------------------------------ data
-
     @override
     def process_dataloader(self, dataloader: object) -> object:
-        """Put shardplus samplers into the loaders Lightning prepared (``loaders.ShardedLoaders``); training streams
-        go in steps every rank takes together (``uneven.EvenSteps``)."""
+        """Put shardplus samplers into the loaders Lightning prepared; training streams go in even steps."""
         dataloader = super().process_dataloader(dataloader)
         if (parts := self._components) is not None:
-            dataloader = parts.loaders.process(dataloader)
-            if parts.aggregation is not None and self.lightning_module.trainer.training:
-                parts.aggregation.announce(dataloader)
-            if parts.even is not None and self.lightning_module.trainer.training:
-                dataloader = parts.even.wrap(dataloader)
+            training = parts.aggregation is not None and self.lightning_module.trainer.training
+            dataloader = parts.process_dataloader(dataloader, training)
         return dataloader
-
-    # ------------------------------------------------------------------ training
 
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
-        parts = self._components
-        assert parts is not None and parts.aggregation is not None and parts.fusion is not None
-        parts.loaders.training_loaders_built()
-        if parts.even is not None:
-            parts.even.check_combination(*_lightning.training_loaders_combination(self.lightning_module.trainer))
-        parts.aggregation.on_train_start()
-        parts.fusion.on_train_start()
+        self._components.on_train_start(self.lightning_module.trainer)  # type: ignore[union-attr]
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
-        if batch_idx == 0:
-            # Lightning reads the loaders' lengths once per fit: a resharded resumed epoch has another length
-            _lightning.refresh_training_batch_count(self.lightning_module.trainer)
-        parts = self._components
-        assert parts is not None and parts.fusion is not None
-        if parts.even is not None:
-            parts.even.batch_taken()
-        if (setting := parts.fusion.at_batch_start(batch_idx)) is not None:
+        setting = self._components.on_train_batch_start(self.lightning_module.trainer, batch_idx)  # type: ignore
+        if setting is not None:
             self.rewrap_ddp(setting)
 
     @override
@@ -343,18 +275,12 @@ class ShardPlusStrategy(DDPStrategy):
         if fusion := self._components and self._components.fusion:
             fusion.on_train_end()
 
-    # ------------------------------------------------------------------ DDP wrapping and its hook
-
-    def _backend(self) -> str:
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            return str(torch.distributed.get_backend())
-        return self._get_process_group_backend()
-
     @override
     def configure_ddp(self) -> None:
         """Wrap in DDP; with ``auto_tune_tensor_fusion``, with the tuned setting or the first one to measure."""
-        if (fusion := self._components and self._components.fusion) and self.config.auto_tune_tensor_fusion:
-            setting = fusion.initial_setting(self.lightning_module, self.world_size, self.root_device, self._backend())
+        if (parts := self._components) and parts.fusion and self.config.auto_tune_tensor_fusion:
+            module, device = self.lightning_module, self.root_device
+            setting = parts.fusion.initial_setting(module, self.world_size, device, parts.backend)
             _lightning.set_ddp_kwargs(self, setting.ddp_kwargs())
         super().configure_ddp()
 
@@ -364,15 +290,12 @@ class ShardPlusStrategy(DDPStrategy):
         self.register_communication_hook()
 
     def register_communication_hook(self) -> None:
-        """Register the gradient communication hook on the current DDP wrapper (``self.model``); call it again
-        after re-wrapping DDP (see :class:`~lightning_shardplus.compression.CommunicationHook`)."""
-        if isinstance(self.model, DistributedDataParallel) and self._components is not None:
-            assert self._components.hook is not None
-            self._components.hook.register(self.model)
+        """Register the gradient communication hook on the current DDP wrapper; again after each re-wrap."""
+        if isinstance(self.model, DistributedDataParallel) and (hook := self._components and self._components.hook):
+            hook.register(self.model)
 
     def rewrap_ddp(self, setting: BucketSetting) -> None:
-        """Wrap the module in a new DDP with ``setting``'s buckets and register the communication hook on it. A
-        collective: call it on every rank at the same optimizer-step boundary (outside ``no_sync``)."""
+        """Wrap the module in a new DDP with ``setting``'s buckets: a collective, at the same step on every rank."""
         _lightning.rewrap_ddp(self, setting.ddp_kwargs())
         self.register_communication_hook()
 

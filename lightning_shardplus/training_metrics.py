@@ -1,25 +1,9 @@
 """Averaged training metrics: the values each rank logs while training, replaced by their reduction over all ranks.
 
-With ``ShardPlusStrategy(average_training_metrics=True)`` every tensor logged with ``on_step=True`` from
-``training_step``, the training-batch hooks and the backward and optimizer hooks is collected on each rank and, at
-the start of ``on_train_batch_end`` of the last micro-batch of each optimizer step (every batch in manual
-optimization), replaced by its reduction over the ranks: plain values (and ``sync_dist=True`` ones with
-``reduce_fx="mean"``) by the mean weighted by batch size (``self.log(..., batch_size=...)``, else the size Lightning
-infers, else 1) over every micro-batch of the step, epoch means by the same global sums; ``sync_dist=True`` values
-with ``reduce_fx`` ``"sum"``, ``"max"`` or ``"min"`` by that reduction (Lightning's own sync is skipped). Left to
-Lightning: torchmetrics ``Metric`` objects, ``rank_zero_only`` values, syncs over a ``sync_dist_group``,
-``on_step=False`` values, and values logged in ``on_train_batch_end`` (this rank's own, with a warning).
-
-Protocol. The ranks agree on a layout, the sorted (key, reduction) pairs (state declared once per name, as
-torchmetrics' ``add_state``), by ``all_gather_object`` at the first step. Each step every rank packs its values
-into it behind two 0/1 header slots (it has data; its names differ from the layout) and runs ONE SUM
-``all_reduce`` on the root device (plus one MAX in layouts with max/min names: min as the max of the negation),
-written back as device tensors: no host read. The summed "differ" slot accumulates in a device counter read where
-the loggers read the values anyway and at each epoch end: non-zero raises :class:`MetricMismatchError` on every
-rank, naming the first such step and the names. A rank whose names differ from the layout (or without data,
-``uneven_inputs="join"``) reads the step's header at once: if every rank with data differs (the same code runs
-everywhere: a name logged from some step on), the ranks agree again and reduce the step again in the new layout;
-else the old layout stays (names outside it are this rank's own, with a warning) and the next check raises.
+With ``average_training_metrics`` every tensor logged ``on_step`` in training is replaced, at the end of each
+optimizer step, by its mean over ranks weighted by batch size (``sync_dist`` ones by their ``reduce_fx``): one SUM
+all-reduce per step on device tensors (plus one MAX for max/min) in a layout the ranks agree on by name, no host read
+per step; ranks that logged different names raise :class:`MetricMismatchError` (docs/training-metrics.md).
 """
 
 from __future__ import annotations
@@ -150,8 +134,7 @@ class _Layout:
 
 
 class _Pending(NamedTuple):
-    """A name logged since the last reduction: its last call, its reduction over ranks, and its epoch state before
-    the first call (None unless ``on_epoch``)."""
+    """A name logged since the last reduction: its last call, its reduction, its epoch state before (or None)."""
 
     logged: _lightning.LoggedValue
     reduction: str
@@ -159,10 +142,8 @@ class _Pending(NamedTuple):
 
 
 class AverageTrainingMetrics(Callback):
-    """Replaces the training values logged on each rank by their reduction over all ranks, once per optimizer step:
-    see the module docstring. Put first in the Trainer's callbacks by
-    ``ShardPlusStrategy(average_training_metrics=True)``, so that it runs before the progress bar, checkpointing and
-    any other callback read the metrics."""
+    """Replaces the training values logged on each rank by their reduction over all ranks, once per optimizer step;
+    put first in the Trainer's callbacks (by the strategy), before any other callback reads the metrics."""
 
     def __init__(self) -> None:
         self._restore: Callable[[], None] | None = None
@@ -182,8 +163,7 @@ class AverageTrainingMetrics(Callback):
         self._warned: set[str] = set()
 
     def abstain_this_step(self) -> None:
-        """This rank has no data in the current micro-batch (``uneven_inputs="join"``): in a step where it logged
-        nothing it takes part in the collective without contributing, so the values are over the ranks with data."""
+        """This rank has no data in this micro-batch (``uneven_inputs="join"``): it reduces without contributing."""
         self._without_data = True
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -321,9 +301,8 @@ class AverageTrainingMetrics(Callback):
         raise MetricMismatchError(describe_mismatch(names, where))
 
     def _write(self, summed: Tensor, maxed: Tensor | None, without_data: bool) -> None:
-        """The reduced values as the step values (device tensors) and into the epoch states. A rank without data
-        writes the names it logged in its last step with data, so that what its schedulers and callbacks read is
-        the other ranks' values."""
+        """The reduced values as the step values (device tensors) and into the epoch states; a rank without data
+        writes those of its last step with data."""
         assert self._layout is not None
         layout, vectors = self._layout, {}
         values = layout.values(summed, maxed)
@@ -359,9 +338,8 @@ class AverageTrainingMetrics(Callback):
 
 
 def _epoch_state(reduce_fx: str, before: EpochState, step: Tensor, sums: Tensor) -> EpochState:
-    """The epoch accumulation after a reduced step: a mean adds the global (weighted sum, weight) ``sums``, so the
-    epoch value is the batch-weighted mean over all ranks and steps; sum/max/min apply ``reduce_fx`` to the step
-    value."""
+    """The epoch accumulation after a reduced step: a mean adds the global (weighted sum, weight) ``sums``; sum, max
+    and min apply ``reduce_fx`` to the step value."""
     value, count = before
     if reduce_fx == "mean":
         assert count is not None
@@ -380,8 +358,7 @@ def _gather(obj: Any) -> list[Any]:
 
 
 def describe_mismatch(per_rank: Sequence[Sequence[tuple[str, str, str]]], where: str) -> str:
-    """The error text for ranks that logged different metrics: ``per_rank[r]`` lists rank r's (key, reduction,
-    label) entries."""
+    """The error text for ranks that logged different metrics (``per_rank[r]``: rank r's (key, reduction, label))."""
     sets = [set(entries) for entries in per_rank]
     common = set.intersection(*sets) if sets else set()
     lines = []

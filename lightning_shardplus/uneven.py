@@ -1,32 +1,10 @@
-"""Equal steps on every rank over streams of different lengths (``uneven_inputs``).
+"""Equal steps on every rank over training streams of different lengths (``uneven_inputs``, docs/uneven-inputs.md).
 
-Iterable training data (an ``IterableDataset`` in a DataLoader, litdata's ``StreamingDataLoader``, Hugging Face
-``datasets`` split with ``split_dataset_by_node``, WebDataset) gives each rank a stream of its own length. Plain
-DDP then hangs, crashes or, worse, pairs one rank's all-reduce with another rank's next step. ``EvenSteps``
-makes every rank take the same steps:
-
-- Each training loader is wrapped in an :class:`AgreedLoader`. For each micro-batch every rank says whether it
-  still has a batch: one all_reduce (SUM) of one integer, on the host (a gloo group beside an accelerator's
-  backend, so that no device is synchronized), started one micro-batch ahead so that it runs while the step
-  before trains. Every rank then knows how many ranks have data.
-- ``"join"`` (default): the epoch ends on every rank when no rank has data left; every sample of every stream is
-  trained on once. A rank that ran out gets :data:`NO_BATCH` and takes part in the remaining steps without data:
-  the strategy runs the DDP forward over :func:`zero_loss` (a zero built from the parameters: the model itself
-  does not run, so no BatchNorm statistics change and no dropout draws are consumed), so DDP issues exactly the
-  collectives of a real step (buffer broadcast, bucket all-reduces through the communication hook) and the rank
-  contributes a zero gradient; DDP writes the synchronized gradient into its ``.grad`` and its optimizer steps
-  like the others', so parameters and optimizer states stay identical. :meth:`EvenSteps.gradient_correction`
-  then turns DDP's mean over all ranks into the mean over the ranks (and micro-batches) that had data.
-- ``"drop"``: the epoch ends on every rank at the first micro-batch where some rank has no data; the batches the
-  other ranks had left are not trained on, and how many samples that was is logged once per epoch.
-
-Unlike torch's ``DistributedDataParallel.join()`` (a context whose exit loops, outside Lightning's loop, shadowing
-the all-reduces of the ranks still training and discarding their result, then broadcasting the parameters at
-the end), a rank that ran out stays in Lightning's loop (validation, checkpoints, logging and schedulers happen
-at the same step on every rank) and its optimizer state stays in step. Unlike Horovod's ``hvd.join()`` the
-gradient is not divided by the full world size.
-
-Map-style loaders are not wrapped: shardplus's samplers make them even already, at no cost.
+Each training stream is wrapped in an :class:`AgreedLoader`: per micro-batch, one host all_reduce (SUM, on a gloo
+group) of whether each rank still has a batch, started one micro-batch ahead. ``"join"``: the epoch ends when no
+rank has data; a rank that ran out gets :data:`NO_BATCH` and runs DDP's forward over :func:`zero_loss` (the same
+collectives, a zero gradient), and :meth:`EvenSteps.gradient_correction` makes the mean one over the ranks that had
+data. ``"drop"``: the epoch ends at the first micro-batch where some rank has none. Map-style loaders are even already.
 """
 
 from __future__ import annotations
@@ -68,8 +46,7 @@ def is_stream(loader: Any) -> bool:
 
 
 class AgreedLoader:
-    """A training loader whose batches all ranks take together: see the module docstring. Forwards the loader's
-    attributes (``batch_size``, ``dataset``, ...)."""
+    """A training loader whose batches all ranks take together; forwards the loader's attributes."""
 
     def __init__(self, loader: Iterable, owner: EvenSteps) -> None:
         self.loader, self._owner = loader, owner
@@ -84,12 +61,8 @@ class AgreedLoader:
 
 
 class ResumableAgreedLoader(AgreedLoader):
-    """An :class:`AgreedLoader` over a loader with ``state_dict`` (litdata's ``StreamingDataLoader``): a checkpoint
-    holds every rank's loader state, not only rank 0's, since each rank is at its own place in its own stream.
-
-    Lightning saves the training loader's ``state_dict()`` under ``"combined_loader"`` in the checkpoint that rank 0
-    writes; every rank builds that checkpoint together, so the states are gathered there (one small
-    ``all_gather_object``) and each rank loads its own on resume."""
+    """An :class:`AgreedLoader` over a loader with ``state_dict`` (litdata's): checkpoints hold every rank's position
+    (gathered with one ``all_gather_object`` when rank 0's is saved); each rank loads its own on resume."""
 
     def __init__(self, loader: Iterable, owner: EvenSteps) -> None:
         super().__init__(loader, owner)
@@ -102,13 +75,8 @@ class ResumableAgreedLoader(AgreedLoader):
         return self._owner.agreed_batches(self._recorded(iter(self.loader)))
 
     def _recorded(self, iterator: Iterator[Any]) -> Iterator[Any]:
-        """``iterator``, noting the loader's state before each fetch: Lightning fetches a batch ahead of the one it
-        trains, so the state to save is the one from before the first batch not yet trained.
-
-        Each state is a copy: litdata's ``StreamingDataset.state_dict()`` returns (and updates) the dict it was
-        loaded with, so the states noted after a resume would all be the latest one. Before the first fetch of a
-        resumed pass the state is the one loaded: asking litdata then would overwrite it with the fresh dataset's
-        epoch before the pass starts from it (the resumed pass would replay the previous epoch's order)."""
+        """``iterator``, noting (copies of) the loader's state before each fetch: Lightning fetches a batch ahead.
+        Before a resumed pass's first fetch the state is the one loaded (litdata would answer the fresh epoch's)."""
         self._positions.clear()
         self._ran_out_at, skip, self._resume_exhausted = None, self._resume_exhausted, False
         restored, self._restored = self._restored, None
@@ -171,30 +139,13 @@ class _Agreement(NamedTuple):
 
 
 class EvenSteps:
-    """The ``uneven_inputs`` component of one fit.
-
-    Args:
-        policy: ``"join"`` or ``"drop"``.
-        world_size: ranks in the default process group.
-        backend: the default process group's backend (the agreement runs on a gloo group beside any other).
-        trainer: the Trainer of the fit (its step counters and loggers).
-        on_step_without_data: called at each micro-batch this rank has no data for (averaged training metrics
-            then leave this rank out).
-
-    Example::
-
-        even = EvenSteps("join", world_size=2)
-        loader = even.wrap(loader)  # in the strategy's process_dataloader, training stage
-    """
+    """The ``uneven_inputs`` component of one fit (``policy`` ``"join"`` or ``"drop"``); the agreement runs on a
+    gloo group beside any other ``backend``; ``on_step_without_data`` is called where this rank has no batch."""
 
     def __init__(
-        self,
-        policy: UnevenInputs,
-        world_size: int,
-        backend: str = "gloo",
-        trainer: Any = None,
+        self, policy: UnevenInputs, world_size: int, backend: str = "gloo", trainer: Any = None,
         on_step_without_data: Callable[[], None] | None = None,
-    ) -> None:
+    ) -> None:  # fmt: skip
         self.policy, self.world_size, self.backend, self.trainer = policy, world_size, backend, trainer
         self.on_step_without_data = on_step_without_data
         self.group: Any = None  # of the agreement: made when the first stream is wrapped
@@ -226,10 +177,8 @@ class EvenSteps:
         return AgreedLoader(loader, self)
 
     def check_combination(self, mode: str, loaders: int) -> None:
-        """Refuse a training stream combined with other training loaders (a ``CombinedLoader``, or a dict or list of
-        loaders, in any ``mode``): once this rank's stream has run out while another rank's has not, the step would
-        still run here with the other loaders' batches and no stream batch, instead of the rank taking part without
-        data. The same answer on every rank (they build the same loaders), before the first batch."""
+        """Refuse a training stream combined with other training loaders: a rank whose stream ran out would still step
+        with the others' batches. The same answer on every rank, before the first batch."""
         if self.streams and loaders > 1:
             raise ValueError(
                 f"`uneven_inputs`={self.policy!r}: a training stream is combined with {loaders - 1} other training "
@@ -242,8 +191,7 @@ class EvenSteps:
         self.batches_taken += 1
 
     def _fetch_and_agree(self, iterator: Iterator[Any], exhausted: bool) -> _Agreement:
-        """Fetch this rank's next batch and start the sum over ranks of one integer that tells every rank how many
-        ranks have one (an all_reduce that runs while the loop trains on the batch before)."""
+        """Fetch this rank's next batch and start the all_reduce counting the ranks that have one."""
         batch = None
         if not exhausted:
             try:
@@ -260,9 +208,8 @@ class EvenSteps:
         return int(agreement.count.item())  # a host tensor (gloo): no device is synchronized
 
     def agreed_batches(self, iterator: Iterator[Any]) -> Iterator[Any]:
-        """The batches of ``iterator``, in steps every rank takes together. The agreement on micro-batch ``k + 1``
-        is started when micro-batch ``k`` is handed out (one batch fetched ahead), so that its latency is hidden
-        behind a training step; every rank decides the same from each agreement, so all start the next or none."""
+        """The batches of ``iterator``, in steps every rank takes together; the agreement on the next micro-batch runs
+        while this one trains, and every rank decides the same from it."""
         self.ranks_with_data, self.batches_taken = [], 0
         agreement = self._fetch_and_agree(iterator, exhausted=False)
         while True:
@@ -298,10 +245,8 @@ class EvenSteps:
         return forward_without_data(ddp, module)
 
     def gradient_correction(self, aggregated: int, average: bool) -> float:
-        """The factor that turns the synchronized gradient of the window that ends with the batch just taken
-        (``aggregated`` micro-batches, corrected for all ranks having data) into the mean over the ranks and
-        micro-batches that had data (``average``), or, for the sum over micro-batches, the mean over the ranks that
-        had data. 1 while every rank has data. Counted in this pass over the stream (a resumed pass starts anew)."""
+        """The factor that turns the synchronized gradient of the window just ended (``aggregated`` micro-batches) into
+        the mean over the ranks (and, with ``average``, micro-batches) that had data; 1 while all ranks have data."""
         window = self.ranks_with_data[self.batches_taken - aggregated : self.batches_taken]
         if len(window) != aggregated or all(count == self.world_size for count in window):
             return 1.0
@@ -311,8 +256,7 @@ class EvenSteps:
 
 
 def zero_loss(module: torch.nn.Module) -> torch.Tensor:
-    """A zero that depends on every trainable parameter of ``module`` (its gradient is zero everywhere): the loss
-    of a rank without data, so that DDP's backward communicates as on the other ranks."""
+    """A zero depending on every trainable parameter: the loss of a rank without data (DDP communicates as usual)."""
     parameters = [p for p in module.parameters() if p.requires_grad]
     if not parameters:
         return torch.zeros(())
@@ -320,8 +264,7 @@ def zero_loss(module: torch.nn.Module) -> torch.Tensor:
 
 
 def forward_without_data(ddp: torch.nn.Module, module: torch.nn.Module) -> torch.Tensor:
-    """Run ``ddp``'s forward (the collectives DDP issues before and after it) over :func:`zero_loss` instead of the
-    module's ``forward``, as Lightning's forward redirection does for ``training_step``."""
+    """Run ``ddp``'s forward (and its collectives) over :func:`zero_loss` instead of the module's ``forward``."""
     own = module.__dict__.get("forward")
     module.forward = lambda *args, **kwargs: zero_loss(module)  # type: ignore[method-assign]
     try:

@@ -497,13 +497,14 @@ def test_the_default_buckets_are_ddps_own_unless_a_size_is_given(tmp_path):
     from torch.nn.parallel import DistributedDataParallel
 
     default = ShardPlusStrategy()
-    assert "bucket_cap_mb" not in _lightning.ddp_kwargs(default) and default.config.bucket_setting == DDP_DEFAULT
+    assert "bucket_cap_mb" not in _lightning.ddp_kwargs(default)
+    assert default.config.autotune_settings.reference == DDP_DEFAULT
     assert DDP_DEFAULT.bucket_cap_mb == 25.0
     assert DDPStrategy()._ddp_kwargs.get("bucket_cap_mb") is None
     strategy = ShardPlusStrategy(auto_tune_tensor_fusion=True, tensor_fusion_threshold_mb=8)
     settings = strategy.config.autotune_settings
     assert settings.fixed_bucket_cap_mb == 8.0 and strategy.config.tensor_fusion_threshold_mb == 8.0
-    assert settings.reference == BucketSetting(8.0) == strategy.config.bucket_setting
+    assert settings.reference == BucketSetting(8.0)
 
     # the buckets DDP builds (after its rebuild in backward order) under each setting's ddp_kwargs
     model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(24)])  # 24 layers of 0.25 MB + 1 kB
