@@ -297,7 +297,8 @@ class _ReportBatch(Callback):
     def setup(self, trainer, pl_module, stage):
         handler = logging.Handler()
         handler.emit = lambda record: self.messages.append(record.getMessage())
-        logging.getLogger("lightning.pytorch").addHandler(handler)
+        for name in ("lightning.pytorch", "pytorch_lightning"):  # rank_zero_info logs under the last one imported
+            logging.getLogger(name).addHandler(handler)
 
     def on_train_start(self, trainer, pl_module):
         self.report = {

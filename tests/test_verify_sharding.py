@@ -43,7 +43,8 @@ class _VerifyLines(Callback):
     def setup(self, trainer, pl_module, stage):
         handler = logging.Handler()
         handler.emit = lambda record: self.lines.append(record.getMessage())
-        logging.getLogger("lightning.pytorch").addHandler(handler)
+        for name in ("lightning.pytorch", "pytorch_lightning"):  # rank_zero_info logs under the last one imported
+            logging.getLogger(name).addHandler(handler)
 
     def teardown(self, trainer, pl_module, stage):
         lines = [line for line in self.lines if line.startswith(VERIFY_LINE)]

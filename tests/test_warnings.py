@@ -107,6 +107,11 @@ def test_a_mid_epoch_resume_that_shardplus_makes_exact_is_not_called_unreliable(
             trainer.fit(RecordingModule(tmp_path / "custom"), sampled, ckpt_path=mid_epoch)
 
 
+# Lightning's rank-zero messages go to the logger of whichever namespace was imported last (both set
+# lightning_utilities' rank-zero logger at import): listen to both.
+RANK_ZERO_LOGGERS = ("lightning.pytorch", "pytorch_lightning")
+
+
 class Messages(Callback):
     """Rank 0's messages logged through Lightning's logger (its rank-zero info) in a fit, written when it ends;
     :meth:`remove` takes the handler off the logger in the launching process."""
@@ -115,10 +120,8 @@ class Messages(Callback):
         self.out, self.messages = out, []
         self.handler = logging.Handler()
         self.handler.emit = lambda record: self.messages.append(record.getMessage())
-        logger = logging.getLogger("lightning.pytorch")
-        self.level = logger.level  # an earlier test's Trainer may have raised it (e.g. to WARNING)
-        logger.setLevel(logging.INFO)
-        logger.addHandler(self.handler)  # the forked ranks inherit it
+        for name in RANK_ZERO_LOGGERS:  # the forked ranks inherit the handler
+            logging.getLogger(name).addHandler(self.handler)
 
     def on_train_start(self, trainer, pl_module):
         self.messages.append("<on_train_start: the progress bar starts>")
@@ -128,9 +131,8 @@ class Messages(Callback):
             self.out.write_text("\n".join(self.messages))
 
     def remove(self):
-        logger = logging.getLogger("lightning.pytorch")
-        logger.removeHandler(self.handler)
-        logger.setLevel(self.level)
+        for name in RANK_ZERO_LOGGERS:
+            logging.getLogger(name).removeHandler(self.handler)
 
 
 class DigitsLike(ShardPlusDataModule):
