@@ -1,6 +1,6 @@
 """Train on a litdata stream whose shards differ in length per rank: every rank takes the same steps.
 
-    pip install 'lightning-shardplus[streaming,examples]'
+    pip install -e '.[streaming,examples]'   # on a CPU machine, torch and torchvision first: docs/uneven-inputs.md
     python examples/train_stream.py                        # uneven_inputs="join": every sample, every epoch
     python examples/train_stream.py --uneven-inputs drop   # every rank stops where the shortest stream does
 
