@@ -332,6 +332,7 @@ class BatchNormClassifier(pl.LightningModule):
 @pytest.mark.parametrize(
     "flags", [{}, {"find_unused_parameters": True}, {"static_graph": True}], ids=["defaults", "find_unused", "static"]
 )
+@pytest.mark.compat
 def test_a_fit_with_the_carrier_trains_the_weights_plain_ddp_trains(tmp_path, flags):
     results = {}
     for name, strategy in {

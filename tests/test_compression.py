@@ -85,6 +85,7 @@ def powersgd_state(start=2):
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.compat
 def test_fp16_and_bf16_send_half_the_bytes_of_none_on_gloo(tmp_path):
     results = {}
     for name in ("none", "fp16", "bf16"):
@@ -130,6 +131,7 @@ def test_a_user_comm_hook_is_registered_on_cpu_too(tmp_path):
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.compat
 def test_powersgd_with_several_buckets_on_gloo_does_not_hang_and_compresses(tmp_path, world_size):
     # torch's powerSGD_hook alone hangs here (from the first compressed step on): see compression.py
     counter = CommunicationCounter(tmp_path / "counts")

@@ -61,6 +61,7 @@ def batches(rows, rank, epoch):
     ],
     ids=["plain", "aggregation", "powersgd"],
 )
+@pytest.mark.compat
 def test_resume_on_the_same_world_size_continues_with_the_next_samples_and_the_same_weights(tmp_path, strategy_kwargs):
     if strategy_kwargs.get("gradient_compression") == "powersgd":
         # PowerSGD from the 2nd step, so that the checkpoints hold error feedback and warm-start state
@@ -188,6 +189,7 @@ class SaveAt(Callback):
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("compression", ["none", "powersgd"])
+@pytest.mark.compat
 def test_a_checkpoint_saved_inside_an_aggregation_window_resumes_exactly(tmp_path, compression):
     # 6 micro-batches per rank and epoch, windows of 4 then 2: saved after micro-batch 2 of the first window,
     # after the first of the short last window, and after micro-batch 3 of epoch 1's first window
