@@ -153,8 +153,9 @@ STRATEGY_OPTIONS: tuple[str, ...] = (
 
 
 def at_ddp_defaults(settings: dict[str, Any]) -> list[str]:
-    """The names of ``settings`` (DistributedDataParallel arguments) whose value is DDP's default."""
-    return [name for name, value in settings.items() if name in DDP_DEFAULTS and value is DDP_DEFAULTS[name]]
+    """The names of ``settings`` (DistributedDataParallel arguments) whose value is DDP's default; None is taken as
+    the default too (``bucket_cap_mb``'s default is None from torch 2.4, 25 before)."""
+    return [name for name, value in settings.items() if name in DDP_DEFAULTS and value in (None, DDP_DEFAULTS[name])]
 
 
 def check_ddp_arguments(
