@@ -7,6 +7,7 @@ from lightning_shardplus import _namespace
 
 _namespace.install()  # before the first submodule: where only pytorch_lightning is installed, they are rewritten
 
+from lightning_shardplus import _lightning  # noqa: E402
 from lightning_shardplus.config import registered_names  # noqa: E402
 from lightning_shardplus.datamodule import ShardPlusDataModule, SyntheticDataModule  # noqa: E402
 from lightning_shardplus.sharding import ExactShardSampler, PaddedShardSampler  # noqa: E402
@@ -17,6 +18,7 @@ __version__ = "0.1.0"
 # Lightning has no entry point for third-party strategies: register on import.
 _namespace.register(ShardPlusStrategy, registered_names())
 del registered_names
+_lightning.warn_if_untested()
 
 __all__ = [
     "ExactShardSampler",

@@ -4,6 +4,7 @@ namespace (the package itself is then for ``pytorch_lightning``: ``lightning_sha
 
 import importlib
 import importlib.abc
+import importlib.machinery
 import importlib.util
 import sys
 import types
@@ -35,5 +36,6 @@ class _Finder(importlib.abc.MetaPathFinder):
 def install() -> None:
     parent = types.ModuleType("lightning")  # a bare package: `lightning.pytorch` and `lightning.fabric` come from the finder
     parent.__path__ = []
+    parent.__spec__ = importlib.machinery.ModuleSpec("lightning", None, is_package=True)
     sys.modules["lightning"] = parent
     sys.meta_path.insert(0, _Finder())

@@ -520,3 +520,29 @@ def test_the_training_combined_loader_and_its_mode_are_where_uneven_inputs_reads
     assert _lightning.training_loaders_combination(trainer) == ("min_size", 1)  # nothing built yet
     trainer.fit_loop._combined_loader = CombinedLoader({"a": [1, 2], "b": [3]}, mode="max_size")
     assert _lightning.training_loaders_combination(trainer) == ("max_size", 2)
+
+
+# ---------------------------------------------------------------------------------------------- releases
+
+
+def test_release_reads_major_and_minor_of_every_version_form():
+    assert [_lightning.release(v) for v in ("2.4.0", "2.5.1.post0", "2.7.0rc1", "10.12")] == [
+        (2, 4), (2, 5), (2, 7), (10, 12)
+    ]
+
+
+def test_window_resume_follows_the_release_that_counts_the_batch_saved_in_train_batch_end():
+    from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
+
+    assert hasattr(_TrainingEpochLoop, "restarted_on_train_batch_end") == _lightning.RESUMES_INSIDE_A_WINDOW
+
+
+def test_a_release_newer_than_the_newest_tested_warns_once_at_import(monkeypatch):
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _lightning.warn_if_untested()
+        monkeypatch.setattr(_lightning, "LIGHTNING_RELEASE", (2, 99))
+        _lightning.warn_if_untested()
+    assert len(caught) == 1 and "tested with Lightning 2.4 to 2.6" in str(caught[0].message)
