@@ -34,7 +34,7 @@ class _Finder(importlib.abc.MetaPathFinder):
 
 
 def install() -> None:
-    parent = types.ModuleType("lightning")  # a bare package: `lightning.pytorch` and `lightning.fabric` come from the finder
+    parent = types.ModuleType("lightning")  # a bare package: its `pytorch` and `fabric` come from the finder
     parent.__path__ = []
     parent.__spec__ = importlib.machinery.ModuleSpec("lightning", None, is_package=True)
     sys.modules["lightning"] = parent

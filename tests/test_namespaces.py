@@ -140,7 +140,8 @@ def test_pytorch_lightning_trainer_takes_the_registered_name_in_a_process_that_i
 @pytest.mark.timeout(120)
 def test_importing_the_package_does_not_import_a_namespace_the_user_never_imports(tmp_path):
     out = python(
-        "import sys, lightning_shardplus; print(sorted(n for n in ('lightning', 'pytorch_lightning') if n in sys.modules))",
+        "import sys, lightning_shardplus\n"
+        "print(sorted(n for n in ('lightning', 'pytorch_lightning') if n in sys.modules))",
         tmp_path,
     )
     assert out.strip() == str(["lightning"] if _namespace.PRIMARY == "lightning.pytorch" else ["pytorch_lightning"])
