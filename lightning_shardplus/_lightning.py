@@ -598,3 +598,38 @@ def destroy_process_group_at_exit() -> None:
 
     atexit.unregister(_destroy_dist_connection)  # no duplicate when Lightning registered it (NCCL)
     atexit.register(_destroy_dist_connection)
+
+
+# ==========================================================================================================
+# Releases: the Lightning release this process runs and what differs inside the supported range
+# (docs/compatibility.md). `tests/test_lightning_private.py` (section "releases") checks each.
+# ==========================================================================================================
+
+import warnings  # noqa: E402
+
+NEWEST_TESTED = (2, 6)
+SUPPORTED = "2.4 to 2.6"
+
+
+def release(version: str) -> tuple[int, int]:
+    """``(major, minor)`` of a version string such as ``2.5.1.post0`` or ``2.7.0rc1``."""
+    major, minor = re.match(r"(\d+)\.(\d+)", version).groups()
+    return int(major), int(minor)
+
+
+LIGHTNING_RELEASE = release(pl.__version__)
+# Lightning 2.4 restores a checkpoint saved in `on_train_batch_end` with that batch not yet counted as completed
+# (2.5 counts it on restart: `_TrainingEpochLoop.restarted_on_train_batch_end`): its accumulation windows then run
+# one micro-batch behind the saved run, so a window's gradients cannot be put back where they were taken.
+RESUMES_INSIDE_A_WINDOW = LIGHTNING_RELEASE >= (2, 5)
+
+
+def warn_if_untested() -> None:
+    """One warning, at import, on a Lightning release newer than the newest tested."""
+    if LIGHTNING_RELEASE > NEWEST_TESTED:
+        warnings.warn(
+            f"lightning-shardplus was tested with Lightning {SUPPORTED}; this is {pl.__version__}. It should train; "
+            "a feature that finds Lightning changed falls back to Lightning's behaviour with a warning naming it.",
+            UserWarning,
+            stacklevel=3,
+        )

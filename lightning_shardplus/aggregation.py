@@ -180,6 +180,14 @@ class GradientAggregation:
     def _resume_window(self) -> None:
         trainer, frequency = self.trainer, self.micro_batches_per_step
         entry, self._checkpointed = self._checkpointed, None
+        if entry is not None and not _lightning.RESUMES_INSIDE_A_WINDOW:
+            rank_zero_warn(
+                f"shardplus: aggregation: this checkpoint was saved inside an aggregation window; Lightning "
+                f"{_lightning.pl.__version__} resumes its batch count one micro-batch behind the saved run, so the "
+                "window's accumulated gradients are not restored and the run does not equal an uninterrupted one "
+                "(Lightning 2.5 or newer resumes the window exactly)."
+            )
+            return
         done = self._inside_window()
         if done is None:
             return

@@ -6,7 +6,8 @@ from __future__ import annotations
 import re
 from typing import Any, NoReturn
 
-from jsonargparse import Namespace
+import lightning.pytorch as pl
+from jsonargparse import ActionConfigFile, Namespace
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 import lightning_shardplus  # noqa: F401  (registers the strategy names)
@@ -47,10 +48,16 @@ class ShardPlusCLI(LightningCLI):
 
     def __init__(self, *args: Any, trainer_defaults: dict[str, Any] | None = None, **kwargs: Any) -> None:
         defaults = {"strategy": STRATEGY_DEFAULT, **(trainer_defaults or {})}
-        kwargs.setdefault("parser_class", ShardPlusArgumentParser)
         kwargs.setdefault("subclass_mode_model", True)
         kwargs.setdefault("subclass_mode_data", True)
         super().__init__(*args, trainer_defaults=defaults, **kwargs)
+
+    def init_parser(self, **kwargs: Any) -> LightningArgumentParser:
+        """Lightning's parser, as :class:`ShardPlusArgumentParser` (Lightning 2.4 has no ``parser_class`` argument)."""
+        kwargs.setdefault("dump_header", [f"lightning.pytorch=={pl.__version__}"])
+        parser = ShardPlusArgumentParser(**kwargs)
+        parser.add_argument("-c", "--config", action=ActionConfigFile, help="Path to a configuration file (YAML).")
+        return parser
 
     def instantiate_classes(self) -> None:
         """Instantiate as Lightning does; a value that a class refuses with one of our named errors (the strategy's,

@@ -151,7 +151,7 @@ def check_arguments(arguments: dict[str, Any]) -> tuple[ShardPlusConfig, timedel
     ddp_kwargs = check_ddp_kwargs({**flags, **ddp_kwargs})  # numpy's bools as bool
     check_static_graph(config.aggregation_frequency, ddp_kwargs.get("static_graph") is True, "`aggregation_frequency`")
     given = {"bucket_cap_mb": config.tensor_fusion_threshold_mb, **{name: ddp_kwargs[name] for name in flags}}
-    defaults = [name for name, value in given.items() if value is DDP_DEFAULTS[name]]
+    defaults = [name for name, value in given.items() if value in (None, DDP_DEFAULTS[name])]  # None: torch < 2.4 too
     return config, process_group_timeout(a["timeout"]), ddp_kwargs, defaults
 
 

@@ -220,8 +220,9 @@ class ShardPlusStrategy(DDPStrategy):
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+    def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        # passes on what this Lightning release gives (2.6 added `weights_only`; 2.4 and 2.5 give the path only)
+        checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
         # DDP restores checkpoints before `setup`, which builds the components that take these states
         self._checkpointed = checkpointed_states(checkpoint, checkpoint_path)
         return checkpoint

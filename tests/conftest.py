@@ -5,9 +5,19 @@ from pathlib import Path
 # the shared test models live beside the tests
 sys.path.insert(0, str(Path(__file__).parent))
 
+import importlib.util
+
 import pytest
 import torch
-from _models import in_process_run
+
+import lightning_shardplus  # noqa: F401  (first: it chooses its namespace before the alias below exists)
+
+if importlib.util.find_spec("lightning") is None:  # only pytorch_lightning installed: tests import it as lightning.*
+    import _lightning_alias
+
+    _lightning_alias.install()
+
+from _models import in_process_run  # noqa: E402
 
 # The multi-process tests fork this process. A fork taken after an OpenMP thread pool has started can deadlock
 # in the child (libgomp is not fork-safe): keep this parent single-threaded. OMP_NUM_THREADS also stops

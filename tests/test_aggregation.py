@@ -95,6 +95,7 @@ def flat(weights):
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("average", [True, False])
+@pytest.mark.compat
 def test_aggregated_training_equals_one_process_with_the_large_batch(tmp_path, world_size, average):
     # per-device batch b=2, A=3, 5 micro-batches per rank and epoch: windows of 3 then 2 (a short last window)
     b, frequency, per_rank_batches, epochs = 2, 3, 5, 2

@@ -24,6 +24,7 @@ def shardplus(*args, cwd):
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("config", ["digits.yaml", "synthetic.yaml", "large_batch.yaml"])  # stream.yaml: below
+@pytest.mark.compat
 def test_shipped_configs_fit_on_two_processes(tmp_path, config):
     shardplus(
         "fit",

@@ -102,6 +102,7 @@ def test_batchnorm_and_per_step_sync_with_uneven_shards_complete_with_exact_epoc
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.compat
 def test_ranks_without_any_evaluation_sample_join_the_reduction(tmp_path):
     # 2 samples on 3 ranks: rank 2 has none, in validation during fit and in test
     trainer = cpu_trainer(ShardPlusStrategy(start_method="fork"), 3, max_epochs=2)

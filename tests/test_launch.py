@@ -319,6 +319,7 @@ def test_resumable_overlay_checkpoints_at_optimizer_steps_with_a_last_checkpoint
 
 @pytest.mark.parametrize("strategy", ["shardplus_spawn", "forkserver"])
 @pytest.mark.timeout(180)
+@pytest.mark.compat
 def test_the_spawn_and_forkserver_launchers_pickle_the_strategy_and_train(strategy):
     # these launchers pickle the Trainer, its strategy and the launcher; the fit's results come back by queue
     import lightning.pytorch as pl

@@ -545,3 +545,29 @@ def test_lightnings_not_resumable_warning_still_reads_as_shardplus_silences_it(t
         fit(mid_epoch)
         restore()
     assert not any(re.match(_lightning.NOT_RESUMABLE_WARNING, str(w.message)) for w in caught)
+
+
+# ---------------------------------------------------------------------------------------------- releases
+
+
+def test_release_reads_major_and_minor_of_every_version_form():
+    assert [_lightning.release(v) for v in ("2.4.0", "2.5.1.post0", "2.7.0rc1", "10.12")] == [
+        (2, 4), (2, 5), (2, 7), (10, 12)
+    ]
+
+
+def test_window_resume_follows_the_release_that_counts_the_batch_saved_in_train_batch_end():
+    from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
+
+    assert hasattr(_TrainingEpochLoop, "restarted_on_train_batch_end") == _lightning.RESUMES_INSIDE_A_WINDOW
+
+
+def test_a_release_newer_than_the_newest_tested_warns_once_at_import(monkeypatch):
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _lightning.warn_if_untested()
+        monkeypatch.setattr(_lightning, "LIGHTNING_RELEASE", (2, 99))
+        _lightning.warn_if_untested()
+    assert len(caught) == 1 and "tested with Lightning 2.4 to 2.6" in str(caught[0].message)

@@ -12,10 +12,16 @@ from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDSt
 from torch.utils.data import DataLoader
 
 import lightning_shardplus  # noqa: F401
-from lightning_shardplus import ShardPlusStrategy
+from lightning_shardplus import ShardPlusStrategy, _lightning
 from lightning_shardplus.sharding import CHECKPOINT_KEY
 
 N, BATCH, EPOCHS = 22, 2, 2  # on 2 ranks: 11 samples, 6 batches per rank and epoch (the last one of 1 sample)
+
+# Lightning 2.4 resumes its batch count one micro-batch behind a checkpoint saved in `on_train_batch_end`; the
+# window's gradients are then not restored, with a warning (aggregation.py; docs/compatibility.md)
+NEEDS_WINDOW_RESUME = pytest.mark.skipif(
+    not _lightning.RESUMES_INSIDE_A_WINDOW, reason="Lightning < 2.5 cannot resume inside an aggregation window"
+)
 
 
 def fit(
@@ -56,11 +62,12 @@ def batches(rows, rank, epoch):
     "strategy_kwargs",
     [
         {},
-        {"aggregation_frequency": 2},
+        pytest.param({"aggregation_frequency": 2}, marks=NEEDS_WINDOW_RESUME),
         {"gradient_compression": "powersgd"},
     ],
     ids=["plain", "aggregation", "powersgd"],
 )
+@pytest.mark.compat
 def test_resume_on_the_same_world_size_continues_with_the_next_samples_and_the_same_weights(tmp_path, strategy_kwargs):
     if strategy_kwargs.get("gradient_compression") == "powersgd":
         # PowerSGD from the 2nd step, so that the checkpoints hold error feedback and warm-start state
@@ -125,6 +132,7 @@ def test_resume_with_another_batch_size_reads_the_rest_of_the_epoch_once(tmp_pat
 
 
 @pytest.mark.timeout(120)
+@NEEDS_WINDOW_RESUME
 def test_after_a_resume_with_aggregation_every_n_steps_checkpointing_does_not_save_mid_window(tmp_path):
     # ModelCheckpoint does not restore the step it saved last: resumed at step 3 with 2 micro-batches per step, it
     # would save again after the first micro-batch (global_step still 3), inside the window, over `last.ckpt`
@@ -188,6 +196,8 @@ class SaveAt(Callback):
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("compression", ["none", "powersgd"])
+@pytest.mark.compat
+@NEEDS_WINDOW_RESUME
 def test_a_checkpoint_saved_inside_an_aggregation_window_resumes_exactly(tmp_path, compression):
     # 6 micro-batches per rank and epoch, windows of 4 then 2: saved after micro-batch 2 of the first window,
     # after the first of the short last window, and after micro-batch 3 of epoch 1's first window

@@ -219,6 +219,7 @@ def test_warmup_epochs_are_converted_to_optimizer_steps(
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.compat
 def test_per_device_batch_comes_from_the_datamodule(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     warnings = tmp_path / "warnings.txt"
 

@@ -77,6 +77,7 @@ def test_a_slow_dataset_is_reported_as_the_bottleneck(tmp_path):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.compat
 def test_in_memory_data_is_not_the_bottleneck_and_communication_is_measured_on_two_ranks(tmp_path):
     with warnings.catch_warnings():  # the ranks (forked) inherit the filter: a deprecated collective fails the fit
         warnings.filterwarnings("error", message=r".*all_gather is deprecated")

@@ -56,6 +56,7 @@ def test_fit_gives_equal_padded_training_shards_and_exact_evaluation(
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.compat
 def test_training_order_follows_the_seed_and_is_shared_by_all_ranks(tmp_path):
     def train_order(seed, directory):
         trainer = cpu_trainer(ShardPlusStrategy(start_method="fork", shuffle_seed=seed), 2, max_epochs=1)

@@ -192,6 +192,7 @@ class AllKinds(LoggingModule):
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.compat
 def test_logged_values_are_means_over_ranks_weighted_by_batch_size(tmp_path, count_collectives, world_size):
     sizes = [2, 3, 5][:world_size]  # unequal batches: the inferred weights differ per rank
     given = [r + 1 for r in range(world_size)]  # `batch_size=` given to self.log

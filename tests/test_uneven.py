@@ -163,6 +163,7 @@ def assert_state_close(state, reference, atol=1e-6):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.compat
 def test_once_a_rank_ran_out_the_steps_are_those_of_one_process_on_the_other_ranks_batches(tmp_path):
     # rank 1 has one batch, rank 0 three: step 1 averages both ranks' gradients, steps 2-3 are rank 0's alone
     torch.manual_seed(0)

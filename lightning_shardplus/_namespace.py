@@ -1,0 +1,192 @@
+"""Both Lightning namespaces from one source tree.
+
+``lightning.pytorch`` and ``pytorch_lightning`` are two copies of Lightning with separate classes and separate
+strategy registries: a strategy built on one is refused by the other's Trainer. Lightning's own build makes
+``pytorch_lightning`` from ``lightning.pytorch`` by rewriting its imports (``lightning.pytorch`` ->
+``pytorch_lightning``, ``lightning.fabric`` -> ``lightning_fabric``); this module does the same at import time:
+
+- ``lightning_shardplus`` is written for ``lightning.pytorch``. Where ``lightning`` is not installed (or
+  ``SHARDPLUS_NAMESPACE=pytorch_lightning``), its submodules are served rewritten for ``pytorch_lightning``.
+- ``lightning_shardplus.pytorch_lightning`` is the package for ``pytorch_lightning`` wherever both are installed:
+  the same files, rewritten, under that name (so its classes pickle by name, and a YAML ``class_path`` reaches
+  them); where the package itself is already for ``pytorch_lightning``, the same modules under a second name.
+- ``register`` puts the ``shardplus*`` names into each installed namespace's registry: the ``pytorch_lightning``
+  one when that package is first imported, so a process that never imports it never pays for it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import os
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+PACKAGE = "lightning_shardplus"
+MIRROR = f"{PACKAGE}.pytorch_lightning"
+LIGHTNING = "lightning.pytorch"
+PYTORCH_LIGHTNING = "pytorch_lightning"
+_ROOT = Path(__file__).parent
+
+_TO_PYTORCH_LIGHTNING = [
+    (re.compile(r"(?<![\w.])lightning\.pytorch\b"), "pytorch_lightning"),
+    (re.compile(r"(?<![\w.])lightning\.fabric\b"), "lightning_fabric"),
+]
+# our own absolute names, but this module (one finder per process) and paths such as ~/.cache/lightning_shardplus/
+_TO_MIRROR = [(re.compile(rf"(?<![\w.]){PACKAGE}\b(?![/\w])(?!\.pytorch_lightning\b)(?!\._namespace\b)"), MIRROR)]
+
+
+def _installed(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ValueError:  # a module in sys.modules without a spec
+        return name in sys.modules
+
+
+def primary_namespace() -> str:
+    """The namespace of ``lightning_shardplus`` itself: ``lightning.pytorch`` where ``lightning`` is installed,
+    unless ``SHARDPLUS_NAMESPACE=pytorch_lightning`` asks for the other; else ``pytorch_lightning``."""
+    chosen = os.environ.get("SHARDPLUS_NAMESPACE", "")
+    if chosen not in ("", LIGHTNING, "lightning", PYTORCH_LIGHTNING):
+        raise ImportError(f"SHARDPLUS_NAMESPACE={chosen!r} is not valid: 'lightning' or 'pytorch_lightning'")
+    if chosen != PYTORCH_LIGHTNING and _installed("lightning"):
+        return LIGHTNING
+    if _installed(PYTORCH_LIGHTNING):
+        return PYTORCH_LIGHTNING
+    raise ImportError(
+        "lightning-shardplus needs Lightning: `pip install lightning-shardplus[lightning]` (lightning.pytorch) or "
+        "`pip install lightning-shardplus[pytorch-lightning]` (pytorch_lightning), releases 2.4 or newer"
+    )
+
+
+PRIMARY = primary_namespace()
+
+
+def namespace_of(module_name: str) -> str:
+    """The Lightning namespace a module of ours is written for."""
+    return PYTORCH_LIGHTNING if module_name.partition(".pytorch_lightning")[1] else PRIMARY
+
+
+class _RewritingLoader(importlib.machinery.SourceFileLoader):
+    """Loads one of our source files with its names rewritten; never reads or writes ``__pycache__`` (the
+    bytecode there is the file's unrewritten code)."""
+
+    def __init__(self, fullname: str, path: str, rules: list[tuple[re.Pattern[str], str]]) -> None:
+        super().__init__(fullname, path)
+        self.rules = rules
+
+    def path_stats(self, path: str) -> dict[str, Any]:
+        raise OSError("no bytecode cache for rewritten modules")
+
+    def source_to_code(self, data: Any, path: Any, *, _optimize: int = -1) -> Any:  # type: ignore[override]
+        source = importlib.util.decode_source(data)
+        for pattern, replacement in self.rules:
+            source = pattern.sub(replacement, source)
+        return compile(source, path, "exec", dont_inherit=True, optimize=_optimize)
+
+
+class _AliasLoader(importlib.abc.Loader):
+    """Gives the module already imported under another name (the mirror where the package is itself for
+    ``pytorch_lightning``): one set of classes, two names."""
+
+    def __init__(self, target: str) -> None:
+        self.target = target
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> Any:
+        module = importlib.import_module(self.target)
+        self.spec = module.__spec__
+        return module
+
+    def exec_module(self, module: Any) -> None:
+        module.__spec__ = self.spec  # the import system stamped the alias's spec on it
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    """Serves ``lightning_shardplus.pytorch_lightning[.x]`` and, where the package is for ``pytorch_lightning``,
+    ``lightning_shardplus.x``."""
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        if fullname == MIRROR or fullname.startswith(MIRROR + "."):
+            original = PACKAGE + fullname[len(MIRROR) :]
+            if PRIMARY == PYTORCH_LIGHTNING:
+                return importlib.util.spec_from_loader(fullname, _AliasLoader(original))
+            return _source_spec(fullname, original, _TO_PYTORCH_LIGHTNING + _TO_MIRROR)
+        if PRIMARY == PYTORCH_LIGHTNING and fullname.startswith(PACKAGE + ".") and fullname != __name__:
+            return _source_spec(fullname, fullname, _TO_PYTORCH_LIGHTNING)
+        return None
+
+
+def _source_spec(fullname: str, original: str, rules: list) -> importlib.machinery.ModuleSpec | None:
+    base = _ROOT.joinpath(*original.split(".")[1:])
+    package = base / "__init__.py"
+    path, is_package = (package, True) if package.is_file() else (base.with_suffix(".py"), False)
+    if not path.is_file():
+        return None
+    return importlib.util.spec_from_file_location(
+        fullname,
+        path,
+        loader=_RewritingLoader(fullname, str(path), rules),
+        submodule_search_locations=[str(base)] if is_package else None,
+    )
+
+
+def install() -> None:
+    """Put the finder first on ``sys.meta_path`` (once per process)."""
+    if not any(isinstance(finder, _Finder) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _Finder())
+
+
+def register(strategy_class: type, names: dict[str, tuple[str, dict[str, Any]]]) -> None:
+    """Register ``names`` in the registry of ``strategy_class``'s namespace; from the primary package, also in
+    ``pytorch_lightning``'s (when it is imported) with a factory that imports the mirror on first use."""
+    namespace = namespace_of(strategy_class.__module__)
+    strategy_class.register_strategies(importlib.import_module(f"{namespace}.strategies").StrategyRegistry)
+    if namespace == LIGHTNING and _installed(PYTORCH_LIGHTNING):
+        _after_import(PYTORCH_LIGHTNING, lambda: _register_mirror(names))
+
+
+def _register_mirror(names: dict[str, tuple[str, dict[str, Any]]]) -> None:
+    registry = importlib.import_module(f"{PYTORCH_LIGHTNING}.strategies").StrategyRegistry
+    for name, (description, init_params) in names.items():
+        if name not in registry:  # importing the mirror registers its class in its place
+            registry.register(name, _mirror_strategy, description=description, **init_params)
+
+
+def _mirror_strategy(**init_params: Any) -> Any:
+    """``pytorch_lightning``'s registry entry until the mirror is imported: imports it, builds its strategy."""
+    return importlib.import_module(MIRROR).ShardPlusStrategy(**init_params)
+
+
+def _after_import(name: str, callback: Callable[[], None]) -> None:
+    """Call ``callback`` now if module ``name`` is imported, else right after it is."""
+    if name in sys.modules:
+        callback()
+    elif not any(isinstance(finder, _AfterImport) and finder.name == name for finder in sys.meta_path):
+        sys.meta_path.insert(0, _AfterImport(name, callback))
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Finds ``name`` with the other finders and makes its loader call ``callback`` once the module has run."""
+
+    def __init__(self, name: str, callback: Callable[[], None]) -> None:
+        self.name, self.callback = name, callback
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        if spec is not None and spec.loader is not None:
+            exec_module = spec.loader.exec_module
+
+            def exec_then_call(module: Any) -> None:
+                exec_module(module)
+                self.callback()
+
+            spec.loader.exec_module = exec_then_call  # type: ignore[method-assign]
+        return spec
