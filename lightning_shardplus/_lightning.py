@@ -1,10 +1,5 @@
-"""Every use of a private Lightning name, in one place.
-
-Lightning has no public hook to choose the *class* of the distributed sampler it injects, nor a public
-function to rebuild a user's DataLoader around another sampler, nor does it tell a strategy how many
-micro-batches the current accumulation window holds. The names below are what its own data connector and
-training loop use; ``tests/test_lightning_private.py`` fails if any of them moves.
-"""
+"""Every use of a private Lightning (or argparse) name, in one place: what Lightning's own data connector, loops
+and logger connector use where it has no public hook; ``tests/test_lightning_private.py`` fails if one moves."""
 
 from __future__ import annotations
 
@@ -143,11 +138,8 @@ def replace_sampler(dataloader: DataLoader, sampler: Sampler, stage: RunningStag
 
 
 # ---------------------------------------------------------------- logged results (exact evaluation)
-#
-# Lightning keeps what `self.log` recorded in a private `_ResultCollection` (`trainer._results`): one
-# `_ResultMetric` per key, holding the running value (`value`, `cumulated_batch_size`) and, once the epoch value
-# is computed, the cached `_computed` tensor that the logger, progress bar and `callback_metrics` read. Exact
-# evaluation reduces those running values across ranks itself and writes the result into `_computed`.
+# `trainer._results` (a `_ResultCollection`) holds one `_ResultMetric` per key: its running `value` and
+# `cumulated_batch_size`, and the `_computed` epoch value the loggers read; exact evaluation writes the latter.
 
 
 def active_results(trainer: Any) -> Any:
@@ -187,8 +179,7 @@ def log_placeholder(results: Any, description: dict[str, Any], value: Any, sync_
 
 
 def set_computed(result_metric: Any, value: Any) -> None:
-    """Make ``value`` the epoch value Lightning reports for ``result_metric``. Written in place when a value is
-    cached already: the logger's and ``callback_metrics``' copies are views of it."""
+    """Make ``value`` the epoch value Lightning reports (in place where cached: the loggers' copies are views)."""
     cached = result_metric._computed
     if cached is not None and cached.shape == value.shape:
         cached.copy_(value)
@@ -216,14 +207,8 @@ def set_metric_sync(metric: Any, sync_on_compute: bool, dist_sync_on_step: bool)
     metric._to_sync = sync_on_compute
 
 
-# ==========================================================================================================
-# Training metrics (`lightning_shardplus.training_metrics`): the logged values of the training loop.
-#
-# Lightning has no public hook between "a value was logged" and "loggers, the progress bar and
-# callback_metrics read it", and its per-value sync (`sync_dist=True`) runs inside `_ResultCollection.log`.
-# The names below are what `LightningModule.log` and the logger connector use;
-# `tests/test_lightning_private.py` (section "training metrics") fails if any of them moves.
-# ==========================================================================================================
+# ---------------------------------------------------------------- training metrics (`training_metrics`)
+# No public hook sits between "a value was logged" and "it is read"; `sync_dist` runs in `_ResultCollection.log`.
 
 import inspect  # noqa: E402
 from collections.abc import Callable  # noqa: E402
@@ -269,12 +254,8 @@ class LoggedValue(NamedTuple):
 
 
 def _synced_by_shardplus(value: Any, *_: Any, **__: Any) -> Any:
-    """The ``sync_dist_fn`` given to Lightning for values shardplus reduces itself: the identity.
-
-    Lightning calls it where it would sync (the step value in ``_ResultMetric.update``, the epoch state in
-    ``compute``); with it, ``sync_dist`` stays True, so Lightning does not warn that epoch values are
-    unsynced.
-    """
+    """The identity, as ``sync_dist_fn`` of the values shardplus reduces itself (``sync_dist`` stays True, so
+    Lightning does not warn that their epoch values are unsynced)."""
     return value
 
 
@@ -288,14 +269,8 @@ def intercept_training_logs(
     take: Callable[[TrainingLog], bool],
     taken: Callable[[LoggedValue], None],
 ) -> Callable[[], None]:
-    """Route every ``self.log`` into ``results`` through ``take``; returns the function that undoes it.
-
-    ``LightningModule.log`` ends in ``results.log(fx, name, value, **arguments)`` (private
-    ``_ResultCollection.log``), which builds the value's metadata, syncs the step value if ``sync_dist`` and
-    accumulates the epoch state. A call ``take`` accepts goes to that same method with the identity as its sync
-    function (no barrier, no all_reduce: the caller reduces the value later); then ``taken`` receives the stored
-    value with the epoch state it had before. Other calls pass through unchanged.
-    """
+    """Route every ``self.log`` into ``results`` (``_ResultCollection.log``) through ``take``: a call it accepts
+    is stored by Lightning with no sync, then handed to ``taken`` with its epoch state before; returns the undo."""
     if "log" in vars(results):
         raise RuntimeError("shardplus: the training results are already intercepted (two metric averagers?)")
     original = results.log  # private: `_ResultCollection.log`
@@ -435,25 +410,11 @@ def loggers_read_this_step(trainer: pl.Trainer, logs: bool | None = None) -> boo
     return (trainer.fit_loop.epoch_loop._batches_that_stepped + 1) % every == 0 or trainer.should_stop  # private
 
 
-# ==========================================================================================================
-# Scaling report (`lightning_shardplus.diagnostics.ScalingReport`): the time spent fetching training batches.
-#
-# Lightning times `next()` on the training loader through `trainer.profiler` (a public attribute; the default is
-# a `PassThroughProfiler`) under the action name below, which its training epoch loop builds from its private
-# class name (`_TrainingEpochLoop._on_before_fetch`). `tests/test_lightning_private.py` fails if it changes.
-# ==========================================================================================================
+# ---------------------------------------------------------------- scaling report (`diagnostics.ScalingReport`)
+# The profiler action under which Lightning's training loop times `next()` on the training loader.
 
 TRAIN_DATALOADER_NEXT = "[_TrainingEpochLoop].train_dataloader_next"
 
-
-def call_when_backward_ends(callback: Callable[[], None]) -> None:
-    """Run ``callback`` when the running backward pass has computed every gradient, before the end-of-pass
-    callbacks queued after it: call it from a hook at the start of the pass (a hook on the loss), and it runs before
-    DDP's own, queued when its last bucket is ready, which waits for the all-reduces.
-
-    torch's autograd engine's ``queue_callback`` (private to torch, as ``Variable._execution_engine``; DDP's Python
-    side and FSDP use it the same way); `tests/test_lightning_private.py` fails if it moves."""
-    torch.autograd.Variable._execution_engine.queue_callback(callback)  # type: ignore[attr-defined]
 
 
 # ---------------------------------------------------------------- DDP re-wrap (fusion autotuning)
@@ -589,9 +550,8 @@ def _ignore_warning(pattern: str) -> Any:
 
 
 def destroy_process_group_at_exit() -> None:
-    """Lightning registers its process-group teardown (``_destroy_dist_connection``) at exit for NCCL only. A gloo
-    group left alive until interpreter shutdown makes the process abort now and then ("terminate called without
-    an active exception", exit code 134, after training finished; plain ``ddp`` too). Registered once."""
+    """Lightning's process-group teardown at exit, for every backend (Lightning registers it for NCCL only: a gloo
+    group alive at interpreter shutdown aborts the process now and then, exit code 134, under ``ddp`` too)."""
     import atexit
 
     from lightning.fabric.utilities.distributed import _destroy_dist_connection
@@ -633,3 +593,8 @@ def warn_if_untested() -> None:
             UserWarning,
             stacklevel=3,
         )
+
+
+def parser_actions(parser: Any) -> list[Any]:
+    """The actions of an argparse parser (argparse keeps no public list of them: private ``_actions``)."""
+    return parser._actions

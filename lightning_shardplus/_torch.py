@@ -2,8 +2,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import torch
 import torch.distributed as dist
 
 # The first bucket DDP builds when it is given no bucket size (torch 2.13: 1 MiB); DDP's documentation names only
 # the 25 MiB of the others. Read by name, with 1 MiB where torch is built without distributed (no such attribute).
 DDP_DEFAULT_FIRST_BUCKET_BYTES: int = getattr(dist, "_DEFAULT_FIRST_BUCKET_BYTES", 2**20)
+
+
+def call_when_backward_ends(callback: Callable[[], None]) -> None:
+    """Run ``callback`` when the running backward pass has computed every gradient: called from a hook on the loss,
+    it runs before DDP's end-of-pass callback (which waits for the all-reduces). Private: the autograd engine's
+    ``queue_callback``, as DDP's Python side and FSDP use it."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)  # type: ignore[attr-defined]

@@ -11,6 +11,7 @@ from jsonargparse import ActionConfigFile, Namespace
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 import lightning_shardplus  # noqa: F401  (registers the strategy names)
+from lightning_shardplus import _lightning
 from lightning_shardplus.config import closest_option, registered_names
 
 
@@ -72,7 +73,7 @@ class ShardPlusCLI(LightningCLI):
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         """``--help`` states one default for ``trainer.strategy``: Lightning's docstring names ``"auto"``."""
-        for action in parser._actions:  # argparse keeps no public list of actions
+        for action in _lightning.parser_actions(parser):
             if action.dest == "trainer.strategy" and action.help:
                 action.help = action.help.replace('Default: ``"auto"``.', "").strip()
 

@@ -12,7 +12,6 @@ import torch
 import torch.distributed
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.strategies import _StrategyRegistry
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from torch.nn.parallel import DistributedDataParallel
@@ -119,7 +118,7 @@ class ShardPlusStrategy(DDPStrategy):
 
     @classmethod
     @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+    def register_strategies(cls, strategy_registry: Any) -> None:
         for name, (description, init_params) in registered_names().items():
             strategy_registry.register(name, cls, description=description, override=True, **init_params)
 
@@ -166,8 +165,7 @@ class ShardPlusStrategy(DDPStrategy):
 
     @accelerator.setter
     def accelerator(self, accelerator: pl.accelerators.Accelerator) -> None:
-        # the Trainer sets the accelerator it resolved here: refuse MPS as Lightning refuses the DDP family
-        check_accelerator(accelerator, self.strategy_name, self._start)
+        check_accelerator(accelerator, self.strategy_name, self._start)  # MPS refused, as for the DDP family
         self._accelerator = accelerator
 
     @override
@@ -185,8 +183,7 @@ class ShardPlusStrategy(DDPStrategy):
 
     @override
     def setup_environment(self) -> None:
-        super().setup_environment()
-        # for the stream libraries that read them (Mosaic Streaming), as under torchrun; removed at teardown
+        super().setup_environment()  # then the rank variables stream libraries read (Mosaic), as under torchrun
         self._undo_at_teardown.append(export_rank_variables(self.cluster_environment, self.num_processes))
         if self._exact_across_ranks:  # uneven evaluation streams are safe then, uneven training streams always
             self._undo_at_teardown.append(silence_litdata_drop_last_warning())
@@ -221,9 +218,8 @@ class ShardPlusStrategy(DDPStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        # passes on what this Lightning release gives (2.6 added `weights_only`; 2.4 and 2.5 give the path only)
+        # what this Lightning gives (2.6 added `weights_only`); restored before `setup` builds the components
         checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
-        # DDP restores checkpoints before `setup`, which builds the components that take these states
         self._checkpointed = checkpointed_states(checkpoint, checkpoint_path)
         return checkpoint
 
@@ -287,8 +283,7 @@ class ShardPlusStrategy(DDPStrategy):
 
     @override
     def _register_ddp_hooks(self) -> None:
-        # The stock implementation registers hooks on CUDA only; ours on every device type.
-        self.register_communication_hook()
+        self.register_communication_hook()  # DDPStrategy registers hooks on CUDA only; this on every device
 
     def register_communication_hook(self) -> None:
         """Register the gradient communication hook on the current DDP wrapper; again after each re-wrap."""
@@ -313,14 +308,11 @@ class ShardPlusStrategy(DDPStrategy):
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
         if (exact := self._components and self._components.exact) and exact.deferring:
-            # Exact evaluation: no per-batch collective (ranks hold different numbers of batches); the logged
-            # values are reduced once at the epoch end by `metrics.ExactEvaluation`.
-            return tensor
+            return tensor  # no per-batch collective (uneven shards): `ExactEvaluation` reduces at the epoch end
         return super().reduce(tensor, group=group, reduce_op=reduce_op)
 
     def _evaluation_step(self, step: str, *args: Any, **kwargs: Any) -> Any:
-        """Exact evaluation runs ``step`` of the LightningModule directly, not through the DDP forward: there are
-        no gradients to reduce, and DDP's forward may broadcast buffers (BatchNorm statistics) at every batch."""
+        """Exact evaluation runs ``step`` without DDP's forward (no gradients; no buffer broadcast per batch)."""
         if not self._exact_across_ranks:
             return getattr(super(), step)(*args, **kwargs)
         contexts = {"validation_step": "val_step_context", "test_step": "test_step_context"}
@@ -341,8 +333,7 @@ class ShardPlusStrategy(DDPStrategy):
 
     @override
     def on_predict_end(self) -> None:
-        """Where Lightning returns predictions, rank 0 returns every rank's, in dataset order; the others their
-        own (``loaders.gather_predictions``)."""
+        """Rank 0 returns every rank's predictions, in dataset order; the others their own."""
         super().on_predict_end()
         if self._exact_across_ranks:
             gather_predictions(self.lightning_module.trainer.predict_loop, self.num_replicas)

@@ -13,7 +13,7 @@ from lightning.pytorch.trainer.connectors.data_connector import _get_distributed
 from lightning.pytorch.trainer.states import RunningStage
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, SequentialSampler
 
-from lightning_shardplus import ExactShardSampler, ShardPlusStrategy, _lightning
+from lightning_shardplus import ExactShardSampler, ShardPlusStrategy, _lightning, _torch
 
 
 def test_lightning_passes_the_strategy_seed_to_the_sampler_it_injects():
@@ -496,11 +496,11 @@ def test_a_callback_queued_when_backward_starts_runs_after_every_gradient_before
 
     def last_gradient(grad):  # the last gradient of the pass: queues the "later" callback, as DDP does
         order.append("gradient")
-        _lightning.call_when_backward_ends(lambda: order.append("later"))
+        _torch.call_when_backward_ends(lambda: order.append("later"))
 
     weight.register_hook(last_gradient)
     loss = (weight * 2).sum()
-    loss.register_hook(lambda grad: _lightning.call_when_backward_ends(lambda: order.append("queued first")))
+    loss.register_hook(lambda grad: _torch.call_when_backward_ends(lambda: order.append("queued first")))
     loss.backward()
     assert order == ["gradient", "queued first", "later"]
 
@@ -571,3 +571,12 @@ def test_a_release_newer_than_the_newest_tested_warns_once_at_import(monkeypatch
         monkeypatch.setattr(_lightning, "LIGHTNING_RELEASE", (2, 99))
         _lightning.warn_if_untested()
     assert len(caught) == 1 and "tested with Lightning 2.4 to 2.6" in str(caught[0].message)
+
+
+def test_argparse_keeps_a_parsers_actions_in_actions():
+    # the CLI edits the strategy's help through `_lightning.parser_actions` (argparse's private `_actions`)
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    action = parser.add_argument("--name", help="the help")
+    assert action in _lightning.parser_actions(parser)

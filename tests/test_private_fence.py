@@ -6,18 +6,9 @@ ships to users as ``python -m lightning_shardplus.bench``."""
 import ast
 from pathlib import Path
 
-import pytest
-
 PACKAGE = Path(__file__).resolve().parents[1] / "lightning_shardplus"
 FENCE = {"_lightning.py", "_torch.py"}
 ALLOWED = {"_getframe"}  # sys._getframe: CPython's documented frame access, not another package's internals
-# Outside the fence when the fence test was written; modules being rewritten now move them (then remove them here)
-KNOWN = {
-    "_StrategyRegistry", "_actions", "_base", "_compute_bucket_assignment_by_size", "_ddp_comm_hook", "_ddp_comm_state",
-    "_ddp_comm_wrapper", "_get_process_group_backend", "_launcher", "_process_group_backend", "_start_method",
-    "_DEFAULT_FIRST_BUCKET_BYTES", "_to_sync",
-}
-
 
 def _is_self(node: ast.AST) -> bool:
     return isinstance(node, ast.Name) and node.id in ("self", "cls")
@@ -64,14 +55,9 @@ def private_names_outside_the_fence() -> dict[str, list[str]]:
     return found
 
 
-def test_no_new_private_name_outside_the_fence():
-    new = {name: places for name, places in private_names_outside_the_fence().items() if name not in KNOWN}
-    assert not new, f"private names of other packages outside _lightning.py/_torch.py: {new}"
-
-
-@pytest.mark.xfail(reason="the names in KNOWN still sit outside the fence (issue 33)", strict=False)
 def test_no_private_name_outside_the_fence():
-    assert private_names_outside_the_fence() == {}
+    found = private_names_outside_the_fence()
+    assert not found, f"private names of other packages outside _lightning.py/_torch.py: {found}"
 
 
 def test_the_fence_sees_a_private_attribute_and_a_private_import(tmp_path):
