@@ -25,6 +25,9 @@ from torch.utils.data import DataLoader, IterableDataset
 from lightning_shardplus import ShardPlusStrategy
 from lightning_shardplus.uneven import is_stream
 
+# in the compatibility stage's `streams` environment every stream library is installed
+pytestmark = pytest.mark.compat
+
 needs_webdataset = pytest.mark.skipif(
     importlib.util.find_spec("webdataset") is None, reason="webdataset is not installed (`pip install webdataset`)"
 )
