@@ -13,7 +13,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from torch.utils.data import DataLoader
 
 import lightning_shardplus  # noqa: F401
-from lightning_shardplus import ShardPlusDataModule, ShardPlusStrategy, SyntheticDataModule
+from lightning_shardplus import ShardPlusDataModule, ShardPlusStrategy, SyntheticDataModule, _lightning
 from lightning_shardplus.datamodule import per_device_batch_size
 
 
@@ -94,11 +94,11 @@ def test_a_misspelled_option_in_a_cli_config_gets_the_closest_name(tmp_path, cap
 
 def test_strategy_passes_ddp_arguments_through():
     strategy = ShardPlusStrategy(tensor_fusion_threshold_mb=4, static_graph=True, bucket_cap_mb_list=None)
-    assert strategy._ddp_kwargs["bucket_cap_mb"] == 4.0
-    assert strategy._ddp_kwargs["static_graph"] is True
+    assert _lightning.ddp_kwargs(strategy)["bucket_cap_mb"] == 4.0
+    assert _lightning.ddp_kwargs(strategy)["static_graph"] is True
     # broadcast_buffers only when given (torch 2.13 warns that it is deprecated): DDP's default otherwise
-    assert "broadcast_buffers" not in strategy._ddp_kwargs
-    assert ShardPlusStrategy(broadcast_buffers=False)._ddp_kwargs["broadcast_buffers"] is False
+    assert "broadcast_buffers" not in _lightning.ddp_kwargs(strategy)
+    assert _lightning.ddp_kwargs(ShardPlusStrategy(broadcast_buffers=False))["broadcast_buffers"] is False
     assert ShardPlusStrategy(process_group_backend="cpu:gloo,cuda:nccl")._process_group_backend == "cpu:gloo,cuda:nccl"
 
 
@@ -161,7 +161,8 @@ def test_numpy_numbers_are_numbers():
     import numpy as np
 
     strategy = ShardPlusStrategy(tensor_fusion_threshold_mb=np.float32(4), timeout=np.int64(60))
-    assert strategy._ddp_kwargs["bucket_cap_mb"] == 4.0 and type(strategy._ddp_kwargs["bucket_cap_mb"]) is float
+    given = _lightning.ddp_kwargs(strategy)["bucket_cap_mb"]
+    assert given == 4.0 and type(given) is float
     assert strategy._timeout.total_seconds() == 60
     candidates = ShardPlusStrategy(autotune_candidates_mb=np.array([1.0, 4.0])).config.autotune_settings.candidates_mb
     assert candidates == (1.0, 4.0)
@@ -219,15 +220,17 @@ def test_registered_strategies_give_ddp_what_lightnings_ddp_names_give():
         lightning_name = name.replace("shardplus", "ddp", 1)
         assert StrategyRegistry[name]["init_params"] == StrategyRegistry[lightning_name]["init_params"], name
         # DDP gets what Lightning's ddp name gives it: its defaults by leaving them out, a flag the name sets as set
-        assert StrategyRegistry.get(name)._ddp_kwargs == StrategyRegistry.get(lightning_name)._ddp_kwargs, name
-    assert StrategyRegistry.get("shardplus")._ddp_kwargs == StrategyRegistry.get("ddp")._ddp_kwargs == {}
+        ours, lightnings = StrategyRegistry.get(name), StrategyRegistry.get(lightning_name)
+        assert _lightning.ddp_kwargs(ours) == _lightning.ddp_kwargs(lightnings), name
+    shardplus, ddp = StrategyRegistry.get("shardplus"), StrategyRegistry.get("ddp")
+    assert _lightning.ddp_kwargs(shardplus) == _lightning.ddp_kwargs(ddp) == {}
     strategy = ShardPlusStrategy(static_graph=True, gradient_as_bucket_view=False, tensor_fusion_threshold_mb=4)
-    given = strategy._ddp_kwargs
+    given = _lightning.ddp_kwargs(strategy)
     assert given == {"static_graph": True, "bucket_cap_mb": 4.0}
     assert all(ddp_defaults[key] != value for key, value in given.items())
     # find_unused_parameters and broadcast_buffers as DDPStrategy keeps them: where given
-    assert ShardPlusStrategy(find_unused_parameters=False)._ddp_kwargs == {"find_unused_parameters": False}
-    assert ShardPlusStrategy(broadcast_buffers=False)._ddp_kwargs == {"broadcast_buffers": False}
+    assert _lightning.ddp_kwargs(ShardPlusStrategy(find_unused_parameters=False)) == {"find_unused_parameters": False}
+    assert _lightning.ddp_kwargs(ShardPlusStrategy(broadcast_buffers=False)) == {"broadcast_buffers": False}
 
 
 def test_strategy_names_are_registered_with_their_start_methods():
@@ -242,7 +245,7 @@ def test_strategy_names_are_registered_with_their_start_methods():
             strategy = StrategyRegistry.get(name + flag)
             assert isinstance(strategy, ShardPlusStrategy)
             assert strategy._start_method == start_method
-            assert strategy._ddp_kwargs.get("find_unused_parameters", False) is unused
+            assert _lightning.ddp_kwargs(strategy).get("find_unused_parameters", False) is unused
             assert StrategyRegistry.get(f"ddp{name[len('shardplus'):]}{flag}")._start_method == start_method
 
 
@@ -408,10 +411,10 @@ def test_ddp_keyword_arguments_that_go_together_are_checked_together():
     with pytest.raises(ValueError, match=r"`delay_all_reduce_named_params`.*`param_to_hook_all_reduce`.*together"):
         ShardPlusStrategy(delay_all_reduce_named_params=[("w", parameter)])
     strategy = ShardPlusStrategy(delay_all_reduce_named_params=[("w", parameter)], param_to_hook_all_reduce=parameter)
-    assert strategy._ddp_kwargs["param_to_hook_all_reduce"] is parameter
+    assert _lightning.ddp_kwargs(strategy)["param_to_hook_all_reduce"] is parameter
     strategy = ShardPlusStrategy(output_device="cpu", dim=np.int64(1), bucket_cap_mb_list=[np.float32(1), 25])
-    assert strategy._ddp_kwargs["dim"] == 1 and type(strategy._ddp_kwargs["dim"]) is int
-    assert strategy._ddp_kwargs["bucket_cap_mb_list"] == [1.0, 25.0]
+    assert _lightning.ddp_kwargs(strategy)["dim"] == 1 and type(_lightning.ddp_kwargs(strategy)["dim"]) is int
+    assert _lightning.ddp_kwargs(strategy)["bucket_cap_mb_list"] == [1.0, 25.0]
 
 
 def test_numpy_bools_are_bools():
@@ -420,7 +423,7 @@ def test_numpy_bools_are_bools():
     strategy = ShardPlusStrategy(
         static_graph=np.bool_(True), find_unused_parameters=np.bool_(False), exact_evaluation=np.bool_(False), **flags
     )
-    ddp_kwargs = strategy._ddp_kwargs
+    ddp_kwargs = _lightning.ddp_kwargs(strategy)
     assert ddp_kwargs["static_graph"] is True and ddp_kwargs["find_unused_parameters"] is False
     assert all(ddp_kwargs[name] is True for name in flags)
     assert strategy.config.exact_evaluation is False

@@ -21,6 +21,7 @@ import lightning_shardplus  # noqa: F401
 from lightning_shardplus import ShardPlusStrategy, fusion
 from lightning_shardplus.compression import CHECKPOINT_KEY, rank_file
 from lightning_shardplus.diagnostics import CommunicationCounter
+from lightning_shardplus.fusion import BucketSetting
 
 DIM, HIDDEN, CLASSES = 16, 32, 8
 PARAMETERS = DIM * HIDDEN + HIDDEN + HIDDEN * CLASSES + CLASSES
@@ -165,10 +166,7 @@ class Rewrap(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if trainer.global_step == self.at:
-            strategy = trainer.strategy
-            strategy._ddp_kwargs["bucket_cap_mb"] = self.bucket_cap_mb
-            strategy.model = strategy._setup_model(strategy.lightning_module)
-            strategy.register_communication_hook()
+            trainer.strategy.rewrap_ddp(BucketSetting(self.bucket_cap_mb))  # a new wrapper, the hook registered again
 
 
 @pytest.mark.timeout(120)

@@ -502,7 +502,7 @@ def test_the_default_buckets_are_ddps_own_unless_a_size_is_given(tmp_path):
     assert "bucket_cap_mb" not in _lightning.ddp_kwargs(default)
     assert default.config.autotune_settings.reference == DDP_DEFAULT
     assert DDP_DEFAULT.bucket_cap_mb == 25.0
-    assert DDPStrategy()._ddp_kwargs.get("bucket_cap_mb") is None
+    assert _lightning.ddp_kwargs(DDPStrategy()).get("bucket_cap_mb") is None
     strategy = ShardPlusStrategy(auto_tune_tensor_fusion=True, tensor_fusion_threshold_mb=8)
     settings = strategy.config.autotune_settings
     assert settings.fixed_bucket_cap_mb == 8.0 and strategy.config.tensor_fusion_threshold_mb == 8.0
