@@ -226,7 +226,7 @@ def test_per_device_batch_comes_from_the_datamodule(tmp_path: Path, monkeypatch:
         with open(warnings, "a") as f:
             f.write(message + "\n")
 
-    monkeypatch.setattr("lightning_shardplus.metrics.rank_zero_warn", record_warning)
+    monkeypatch.setattr("lightning_shardplus.training_metrics.rank_zero_warn", record_warning)
     # global batch 8 on 2 processes: 4 per device (the datamodule's loader replaces the module's)
     datamodule = ShardPlusDataModule(global_batch_size=8, train_dataset=_dataset(), shuffle=False)
     scale = ScaleLearningRate(rule="sqrt", reference_batch_size=2, warmup_steps=2)
