@@ -117,8 +117,6 @@ class ShardPlusDataModule(pl.LightningDataModule):
         """Samples per step over all processes: ``per_device_batch_size * world_size``."""
         return self.per_device_batch_size * self.world_size
 
-    # ------------------------------------------------------------------ datasets
-
     def build_train_dataset(self) -> Dataset | None:
         return self._given["train"]
 
@@ -144,8 +142,6 @@ class ShardPlusDataModule(pl.LightningDataModule):
                                  "override `build_train_dataset`.")
             if len(train) == 0:  # type: ignore[arg-type]
                 raise ValueError("`train_dataset` is empty (len 0): give it at least one sample.")
-
-    # ------------------------------------------------------------------ loaders
 
     def _loader(self, split: str, shuffle: bool) -> DataLoader | list:
         dataset = self.datasets.get(split)

@@ -1,11 +1,5 @@
-"""Exact evaluation: values logged with ``self.log`` in ``validation_step``/``test_step`` (and the evaluation
-batch hooks) are reduced across ranks once, at the end of the evaluation epoch, from each rank's running sums
-and sample counts, so the epoch values equal those of a single-process run over the same samples. No
-collective runs per batch (ranks may hold different numbers of batches), and a rank that logged nothing, for
-example one with no evaluation sample, still takes part.
-
-Averaged training metrics live in :mod:`lightning_shardplus.training_metrics`.
-"""
+"""Exact evaluation: values logged per evaluation batch are reduced across ranks once, at the epoch end, from each
+rank's running sums and counts, as a single-process run would compute them (docs/exact-evaluation.md)."""
 
 from __future__ import annotations
 
@@ -20,23 +14,11 @@ from torchmetrics import Metric
 
 from lightning_shardplus import _lightning
 
-# ====================================================================================================
-# Exact evaluation
-# ====================================================================================================
-
 # Where evaluation values are logged per batch; values logged in epoch-level hooks keep Lightning's handling.
 _PER_BATCH_FX = frozenset(
-    f"{prefix}{fx}"
-    for prefix in ("", "on_")
-    for fx in (
-        "validation_step",
-        "test_step",
-        "validation_batch_start",
-        "validation_batch_end",
-        "test_batch_start",
-        "test_batch_end",
-    )
-)
+    f"{prefix}{stage}_{fx}" for prefix in ("", "on_") for stage in ("validation", "test")
+    for fx in ("step", "batch_start", "batch_end")
+)  # fmt: skip
 
 _IDENTITY = {"mean": 0.0, "sum": 0.0, "max": float("-inf"), "min": float("inf")}
 
@@ -55,13 +37,9 @@ def combine(reduction: str, values: torch.Tensor, counts: torch.Tensor) -> torch
     """The global epoch value from each rank's running value (a weighted sum for "mean") and sample count."""
     if reduction == "mean":
         return values.sum() / counts.sum()
-    if reduction == "sum":
-        return values.sum()
-    if reduction == "max":
-        return values.max()
-    if reduction == "min":
-        return values.min()
-    raise ValueError(f"unknown reduction {reduction!r}")
+    if reduction not in ("sum", "max", "min"):
+        raise ValueError(f"unknown reduction {reduction!r}")
+    return getattr(values, reduction)()
 
 
 def list_state_layouts(metric: Metric) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -107,25 +85,15 @@ def _exactly_reduced(key: str, result_metric: Any) -> bool:
 
 
 class ExactEvaluation(Callback):
-    """Wires exact evaluation into Lightning: added by ``ShardPlusStrategy(exact_evaluation=True)`` when more
-    than one process runs.
-
-    From the start of an evaluation run until its epoch end it is :attr:`deferring`: the strategy's ``reduce`` does
-    not communicate then (Lightning's per-value ``sync_dist`` would be a per-batch collective), and torchmetrics
-    ``Metric`` modules do not sync, neither per step nor in Lightning's epoch-end read (which runs on the ranks
-    that logged them only); at the epoch end every rank joins one reduction of all logged values, then each
-    Metric's own sync in key order: so every rank makes the same collectives whatever its shard. Lightning reads
-    the epoch values before that and advises ``sync_dist=True`` for values logged without it: the advice is
-    silenced for the values reduced here, during the evaluation run only.
-    """
+    """Exact evaluation in Lightning (added by the strategy on more than one process): while :attr:`deferring` (an
+    evaluation run) neither ``reduce`` nor torchmetrics sync; at the epoch end every rank joins one reduction, then
+    each Metric's sync in key order (the same collectives whatever its shard). Details: docs/exact-evaluation.md."""
 
     def __init__(self) -> None:
         self.deferring = False
         self._metric_flags: dict[Metric, tuple[bool, bool]] = {}
         self._silenced: set[str] = set()  # names whose sync_dist advice is ignored until `_close`
         self._restore_warnings: list[Callable[[], None]] = []
-
-    # ------------------------------------------------------------------ window
 
     def _open(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.deferring = True
@@ -172,8 +140,6 @@ class ExactEvaluation(Callback):
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._close(trainer)
 
-    # ------------------------------------------------------------------ the reduction
-
     def reduce_epoch(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Every rank: agree on the logged keys, register the ones this rank lacks, then reduce the running
         values in one all_gather and the torchmetrics Metrics with their own sync, in key order."""
@@ -192,23 +158,16 @@ class ExactEvaluation(Callback):
             for key, entry in rank_entries.items():
                 entries[key]["list_states"].update(entry["list_states"])
         device = trainer.strategy.root_device
-        result_metrics = {}
-        for key, entry in entries.items():
-            result_metrics[key] = results[key] if key in local else self._register(results, entry, pl_module, trainer)
-
+        result_metrics = {
+            key: results[key] if key in local else self._register(results, entry, pl_module, trainer)
+            for key, entry in entries.items()
+        }
         tensor_keys = [key for key, entry in entries.items() if entry["reduction"] != "metric"]
         if tensor_keys:
             local_values = torch.stack(
-                [
-                    torch.stack(
-                        [
-                            result_metrics[key].value.double(),
-                            getattr(result_metrics[key], "cumulated_batch_size", torch.tensor(0)).double(),
-                        ]
-                    )
-                    for key in tensor_keys
-                ]
-            ).to(device)
+                [torch.stack([rm.value.double(), getattr(rm, "cumulated_batch_size", torch.tensor(0)).double()])
+                 for rm in map(result_metrics.get, tensor_keys)]
+            ).to(device)  # fmt: skip
             everyone = [torch.empty_like(local_values) for _ in range(dist.get_world_size())]
             dist.all_gather(everyone, local_values)
             stacked = torch.stack(everyone).cpu()  # ranks x keys x (value, count)

@@ -58,15 +58,8 @@ class ScaleLearningRate(Callback):
     ``effective_batch`` is ``ShardPlusStrategy.effective_batch_size``: per-device batch x world size x
     micro-batches per step. The factor multiplies the optimizer's rates only while its ``step`` runs, so
     schedulers, ``LearningRateMonitor`` and checkpoints see the unscaled rates; a resumed run continues the warmup.
-
-    Args:
-        rule: ``"linear"``, ``"sqrt"`` or ``"none"`` (no scaling; the warmup then has nothing to ramp).
-        reference_batch_size: the batch size (samples per optimizer step) the learning rate was tuned for;
-            None: the per-device batch size (rates tuned on one device: the ratio is ``world_size x aggregation``).
-        warmup_steps: optimizer steps of linear warmup, ``>= 0``.
-        warmup_epochs: the same in epochs (a float, ``>= 0``); give at most one of the two.
-        log_lr: log the applied learning rate of every parameter group.
-    """
+    ``rule``: ``"linear"``, ``"sqrt"`` or ``"none"``; ``reference_batch_size`` None: the per-device batch size;
+    ``warmup_steps`` or ``warmup_epochs`` (not both). The arguments: docs/large-batch.md."""
 
     def __init__(
         self,
@@ -110,8 +103,6 @@ class ScaleLearningRate(Callback):
     def factor_at(self, step: int) -> float:
         """The multiplier applied at optimizer step ``step`` (counted from 0)."""
         return warmup_factor(self.factor, step, self.resolved_warmup_steps)
-
-    # ------------------------------------------------------------------ Lightning hooks
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
@@ -204,8 +195,6 @@ class ScaleLearningRate(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         steps = state_dict.get("steps")
         self._restored_steps = [int(step) for step in steps] if steps else None
-
-    # ------------------------------------------------------------------ internals
 
     def _resolve_warmup_steps(self, trainer: pl.Trainer, micro_batches: int) -> int:
         if self.warmup_steps is not None:

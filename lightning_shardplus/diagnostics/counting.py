@@ -24,11 +24,6 @@ from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDSt
 _COUNTED = ("rounds", "buckets", "collectives", "bytes")
 
 
-def _payload_bytes(tensors: Sequence[torch.Tensor]) -> int:
-    """The bytes this rank hands to a collective (a ring all-reduce moves about ``2 (n-1)/n`` times that)."""
-    return sum(tensor.numel() * tensor.element_size() for tensor in tensors)
-
-
 class ObservedProcessGroup(dist.ProcessGroup):
     """``group`` as a process group of its own that calls ``observe(tensors)`` with the tensors this rank
     contributes to each all-reduce and all-gather issued through it, then forwards the collective to ``group``.
@@ -41,12 +36,10 @@ class ObservedProcessGroup(dist.ProcessGroup):
         self.observe = observe
 
     def allreduce(self, tensors, opts):  # what `torch.distributed.all_reduce(tensor, group=self)` calls
-        """Observe, then all-reduce on the real group (the ``Work`` is the real group's)."""
         self.observe(tensors)
         return self.group.allreduce(tensors, opts)
 
     def allgather(self, output_tensors, input_tensors, opts):  # `torch.distributed.all_gather(..., group=self)`
-        """Observe, then all-gather on the real group."""
         self.observe(input_tensors)
         return self.group.allgather(output_tensors, input_tensors, opts)
 
@@ -103,8 +96,6 @@ class CommunicationCounter(CommunicationHookWrapper):
         self.__dict__.update(state)
         self._lock = threading.Lock()
 
-    # ------------------------------------------------------------------ the hook wrapper
-
     def wrap(self, hook: Callable) -> Callable:
         """``hook`` counted: its calls, and the collectives it issues through the process group it is given."""
         counter = self
@@ -133,9 +124,8 @@ class CommunicationCounter(CommunicationHookWrapper):
         """One collective the hook issued, from whichever thread it ran in."""
         with self._lock:
             self._totals["collectives"] += 1
-            self._totals["bytes"] += _payload_bytes(tensors)
-
-    # ------------------------------------------------------------------ Lightning hooks
+            # the bytes this rank hands over (a ring all-reduce moves about 2 (n-1)/n times that)
+            self._totals["bytes"] += sum(tensor.numel() * tensor.element_size() for tensor in tensors)
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
@@ -160,8 +150,6 @@ class CommunicationCounter(CommunicationHookWrapper):
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._observed.clear()  # the views hold the run's process groups
-
-    # ------------------------------------------------------------------ results
 
     def steps(self) -> list[dict[str, int]]:
         """The records grouped into optimizer steps: per step, its micro-batches and their summed counts."""
