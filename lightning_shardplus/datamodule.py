@@ -43,15 +43,8 @@ def per_device_batch_size(global_batch_size: int, world_size: int) -> int:
 
 
 class ShardPlusDataModule(pl.LightningDataModule):
-    """Datasets in, loaders out, each with ``global_batch_size // world_size`` samples per batch (docs/batch-size.md).
-
-    Args:
-        global_batch_size: samples per optimizer micro-step over all processes together.
-        train_dataset, val_dataset, test_dataset, predict_dataset: map-style datasets (or None; or override
-            ``build_train_dataset``, ...: built once, in ``setup``).
-        num_workers, pin_memory, persistent_workers, collate_fn: passed to every DataLoader.
-        shuffle: shuffle the training set globally every epoch; False: dataset order, index ``i`` on rank ``i % W``.
-    """
+    """Map-style datasets in (or ``build_*_dataset`` overridden), loaders out, each with ``global_batch_size //
+    world_size`` samples per batch; the loader arguments go to every DataLoader. The arguments: docs/batch-size.md."""
 
     def __init__(
         self,

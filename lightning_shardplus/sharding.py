@@ -1,10 +1,5 @@
-"""Which dataset indices each rank reads: padded equal shards for training, exact shards for evaluation.
-
-Both samplers take their share of one global order per epoch, a keyed permutation every rank computes from
-``(seed, epoch)`` on its own positions, chunk by chunk (bounded memory whatever the dataset's length). Nothing
-here communicates or imports Lightning. Why small shards are built as one list and large ones yielded lazily:
-docs/sharding.md ("The trade-off").
-"""
+"""Which dataset indices each rank reads: padded equal shards for training, exact shards for evaluation, each a share
+of one keyed permutation per ``(seed, epoch)`` computed chunk by chunk; no communication here (docs/sharding.md)."""
 
 from __future__ import annotations
 

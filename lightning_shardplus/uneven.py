@@ -1,11 +1,6 @@
-"""Equal steps on every rank over training streams of different lengths (``uneven_inputs``, docs/uneven-inputs.md).
-
-Each training stream is wrapped in an :class:`AgreedLoader`: per micro-batch, one host all_reduce (SUM, on a gloo
-group) of whether each rank still has a batch, started one micro-batch ahead. ``"join"``: the epoch ends when no
-rank has data; a rank that ran out gets :data:`NO_BATCH` and runs DDP's forward over :func:`zero_loss` (the same
-collectives, a zero gradient), and :meth:`EvenSteps.gradient_correction` makes the mean one over the ranks that had
-data. ``"drop"``: the epoch ends at the first micro-batch where some rank has none. Map-style loaders are even already.
-"""
+"""Equal steps on every rank over training streams of different lengths (``uneven_inputs``, docs/uneven-inputs.md):
+per micro-batch one host all_reduce, started a micro-batch ahead, of which ranks still have a batch. ``"join"``: a rank
+that ran out trains on :data:`NO_BATCH` (a zero gradient) until none has data; ``"drop"``: stop at the first gap."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""Counting communication without patching ``torch.distributed``: the gradient hook's calls, collectives and bytes
-(:class:`CommunicationCounter`, through a process group that observes the hook's collectives) and the collectives
-issued through ``torch.distributed``'s Python functions (:class:`CollectiveCalls`, by a pre-collective hook on the
-group). How each count is taken, and why not otherwise: docs/compression.md ("Counting what is sent")."""
+"""Counting communication without patching ``torch.distributed``: the gradient hook's (:class:`CommunicationCounter`)
+and the Python API's collectives (:class:`CollectiveCalls`); how, why: docs/compression.md ("Counting what is sent")."""
 
 from __future__ import annotations
 
