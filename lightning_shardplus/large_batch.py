@@ -28,19 +28,13 @@ def scaling_factor(rule: str, batch_ratio: float) -> float:
     """The learning-rate multiplier of ``rule`` for ``batch_ratio = effective batch / reference batch``:
     ``batch_ratio`` (linear), ``sqrt(batch_ratio)`` (sqrt) or 1 (none)."""
     check_choice("rule", rule, SCALING_RULES)
-    if rule == "linear":
-        return float(batch_ratio)
-    if rule == "sqrt":
-        return math.sqrt(batch_ratio)
-    return 1.0
+    return float(batch_ratio) if rule == "linear" else math.sqrt(batch_ratio) if rule == "sqrt" else 1.0
 
 
 def warmup_factor(factor: float, step: int, warmup_steps: int) -> float:
     """``factor`` reached linearly over ``warmup_steps`` optimizer steps: 1 at step 0, ``factor`` from step
     ``warmup_steps`` on (steps counted from 0)."""
-    if step >= warmup_steps:
-        return factor
-    return 1.0 + (factor - 1.0) * step / warmup_steps
+    return factor if step >= warmup_steps else 1.0 + (factor - 1.0) * step / warmup_steps
 
 
 def _check_warmup_epochs(value: Any) -> None:
@@ -83,14 +77,10 @@ class ScaleLearningRate(Callback):
             _check_warmup_epochs(warmup_epochs)
         check_bool("log_lr", log_lr)
         self.rule: ScalingRule = rule
-        self.reference_batch_size = reference_batch_size
-        self.warmup_steps = warmup_steps
-        self.warmup_epochs = warmup_epochs
-        self.log_lr = log_lr
-        # Resolved when training starts.
-        self.effective_batch_size: int | None = None
-        self.factor = 1.0
-        self.resolved_warmup_steps = 0
+        self.reference_batch_size, self.log_lr = reference_batch_size, log_lr
+        self.warmup_steps, self.warmup_epochs = warmup_steps, warmup_epochs
+        self.effective_batch_size: int | None = None  # this and the two below: resolved when training starts
+        self.factor, self.resolved_warmup_steps = 1.0, 0
         self._steps: list[int] = []  # optimizer steps taken, per optimizer
         self._restored_steps: list[int] | None = None
         self._optimizers: list[Optimizer] = []

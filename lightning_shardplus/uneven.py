@@ -197,18 +197,14 @@ class EvenSteps:
         work = dist.all_reduce(count, group=self.group, async_op=True)
         return _Agreement(batch, exhausted, count, work)
 
-    def _ranks_with_data(self, agreement: _Agreement) -> int:
-        """The agreed count, once this agreement's all_reduce has completed."""
-        agreement.work.wait()
-        return int(agreement.count.item())  # a host tensor (gloo): no device is synchronized
-
     def agreed_batches(self, iterator: Iterator[Any]) -> Iterator[Any]:
         """The batches of ``iterator``, in steps every rank takes together; the agreement on the next micro-batch runs
         while this one trains, and every rank decides the same from it."""
         self.ranks_with_data, self.batches_taken = [], 0
         agreement = self._fetch_and_agree(iterator, exhausted=False)
         while True:
-            with_data = self._ranks_with_data(agreement)
+            agreement.work.wait()
+            with_data = int(agreement.count.item())  # a host tensor (gloo): no device is synchronized
             if self.policy == "drop" and with_data < self.world_size:
                 left = 0 if agreement.exhausted else _samples(agreement.batch) + sum(_samples(b) for b in iterator)
                 self._report_dropped(left)

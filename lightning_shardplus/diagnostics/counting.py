@@ -195,7 +195,7 @@ class CollectiveCalls:
     def __init__(self) -> None:
         self.counts: dict[str, int] = {}
         self._group: dist.ProcessGroup | None = None
-        self._lock: threading.Lock | None = None
+        self._lock: threading.Lock | None = None  # made by `start`: a Lock cannot be pickled (spawn pickles callbacks)
 
     @staticmethod
     def available() -> bool:

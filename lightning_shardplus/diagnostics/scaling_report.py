@@ -177,17 +177,11 @@ class ScalingReport(Callback):
         after_tuning, self._was_tuning = self._was_tuning, tuning
         if tuning or after_tuning or self._seen <= self.skip_first_steps or self._start is None:
             return self._count_finished(wait=False)
-        step = _CountedStep(
-            self._start if previous_end is None else previous_end,
-            fetches,
-            self._start,
-            self._before_backward,
-            self._computed if self._world_size > 1 and self._computed_in_backward() else None,
-            self._after_backward,
-            end,
-            self.batch_size_fn(batch) if self.batch_size_fn is not None else (self._batch_size or 0),
-        )
-        self._pending.append(step)
+        computed = self._computed if self._world_size > 1 and self._computed_in_backward() else None
+        samples = self.batch_size_fn(batch) if self.batch_size_fn is not None else (self._batch_size or 0)
+        start = self._start if previous_end is None else previous_end
+        self._pending.append(_CountedStep(start, fetches, self._start, self._before_backward, computed,
+                                          self._after_backward, end, samples))  # fmt: skip
         self._count_finished(wait=False)  # on the host clock: at once
 
     def _computed_in_backward(self) -> bool:

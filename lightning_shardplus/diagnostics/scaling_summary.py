@@ -1,6 +1,5 @@
-"""The scaling report's figures from each rank's phase totals: milliseconds and shares per phase, samples/s,
-scaling efficiency, a one-line verdict on what limits scaling, and the report as text. Pure functions: no
-Lightning, no process group."""
+"""The scaling report's figures from each rank's phase totals (milliseconds and shares per phase, samples/s,
+efficiency, a verdict) and the report as text: pure functions, no Lightning, no process group."""
 
 from __future__ import annotations
 
@@ -26,11 +25,8 @@ def summarize_scaling(
     world_size = len(per_rank)
     counted = [rank for rank in per_rank if rank["micro_batches"] > 0]
     if not counted:
-        return {
-            "world_size": world_size,
-            "micro_batches": 0,
-            "verdict": "no training step was counted (fewer steps than `skip_first_steps`)",
-        }
+        verdict = "no training step was counted (fewer steps than `skip_first_steps`)"
+        return {"world_size": world_size, "micro_batches": 0, "verdict": verdict}
     ms_per_micro_batch = {
         phase: statistics.fmean(1000 * rank[phase] / rank["micro_batches"] for rank in counted) for phase in STEP_PHASES
     }
