@@ -176,12 +176,8 @@ class SyntheticDataModule(ShardPlusDataModule):
         val_samples = check_int("val_samples", val_samples, minimum=0)
         num_classes = check_int("num_classes", num_classes, minimum=2)
         seed = check_int("seed", seed, minimum=0)
-        if (
-            not isinstance(input_shape, Sequence)
-            or isinstance(input_shape, str)
-            or not input_shape
-            or any(isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in input_shape)
-        ):
+        a_sequence = isinstance(input_shape, Sequence) and not isinstance(input_shape, str) and bool(input_shape)
+        if not a_sequence or any(isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in input_shape):
             raise ValueError(f"`input_shape`={input_shape!r} is not valid: expected a sequence of integers >= 1.")
         super().__init__(global_batch_size, num_workers=num_workers)
         self.num_samples, self.val_samples, self.input_shape = num_samples, val_samples, tuple(input_shape)

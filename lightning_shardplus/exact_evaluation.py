@@ -65,19 +65,12 @@ def describe(key: str, result_metric: Any) -> dict[str, Any]:
     """What another rank needs to register the same logged key (picklable, no tensors)."""
     meta = result_metric.meta
     return {
-        "list_states": {} if result_metric.is_tensor else list_state_layouts(result_metric.value),
-        "key": key,
-        "fx": meta.fx.split(".")[0],
-        "name": meta.name,
-        "reduction": reduction_of(meta, result_metric.is_tensor),
-        "prog_bar": meta.prog_bar,
-        "logger": meta.logger,
-        "on_step": meta.on_step,
-        "sync_dist": meta.sync.should,
-        "dataloader_idx": meta.dataloader_idx,
-        "add_dataloader_idx": meta.add_dataloader_idx,
+        "list_states": {} if result_metric.is_tensor else list_state_layouts(result_metric.value), "key": key,
+        "fx": meta.fx.split(".")[0], "name": meta.name, "reduction": reduction_of(meta, result_metric.is_tensor),
+        "prog_bar": meta.prog_bar, "logger": meta.logger, "on_step": meta.on_step, "sync_dist": meta.sync.should,
+        "dataloader_idx": meta.dataloader_idx, "add_dataloader_idx": meta.add_dataloader_idx,
         "metric_attribute": meta.metric_attribute,
-    }
+    }  # fmt: skip
 
 
 def _exactly_reduced(key: str, result_metric: Any) -> bool:

@@ -174,13 +174,9 @@ class ScaleLearningRate(Callback):
     def state_dict(self) -> dict[str, Any]:
         steps = self._steps if self._steps else (self._restored_steps or [])
         return {
-            "steps": list(steps),
-            "rule": self.rule,
-            "factor": self.factor,
-            "warmup_steps": self.resolved_warmup_steps,
-            "reference_batch_size": self.reference_batch_size,
-            "effective_batch_size": self.effective_batch_size,
-        }
+            "steps": list(steps), "rule": self.rule, "factor": self.factor, "warmup_steps": self.resolved_warmup_steps,
+            "reference_batch_size": self.reference_batch_size, "effective_batch_size": self.effective_batch_size,
+        }  # fmt: skip
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         steps = state_dict.get("steps")

@@ -215,14 +215,13 @@ class ScalingReport(Callback):
             gathered = [torch.empty_like(local) for _ in range(dist.get_world_size())]
             dist.all_gather(gathered, local)
         per_rank = [[float(value) for value in row] for row in torch.stack(gathered).cpu()]
+        compression = getattr(getattr(trainer.strategy, "config", None), "gradient_compression", None)
         self.report = summarize_scaling(
-            [dict(zip(_TOTALS, row, strict=True)) for row in per_rank],
-            threshold=self.threshold,
+            [dict(zip(_TOTALS, row, strict=True)) for row in per_rank], threshold=self.threshold,
             single_device_samples_per_second=self.single_device_samples_per_second,
-            micro_batches_per_step=micro_batches_per_step(trainer),
-            timing=self._clock.name,
-            gradient_compression=getattr(getattr(trainer.strategy, "config", None), "gradient_compression", None),
-        )
+            micro_batches_per_step=micro_batches_per_step(trainer), timing=self._clock.name,
+            gradient_compression=compression,
+        )  # fmt: skip
         if not trainer.is_global_zero:
             return
         if self.verbose:

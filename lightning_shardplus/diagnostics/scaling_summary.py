@@ -39,18 +39,12 @@ def summarize_scaling(
     if samples_per_second is not None and single_device_samples_per_second:
         efficiency = samples_per_second / (world_size * single_device_samples_per_second)
     report = {
-        "world_size": world_size,
-        "micro_batches": int(min(rank["micro_batches"] for rank in counted)),
-        "micro_batches_per_optimizer_step": micro_batches_per_step,
-        "ms_per_micro_batch": ms_per_micro_batch,
-        "fractions": fractions,
-        "samples_per_second": samples_per_second,
-        "single_device_samples_per_second": single_device_samples_per_second,
-        "scaling_efficiency": efficiency,
-        "timing": timing,
-        "gradient_compression": gradient_compression,
-        "per_rank": per_rank,
-    }
+        "world_size": world_size, "micro_batches": int(min(rank["micro_batches"] for rank in counted)),
+        "micro_batches_per_optimizer_step": micro_batches_per_step, "ms_per_micro_batch": ms_per_micro_batch,
+        "fractions": fractions, "samples_per_second": samples_per_second,
+        "single_device_samples_per_second": single_device_samples_per_second, "scaling_efficiency": efficiency,
+        "timing": timing, "gradient_compression": gradient_compression, "per_rank": per_rank,
+    }  # fmt: skip
     report["verdict"] = scaling_verdict(report, threshold)
     return report
 
