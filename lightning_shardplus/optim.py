@@ -48,14 +48,8 @@ class LARS(Optimizer):
         eps: float = 1e-8,
         exclude_bias_and_norm: bool = True,
     ) -> None:
-        defaults = {
-            "lr": lr,
-            "momentum": momentum,
-            "weight_decay": weight_decay,
-            "trust_coefficient": trust_coefficient,
-            "eps": eps,
-            "exclude_bias_and_norm": exclude_bias_and_norm,
-        }
+        defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, trust_coefficient=trust_coefficient,
+                        eps=eps, exclude_bias_and_norm=exclude_bias_and_norm)  # fmt: skip
         _check_group(defaults)
         super().__init__(params, defaults)
 

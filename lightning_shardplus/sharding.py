@@ -167,12 +167,8 @@ class PaddedShardSampler(_ShardSampler):
     def state_dict(self, samples_done: int = 0) -> dict[str, int]:
         """What resumes this sampler's epoch on any number of ranks, after every rank trained on ``samples_done``
         indices; ``num_replicas`` is informative."""
-        return {
-            "epoch": self.epoch,
-            "seed": self.seed,
-            "positions_consumed": self.positions_consumed(samples_done),
-            "num_replicas": self.num_replicas,
-        }
+        consumed, replicas = self.positions_consumed(samples_done), self.num_replicas
+        return {"epoch": self.epoch, "seed": self.seed, "positions_consumed": consumed, "num_replicas": replicas}
 
     def load_state_dict(self, state: dict[str, int], samples_counted: int = 0) -> None:
         """Continue the epoch of ``state`` (from :meth:`state_dict`, at any world size) where it stopped: the

@@ -177,11 +177,8 @@ class CommunicationCounter(CommunicationHookWrapper):
 
 # torch's names of the operations its pre-collective hooks report, as torch.distributed's functions call them
 _KINDS = {
-    "ALLREDUCE": "all_reduce",
-    "ALLGATHER": "all_gather",
-    "REDUCE_SCATTER": "reduce_scatter",
-    "ALLTOALL": "all_to_all",
-}
+    "ALLREDUCE": "all_reduce", "ALLGATHER": "all_gather", "REDUCE_SCATTER": "reduce_scatter", "ALLTOALL": "all_to_all"
+}  # fmt: skip
 _PYTHON_API = "torch.distributed.distributed_c10d"  # the module of torch.distributed's collective functions
 _CALLER_DEPTH = 4  # frames searched for it under the hook: the function, or it behind an ObservedProcessGroup
 
