@@ -21,14 +21,9 @@ class ClassifierModule(pl.LightningModule):
     momentum unless the LightningCLI's ``optimizer:`` section chooses another."""
 
     def __init__(
-        self,
-        input_dim: int = 64,
-        num_classes: int = 10,
-        hidden_dims: Sequence[int] = (128,),
-        batch_norm: bool = False,
-        lr: float = 0.05,
-        momentum: float = 0.9,
-    ) -> None:
+        self, input_dim: int = 64, num_classes: int = 10, hidden_dims: Sequence[int] = (128,), batch_norm: bool = False,
+        lr: float = 0.05, momentum: float = 0.9,
+    ) -> None:  # fmt: skip
         super().__init__()
         self.save_hyperparameters()
         layers: list[nn.Module] = []

@@ -11,13 +11,9 @@ STEP_PHASES: tuple[str, ...] = ("data", "between_steps", "forward", "backward", 
 
 
 def summarize_scaling(
-    per_rank: list[dict[str, float]],
-    threshold: float = 0.2,
-    single_device_samples_per_second: float | None = None,
-    micro_batches_per_step: int = 1,
-    timing: str = "host",
-    gradient_compression: str | None = None,
-) -> dict[str, Any]:
+    per_rank: list[dict[str, float]], threshold: float = 0.2, single_device_samples_per_second: float | None = None,
+    micro_batches_per_step: int = 1, timing: str = "host", gradient_compression: str | None = None,
+) -> dict[str, Any]:  # fmt: skip
     """The report of :class:`ScalingReport` from each rank's totals (seconds per phase, samples, micro-batches):
     per-micro-batch milliseconds and shares of each phase (means over ranks), samples/s, efficiency, verdict.
     ``timing``: the clock of the figures (``"host"`` or ``"<device> events"``); ``gradient_compression``: the
