@@ -17,8 +17,8 @@ from lightning_shardplus.compression import CommunicationHook
 from lightning_shardplus.config import ShardPlusConfig
 from lightning_shardplus.datamodule import ShardPlusDataModule
 from lightning_shardplus.diagnostics import CommunicationHookWrapper, VerifySharding
+from lightning_shardplus.exact_evaluation import ExactEvaluation
 from lightning_shardplus.loaders import ShardedLoaders
-from lightning_shardplus.metrics import ExactEvaluation
 from lightning_shardplus.training_metrics import AverageTrainingMetrics
 from lightning_shardplus.uneven import EvenSteps
 

@@ -1,10 +1,7 @@
 """Gradient compression: ``gradient_compression`` -> a DDP communication hook (+ its state), on every device type.
 
-``"fp16"``/``"bf16"`` are torch's cast hooks; ``"powersgd"`` is torch's ``powerSGD_hook`` whose state is kept per
-parameter across DDP's bucket re-cuts and re-wraps, and saved per rank beside checkpoints (``docs/compression.md``).
-Off NCCL its buckets run one after the other: on gloo torch's hook hung with several buckets (its continuations
-block gloo's worker threads and may issue collectives in a different order on each rank).
-"""
+``"fp16"``/``"bf16"``: torch's cast hooks; ``"powersgd"``: torch's ``powerSGD_hook``, its state kept per parameter
+across bucket re-cuts and saved per rank beside checkpoints, its buckets serialized off NCCL (docs/compression.md)."""
 
 from __future__ import annotations
 
@@ -33,14 +30,6 @@ DEFAULT_POWERSGD_START_ITER = 10
 _STATE_FORMAT = 1
 
 
-def default_powersgd_state() -> PowerSGDState:
-    """``gradient_compression="powersgd"``'s PowerSGD: rank 1, error feedback and warm start, from the 10th step."""
-    return PowerSGDState(
-        None, matrix_approximation_rank=1, start_powerSGD_iter=DEFAULT_POWERSGD_START_ITER, min_compression_rate=2,
-        use_error_feedback=True, warm_start=True, random_seed=0,
-    )  # fmt: skip
-
-
 def shardplus_bf16_compress_hook(process_group, bucket):  # no annotations: DDP checks them against its types
     """torch's ``bf16_compress_hook`` under another name (DDP refuses the original by name on builds without
     CUDA and NCCL, whatever the backend); registered only on backends that all-reduced bfloat16 at setup."""
@@ -60,8 +49,7 @@ class CastCompression:
     """``"fp16"`` / ``"bf16"``: all-reduce the gradient bucket in a 16-bit float type. Stateless."""
 
     def __init__(self, name: str, dtype: torch.dtype) -> None:
-        self.name = name
-        self.dtype = dtype
+        self.name, self.dtype = name, dtype
 
     def check_backend(self, backend: str, device: torch.device) -> None:
         """Fail now, on every rank alike, if the backend cannot all-reduce this type (never at the first
@@ -255,8 +243,12 @@ class PowerSGDCompression:
 
 
 def _fresh_state(template: PowerSGDState | None) -> PowerSGDState:
+    """A copy of ``template``'s settings and generator; by default rank 1, error feedback, warm start from step 10."""
     if template is None:
-        return default_powersgd_state()
+        return PowerSGDState(
+            None, matrix_approximation_rank=1, start_powerSGD_iter=DEFAULT_POWERSGD_START_ITER, min_compression_rate=2,
+            use_error_feedback=True, warm_start=True, random_seed=0,
+        )  # fmt: skip
     state = PowerSGDState(**{name: getattr(template, name) for name in _SETTINGS})
     state.rng.set_state(template.rng.get_state())
     return state

@@ -43,15 +43,8 @@ def per_device_batch_size(global_batch_size: int, world_size: int) -> int:
 
 
 class ShardPlusDataModule(pl.LightningDataModule):
-    """Datasets in, loaders out, each with ``global_batch_size // world_size`` samples per batch (docs/batch-size.md).
-
-    Args:
-        global_batch_size: samples per optimizer micro-step over all processes together.
-        train_dataset, val_dataset, test_dataset, predict_dataset: map-style datasets (or None; or override
-            ``build_train_dataset``, ...: built once, in ``setup``).
-        num_workers, pin_memory, persistent_workers, collate_fn: passed to every DataLoader.
-        shuffle: shuffle the training set globally every epoch; False: dataset order, index ``i`` on rank ``i % W``.
-    """
+    """Map-style datasets in (or ``build_*_dataset`` overridden), loaders out, each with ``global_batch_size //
+    world_size`` samples per batch; the loader arguments go to every DataLoader. The arguments: docs/batch-size.md."""
 
     def __init__(
         self,
@@ -117,8 +110,6 @@ class ShardPlusDataModule(pl.LightningDataModule):
         """Samples per step over all processes: ``per_device_batch_size * world_size``."""
         return self.per_device_batch_size * self.world_size
 
-    # ------------------------------------------------------------------ datasets
-
     def build_train_dataset(self) -> Dataset | None:
         return self._given["train"]
 
@@ -144,8 +135,6 @@ class ShardPlusDataModule(pl.LightningDataModule):
                                  "override `build_train_dataset`.")
             if len(train) == 0:  # type: ignore[arg-type]
                 raise ValueError("`train_dataset` is empty (len 0): give it at least one sample.")
-
-    # ------------------------------------------------------------------ loaders
 
     def _loader(self, split: str, shuffle: bool) -> DataLoader | list:
         dataset = self.datasets.get(split)
@@ -187,12 +176,8 @@ class SyntheticDataModule(ShardPlusDataModule):
         val_samples = check_int("val_samples", val_samples, minimum=0)
         num_classes = check_int("num_classes", num_classes, minimum=2)
         seed = check_int("seed", seed, minimum=0)
-        if (
-            not isinstance(input_shape, Sequence)
-            or isinstance(input_shape, str)
-            or not input_shape
-            or any(isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in input_shape)
-        ):
+        a_sequence = isinstance(input_shape, Sequence) and not isinstance(input_shape, str) and bool(input_shape)
+        if not a_sequence or any(isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in input_shape):
             raise ValueError(f"`input_shape`={input_shape!r} is not valid: expected a sequence of integers >= 1.")
         super().__init__(global_batch_size, num_workers=num_workers)
         self.num_samples, self.val_samples, self.input_shape = num_samples, val_samples, tuple(input_shape)

@@ -21,14 +21,9 @@ class ClassifierModule(pl.LightningModule):
     momentum unless the LightningCLI's ``optimizer:`` section chooses another."""
 
     def __init__(
-        self,
-        input_dim: int = 64,
-        num_classes: int = 10,
-        hidden_dims: Sequence[int] = (128,),
-        batch_norm: bool = False,
-        lr: float = 0.05,
-        momentum: float = 0.9,
-    ) -> None:
+        self, input_dim: int = 64, num_classes: int = 10, hidden_dims: Sequence[int] = (128,), batch_norm: bool = False,
+        lr: float = 0.05, momentum: float = 0.9,
+    ) -> None:  # fmt: skip
         super().__init__()
         self.save_hyperparameters()
         layers: list[nn.Module] = []
@@ -108,34 +103,20 @@ class DigitsDataModule(ShardPlusDataModule):
     def build_val_dataset(self) -> Dataset:
         return self._split()[1]
 
-    def build_test_dataset(self) -> Dataset:
-        return self._split()[1]
-
-    def build_predict_dataset(self) -> Dataset:
-        return self._split()[1]
+    build_test_dataset = build_predict_dataset = build_val_dataset
 
 
 class DigitsStreamDataModule(pl.LightningDataModule):
     """The digits as a litdata stream (``pip install 'lightning-shardplus[streaming,examples]'``), written once in
     :meth:`prepare_data`. Every sample is kept (``drop_last=False``), so the ranks' streams differ in length and
     ``uneven_inputs`` makes them take the same steps: 1,441 training samples on 3 ranks with 16 per device give one
-    rank 31 batches and the others 30.
-
-    Args:
-        data_dir: where the optimized dataset is written (kept between runs; rewritten if incomplete).
-        global_batch_size: samples per step over all ranks; each rank's batch is this over the world size.
-        val_fraction, split_seed: as :class:`DigitsDataModule`.
-        num_workers: loader worker processes per rank.
-    """
+    rank 31 batches and the others 30. ``data_dir``: where the dataset is written (kept between runs);
+    ``val_fraction``, ``split_seed``: as :class:`DigitsDataModule`; ``num_workers``: loader workers per rank."""
 
     def __init__(
-        self,
-        data_dir: str = "data/digits_litdata",
-        global_batch_size: int = 48,
-        val_fraction: float = 0.198,
-        split_seed: int = 0,
-        num_workers: int = 0,
-    ) -> None:
+        self, data_dir: str = "data/digits_litdata", global_batch_size: int = 48, val_fraction: float = 0.198,
+        split_seed: int = 0, num_workers: int = 0,
+    ) -> None:  # fmt: skip
         super().__init__()
         check_int("global_batch_size", global_batch_size, minimum=1)
         check_int("num_workers", num_workers, minimum=0)

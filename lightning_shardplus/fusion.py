@@ -1,7 +1,5 @@
-"""Tensor fusion: DDP's gradient bucket size (``bucket_cap_mb``), given or chosen by measuring training steps.
-
-Tuning races the candidates (the reference among them) over ``ROUNDS`` rounds in alternating order; a sample's
-score is its median step, MAX over ranks, so every rank decides the same (:func:`decide`). docs/fusion-autotuning.md."""
+"""Tensor fusion: DDP's bucket size, given or raced over ``ROUNDS`` rounds of measured steps, every rank deciding the
+same from the MAX over ranks of each sample's median step (:func:`decide`, docs/fusion-autotuning.md)."""
 
 from __future__ import annotations
 

@@ -28,19 +28,13 @@ def scaling_factor(rule: str, batch_ratio: float) -> float:
     """The learning-rate multiplier of ``rule`` for ``batch_ratio = effective batch / reference batch``:
     ``batch_ratio`` (linear), ``sqrt(batch_ratio)`` (sqrt) or 1 (none)."""
     check_choice("rule", rule, SCALING_RULES)
-    if rule == "linear":
-        return float(batch_ratio)
-    if rule == "sqrt":
-        return math.sqrt(batch_ratio)
-    return 1.0
+    return float(batch_ratio) if rule == "linear" else math.sqrt(batch_ratio) if rule == "sqrt" else 1.0
 
 
 def warmup_factor(factor: float, step: int, warmup_steps: int) -> float:
     """``factor`` reached linearly over ``warmup_steps`` optimizer steps: 1 at step 0, ``factor`` from step
     ``warmup_steps`` on (steps counted from 0)."""
-    if step >= warmup_steps:
-        return factor
-    return 1.0 + (factor - 1.0) * step / warmup_steps
+    return factor if step >= warmup_steps else 1.0 + (factor - 1.0) * step / warmup_steps
 
 
 def _check_warmup_epochs(value: Any) -> None:
@@ -58,15 +52,8 @@ class ScaleLearningRate(Callback):
     ``effective_batch`` is ``ShardPlusStrategy.effective_batch_size``: per-device batch x world size x
     micro-batches per step. The factor multiplies the optimizer's rates only while its ``step`` runs, so
     schedulers, ``LearningRateMonitor`` and checkpoints see the unscaled rates; a resumed run continues the warmup.
-
-    Args:
-        rule: ``"linear"``, ``"sqrt"`` or ``"none"`` (no scaling; the warmup then has nothing to ramp).
-        reference_batch_size: the batch size (samples per optimizer step) the learning rate was tuned for;
-            None: the per-device batch size (rates tuned on one device: the ratio is ``world_size x aggregation``).
-        warmup_steps: optimizer steps of linear warmup, ``>= 0``.
-        warmup_epochs: the same in epochs (a float, ``>= 0``); give at most one of the two.
-        log_lr: log the applied learning rate of every parameter group.
-    """
+    ``rule``: ``"linear"``, ``"sqrt"`` or ``"none"``; ``reference_batch_size`` None: the per-device batch size;
+    ``warmup_steps`` or ``warmup_epochs`` (not both). The arguments: docs/large-batch.md."""
 
     def __init__(
         self,
@@ -90,14 +77,10 @@ class ScaleLearningRate(Callback):
             _check_warmup_epochs(warmup_epochs)
         check_bool("log_lr", log_lr)
         self.rule: ScalingRule = rule
-        self.reference_batch_size = reference_batch_size
-        self.warmup_steps = warmup_steps
-        self.warmup_epochs = warmup_epochs
-        self.log_lr = log_lr
-        # Resolved when training starts.
-        self.effective_batch_size: int | None = None
-        self.factor = 1.0
-        self.resolved_warmup_steps = 0
+        self.reference_batch_size, self.log_lr = reference_batch_size, log_lr
+        self.warmup_steps, self.warmup_epochs = warmup_steps, warmup_epochs
+        self.effective_batch_size: int | None = None  # this and the two below: resolved when training starts
+        self.factor, self.resolved_warmup_steps = 1.0, 0
         self._steps: list[int] = []  # optimizer steps taken, per optimizer
         self._restored_steps: list[int] | None = None
         self._optimizers: list[Optimizer] = []
@@ -110,8 +93,6 @@ class ScaleLearningRate(Callback):
     def factor_at(self, step: int) -> float:
         """The multiplier applied at optimizer step ``step`` (counted from 0)."""
         return warmup_factor(self.factor, step, self.resolved_warmup_steps)
-
-    # ------------------------------------------------------------------ Lightning hooks
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
@@ -193,19 +174,13 @@ class ScaleLearningRate(Callback):
     def state_dict(self) -> dict[str, Any]:
         steps = self._steps if self._steps else (self._restored_steps or [])
         return {
-            "steps": list(steps),
-            "rule": self.rule,
-            "factor": self.factor,
-            "warmup_steps": self.resolved_warmup_steps,
-            "reference_batch_size": self.reference_batch_size,
-            "effective_batch_size": self.effective_batch_size,
-        }
+            "steps": list(steps), "rule": self.rule, "factor": self.factor, "warmup_steps": self.resolved_warmup_steps,
+            "reference_batch_size": self.reference_batch_size, "effective_batch_size": self.effective_batch_size,
+        }  # fmt: skip
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         steps = state_dict.get("steps")
         self._restored_steps = [int(step) for step in steps] if steps else None
-
-    # ------------------------------------------------------------------ internals
 
     def _resolve_warmup_steps(self, trainer: pl.Trainer, micro_batches: int) -> int:
         if self.warmup_steps is not None:

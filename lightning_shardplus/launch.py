@@ -142,11 +142,8 @@ RANK_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 
 
 def export_rank_variables(environment: ClusterEnvironment, local_world_size: int) -> Callable[[], None]:
-    """Set ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` in this process's environment where
-    absent, from the cluster environment; returns what removes the ones it set (at teardown). torchrun sets all
-    four, Lightning's launchers not ``RANK`` nor ``LOCAL_WORLD_SIZE``: stream libraries read them when a dataset is
-    built (Mosaic Streaming finds its shard and the shared memory of a machine's ranks there; without them each
-    process takes itself for rank 0 of one and fails with ``FileExistsError``)."""
+    """Set :data:`RANK_VARIABLES` where absent (Lightning's launchers set neither ``RANK`` nor ``LOCAL_WORLD_SIZE``;
+    Mosaic Streaming reads them: docs/uneven-inputs.md); returns what removes the ones it set."""
     values = (environment.global_rank(), environment.world_size(), environment.local_rank(), local_world_size)
     added = [name for name in RANK_VARIABLES if name not in os.environ]
     os.environ.update({name: str(value) for name, value in zip(RANK_VARIABLES, values, strict=True) if name in added})

@@ -24,11 +24,8 @@ from lightning_shardplus.sharding import (
 )
 
 EVALUATION_STAGES = (
-    RunningStage.VALIDATING,
-    RunningStage.SANITY_CHECKING,
-    RunningStage.TESTING,
-    RunningStage.PREDICTING,
-)
+    RunningStage.VALIDATING, RunningStage.SANITY_CHECKING, RunningStage.TESTING, RunningStage.PREDICTING
+)  # fmt: skip
 
 
 class ShardedLoaders:
@@ -36,17 +33,9 @@ class ShardedLoaders:
     ``ShardPlusDataModule(shuffle=False)``); built by the strategy's ``setup``, dropped at its teardown."""
 
     def __init__(
-        self,
-        trainer: pl.Trainer,
-        num_replicas: int,
-        rank: int,
-        *,
-        padding: PaddingMode,
-        seed: int,
-        shuffle: bool,
-        exact_evaluation: bool,
-        record_indices: bool,
-    ) -> None:
+        self, trainer: pl.Trainer, num_replicas: int, rank: int, *, padding: PaddingMode, seed: int, shuffle: bool,
+        exact_evaluation: bool, record_indices: bool,
+    ) -> None:  # fmt: skip
         self.trainer, self.num_replicas, self.rank = trainer, num_replicas, rank
         self.padding, self.seed, self.shuffle = padding, seed, shuffle
         self.exact_evaluation, self.record_indices = exact_evaluation, record_indices
@@ -85,7 +74,8 @@ class ShardedLoaders:
                     "equal shards and exact evaluation do not apply to it. Pass a plain DataLoader to get "
                     "them."
                 )
-            elif self._reduces_unsharded(dataloader):
+            elif (self.exact_evaluation and self.num_replicas > 1 and self.trainer.state.stage in EVALUATION_STAGES
+                  and not isinstance(dataloader.dataset, IterableDataset)):  # fmt: skip (streams shard themselves)
                 rank_zero_warn(
                     "shardplus: an evaluation DataLoader is not sharded (`Trainer(use_distributed_sampler=False)`): "
                     "exact evaluation still sums its logged values over the ranks and gathers its predictions, which "
@@ -113,13 +103,6 @@ class ShardedLoaders:
             return _lightning.replace_sampler(dataloader, exact, stage)
         return dataloader
 
-    def _reduces_unsharded(self, dataloader: DataLoader) -> bool:
-        """Whether exact evaluation reduces over the ranks what an unsharded map-style ``dataloader`` gives (streams
-        split themselves by rank)."""
-        evaluating = self.trainer.state.stage in EVALUATION_STAGES
-        mapped = not isinstance(dataloader.dataset, IterableDataset)
-        return evaluating and mapped and self.exact_evaluation and self.num_replicas > 1
-
     def training_loaders_built(self) -> None:
         """Training starts: a later reload (``reload_dataloaders_every_n_epochs``) starts its epoch whole. Where the
         samplers of all training loaders continue a checkpoint's epoch, Lightning's warning that the loaders cannot
@@ -131,18 +114,10 @@ class ShardedLoaders:
 
     def _training_sampler(self, dataloader: DataLoader, injected: Any) -> PaddedShardSampler:
         if len(dataloader.dataset) == 0:
-            raise ValueError(
-                "The training dataset is empty (len(train dataset) == 0): give it at least one sample."
-            )
-        sampler = PaddedShardSampler(
-            dataloader.dataset,
-            self.num_replicas,
-            self.rank,
-            shuffle=bool(injected.shuffle) and self.shuffle,
-            seed=self.seed,
-            padding=self.padding,
-            record_indices=self.record_indices,
-        )
+            raise ValueError("The training dataset is empty (len(train dataset) == 0): give it at least one sample.")
+        shuffle = bool(injected.shuffle) and self.shuffle
+        sampler = PaddedShardSampler(dataloader.dataset, self.num_replicas, self.rank, shuffle=shuffle, seed=self.seed,
+                                     padding=self.padding, record_indices=self.record_indices)  # fmt: skip
         self._resume(sampler, loader_batch_size(dataloader))
         _warn_if_mostly_padding(sampler)
         return sampler

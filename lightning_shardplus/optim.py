@@ -35,18 +35,8 @@ class LARS(Optimizer):
     for each parameter tensor ``w`` is scaled by the trust ratio
     ``trust_coefficient * ||w|| / (||g|| + weight_decay * ||w|| + eps)`` (1 where ``w`` or ``g`` is all zeros):
     ``v <- momentum * v + lr * ratio * (g + weight_decay * w); w <- w - v``, the learning rate inside the momentum
-    buffer as in the paper. Every option can be set per parameter group (docs/large-batch.md).
-
-    Args:
-        params: parameters or parameter groups (LightningCLI passes the model's parameters).
-        lr: global learning rate, ``>= 0`` (as schedulers and ``ScaleLearningRate`` set it).
-        momentum: in ``[0, 1)``; 0 turns the buffer off.
-        weight_decay: ``>= 0``: L2 penalty, part of the adapted update.
-        trust_coefficient: ``> 0``: how far a step may move a tensor relative to its norm.
-        eps: ``>= 0``: keeps the trust ratio finite.
-        exclude_bias_and_norm: give tensors with ``ndim <= 1`` (biases, normalization layers) plain SGD with
-            momentum (no adaptation, no weight decay), the updates of ``torch.optim.SGD(momentum=m)``.
-    """
+    buffer as in the paper; ``exclude_bias_and_norm``: plain SGD with momentum for ``ndim <= 1`` tensors. Every
+    option can be set per parameter group; the arguments: docs/large-batch.md."""
 
     def __init__(
         self,
@@ -58,14 +48,8 @@ class LARS(Optimizer):
         eps: float = 1e-8,
         exclude_bias_and_norm: bool = True,
     ) -> None:
-        defaults = {
-            "lr": lr,
-            "momentum": momentum,
-            "weight_decay": weight_decay,
-            "trust_coefficient": trust_coefficient,
-            "eps": eps,
-            "exclude_bias_and_norm": exclude_bias_and_norm,
-        }
+        defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, trust_coefficient=trust_coefficient,
+                        eps=eps, exclude_bias_and_norm=exclude_bias_and_norm)  # fmt: skip
         _check_group(defaults)
         super().__init__(params, defaults)
 

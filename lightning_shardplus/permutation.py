@@ -1,8 +1,5 @@
-"""A seeded permutation of ``range(N)`` computed on the fly: position -> index in O(1) memory, for N < 2**63.
-
-A balanced Feistel network on the smallest even-bit domain holding ``[0, N)``, with cycle-walking and round keys
-from ``(seed, epoch, N)`` by splitmix64, on numpy words (docs/sharding.md, "O(1)-memory epoch permutation").
-"""
+"""A seeded permutation of ``range(N)``, position -> index in O(1) memory for N < 2**63: a cycle-walking Feistel
+network keyed by ``(seed, epoch, N)`` (docs/sharding.md, "O(1)-memory epoch permutation")."""
 
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
-"""Which dataset indices each rank reads: padded equal shards for training, exact shards for evaluation.
-
-Both samplers take their share of one global order per epoch, a keyed permutation every rank computes from
-``(seed, epoch)`` on its own positions, chunk by chunk (bounded memory whatever the dataset's length). Nothing
-here communicates or imports Lightning. Why small shards are built as one list and large ones yielded lazily:
-docs/sharding.md ("The trade-off").
-"""
+"""Which dataset indices each rank reads: padded equal shards for training, exact shards for evaluation, each a share
+of one keyed permutation per ``(seed, epoch)`` computed chunk by chunk; no communication here (docs/sharding.md)."""
 
 from __future__ import annotations
 
@@ -79,11 +74,7 @@ class _ShardSampler(Sampler[int]):
         check_bool("shuffle", shuffle)
         seed = check_int("seed", seed, minimum=0)
         self.dataset_length = _dataset_length(dataset_or_length)
-        self.num_replicas = num_replicas
-        self.rank = rank
-        self.shuffle = shuffle
-        self.seed = seed
-        self.epoch = 0
+        self.num_replicas, self.rank, self.shuffle, self.seed, self.epoch = num_replicas, rank, shuffle, seed, 0
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch whose permutation the next iteration uses (Lightning calls this every epoch)."""
@@ -135,8 +126,7 @@ class PaddedShardSampler(_ShardSampler):
         super().__init__(dataset_or_length, num_replicas, rank, shuffle=shuffle, seed=seed)
         check_choice("padding", padding, PADDING_MODES)
         check_bool("drop_last", drop_last)
-        self.padding = padding
-        self.drop_last = drop_last
+        self.padding, self.drop_last = padding, drop_last
         # Mid-epoch resume (see `load_state_dict`): the epoch it applies to, the positions of that epoch's order
         # already consumed, and the per-rank samples the resumed epoch counts as done without yielding them.
         self.resumed_epoch: int | None = None
@@ -177,12 +167,8 @@ class PaddedShardSampler(_ShardSampler):
     def state_dict(self, samples_done: int = 0) -> dict[str, int]:
         """What resumes this sampler's epoch on any number of ranks, after every rank trained on ``samples_done``
         indices; ``num_replicas`` is informative."""
-        return {
-            "epoch": self.epoch,
-            "seed": self.seed,
-            "positions_consumed": self.positions_consumed(samples_done),
-            "num_replicas": self.num_replicas,
-        }
+        consumed, replicas = self.positions_consumed(samples_done), self.num_replicas
+        return {"epoch": self.epoch, "seed": self.seed, "positions_consumed": consumed, "num_replicas": replicas}
 
     def load_state_dict(self, state: dict[str, int], samples_counted: int = 0) -> None:
         """Continue the epoch of ``state`` (from :meth:`state_dict`, at any world size) where it stopped: the
@@ -242,13 +228,7 @@ class ExactShardSampler(_ShardSampler):
     differ in size by at most one (empty when ``N < num_replicas``), so rank order is dataset order."""
 
     def __init__(
-        self,
-        dataset_or_length: Sized | int,
-        num_replicas: int,
-        rank: int,
-        *,
-        shuffle: bool = False,
-        seed: int = 0,
+        self, dataset_or_length: Sized | int, num_replicas: int, rank: int, *, shuffle: bool = False, seed: int = 0
     ) -> None:
         super().__init__(dataset_or_length, num_replicas, rank, shuffle=shuffle, seed=seed)
         self.start, self.stop = shard_bounds(self.dataset_length, num_replicas, rank)
@@ -341,11 +321,7 @@ class ShardingError(RuntimeError):
 
 
 def check_epoch_shards(
-    epoch: int,
-    real_indices_per_rank: Sequence[Sequence[int]],
-    dataset_length: int,
-    *,
-    expect_full_coverage: bool,
+    epoch: int, real_indices_per_rank: Sequence[Sequence[int]], dataset_length: int, *, expect_full_coverage: bool
 ) -> None:
     """Raise :class:`ShardingError` if two ranks read the same real sample, or (``expect_full_coverage``) if
     some sample was read by no rank."""
@@ -429,11 +405,6 @@ def shard_digest(sampler: PaddedShardSampler, rank: int, world_size: int) -> lis
     for value in lanes:
         digest += [value >> _HALF, value & ((1 << _HALF) - 1)]
     return digest
-
-
-def digest_finished(total: Sequence[int], world_size: int) -> bool:
-    """Whether every rank ran the epoch to its end, from ``total`` (the sum of every rank's :func:`shard_digest`)."""
-    return total[1] == world_size
 
 
 def digest_problem(

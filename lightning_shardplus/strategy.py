@@ -23,6 +23,7 @@ from lightning_shardplus.aggregation import effective_batch_size
 from lightning_shardplus.components import DistributedSetup, RunComponents, checkpointed_states, process_group_backend
 from lightning_shardplus.compression import GradientCompression, remove_rank_states
 from lightning_shardplus.config import check_arguments, registered_names
+from lightning_shardplus.exact_evaluation import share_rank_zero_buffers
 from lightning_shardplus.fusion import BucketSetting, FusionResult
 from lightning_shardplus.launch import (
     LaunchAfterCheck,
@@ -32,7 +33,6 @@ from lightning_shardplus.launch import (
     export_rank_variables,
 )
 from lightning_shardplus.loaders import gather_predictions
-from lightning_shardplus.metrics import share_rank_zero_buffers
 from lightning_shardplus.sharding import PaddingMode
 from lightning_shardplus.uneven import NO_BATCH, UnevenInputs, silence_litdata_drop_last_warning
 

@@ -1,10 +1,6 @@
-"""Averaged training metrics: the values each rank logs while training, replaced by their reduction over all ranks.
-
-With ``average_training_metrics`` every tensor logged ``on_step`` in training is replaced, at the end of each
-optimizer step, by its mean over ranks weighted by batch size (``sync_dist`` ones by their ``reduce_fx``): one SUM
-all-reduce per step on device tensors (plus one MAX for max/min) in a layout the ranks agree on by name, no host read
-per step; ranks that logged different names raise :class:`MetricMismatchError` (docs/training-metrics.md).
-"""
+"""Averaged training metrics: each tensor logged ``on_step`` in training replaced, once per optimizer step, by its
+batch-weighted mean over ranks (``sync_dist`` ones by their ``reduce_fx``): one SUM all-reduce on device tensors
+(plus one MAX for max/min), no host read per step; names that differ raise :class:`MetricMismatchError`."""
 
 from __future__ import annotations
 

@@ -1,11 +1,6 @@
-"""Equal steps on every rank over training streams of different lengths (``uneven_inputs``, docs/uneven-inputs.md).
-
-Each training stream is wrapped in an :class:`AgreedLoader`: per micro-batch, one host all_reduce (SUM, on a gloo
-group) of whether each rank still has a batch, started one micro-batch ahead. ``"join"``: the epoch ends when no
-rank has data; a rank that ran out gets :data:`NO_BATCH` and runs DDP's forward over :func:`zero_loss` (the same
-collectives, a zero gradient), and :meth:`EvenSteps.gradient_correction` makes the mean one over the ranks that had
-data. ``"drop"``: the epoch ends at the first micro-batch where some rank has none. Map-style loaders are even already.
-"""
+"""Equal steps on every rank over training streams of different lengths (``uneven_inputs``, docs/uneven-inputs.md):
+per micro-batch one host all_reduce, started a micro-batch ahead, of which ranks still have a batch. ``"join"``: a rank
+that ran out trains on :data:`NO_BATCH` (a zero gradient) until none has data; ``"drop"``: stop at the first gap."""
 
 from __future__ import annotations
 
@@ -202,18 +197,14 @@ class EvenSteps:
         work = dist.all_reduce(count, group=self.group, async_op=True)
         return _Agreement(batch, exhausted, count, work)
 
-    def _ranks_with_data(self, agreement: _Agreement) -> int:
-        """The agreed count, once this agreement's all_reduce has completed."""
-        agreement.work.wait()
-        return int(agreement.count.item())  # a host tensor (gloo): no device is synchronized
-
     def agreed_batches(self, iterator: Iterator[Any]) -> Iterator[Any]:
         """The batches of ``iterator``, in steps every rank takes together; the agreement on the next micro-batch runs
         while this one trains, and every rank decides the same from it."""
         self.ranks_with_data, self.batches_taken = [], 0
         agreement = self._fetch_and_agree(iterator, exhausted=False)
         while True:
-            with_data = self._ranks_with_data(agreement)
+            agreement.work.wait()
+            with_data = int(agreement.count.item())  # a host tensor (gloo): no device is synchronized
             if self.policy == "drop" and with_data < self.world_size:
                 left = 0 if agreement.exhausted else _samples(agreement.batch) + sum(_samples(b) for b in iterator)
                 self._report_dropped(left)

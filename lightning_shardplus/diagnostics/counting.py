@@ -1,7 +1,5 @@
-"""Counting communication without patching ``torch.distributed``: the gradient hook's calls, collectives and bytes
-(:class:`CommunicationCounter`, through a process group that observes the hook's collectives) and the collectives
-issued through ``torch.distributed``'s Python functions (:class:`CollectiveCalls`, by a pre-collective hook on the
-group). How each count is taken, and why not otherwise: docs/compression.md ("Counting what is sent")."""
+"""Counting communication without patching ``torch.distributed``: the gradient hook's (:class:`CommunicationCounter`)
+and the Python API's collectives (:class:`CollectiveCalls`); how, why: docs/compression.md ("Counting what is sent")."""
 
 from __future__ import annotations
 
@@ -24,11 +22,6 @@ from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDSt
 _COUNTED = ("rounds", "buckets", "collectives", "bytes")
 
 
-def _payload_bytes(tensors: Sequence[torch.Tensor]) -> int:
-    """The bytes this rank hands to a collective (a ring all-reduce moves about ``2 (n-1)/n`` times that)."""
-    return sum(tensor.numel() * tensor.element_size() for tensor in tensors)
-
-
 class ObservedProcessGroup(dist.ProcessGroup):
     """``group`` as a process group of its own that calls ``observe(tensors)`` with the tensors this rank
     contributes to each all-reduce and all-gather issued through it, then forwards the collective to ``group``.
@@ -41,12 +34,10 @@ class ObservedProcessGroup(dist.ProcessGroup):
         self.observe = observe
 
     def allreduce(self, tensors, opts):  # what `torch.distributed.all_reduce(tensor, group=self)` calls
-        """Observe, then all-reduce on the real group (the ``Work`` is the real group's)."""
         self.observe(tensors)
         return self.group.allreduce(tensors, opts)
 
     def allgather(self, output_tensors, input_tensors, opts):  # `torch.distributed.all_gather(..., group=self)`
-        """Observe, then all-gather on the real group."""
         self.observe(input_tensors)
         return self.group.allgather(output_tensors, input_tensors, opts)
 
@@ -103,8 +94,6 @@ class CommunicationCounter(CommunicationHookWrapper):
         self.__dict__.update(state)
         self._lock = threading.Lock()
 
-    # ------------------------------------------------------------------ the hook wrapper
-
     def wrap(self, hook: Callable) -> Callable:
         """``hook`` counted: its calls, and the collectives it issues through the process group it is given."""
         counter = self
@@ -133,9 +122,8 @@ class CommunicationCounter(CommunicationHookWrapper):
         """One collective the hook issued, from whichever thread it ran in."""
         with self._lock:
             self._totals["collectives"] += 1
-            self._totals["bytes"] += _payload_bytes(tensors)
-
-    # ------------------------------------------------------------------ Lightning hooks
+            # the bytes this rank hands over (a ring all-reduce moves about 2 (n-1)/n times that)
+            self._totals["bytes"] += sum(tensor.numel() * tensor.element_size() for tensor in tensors)
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
@@ -160,8 +148,6 @@ class CommunicationCounter(CommunicationHookWrapper):
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._observed.clear()  # the views hold the run's process groups
-
-    # ------------------------------------------------------------------ results
 
     def steps(self) -> list[dict[str, int]]:
         """The records grouped into optimizer steps: per step, its micro-batches and their summed counts."""
@@ -191,11 +177,8 @@ class CommunicationCounter(CommunicationHookWrapper):
 
 # torch's names of the operations its pre-collective hooks report, as torch.distributed's functions call them
 _KINDS = {
-    "ALLREDUCE": "all_reduce",
-    "ALLGATHER": "all_gather",
-    "REDUCE_SCATTER": "reduce_scatter",
-    "ALLTOALL": "all_to_all",
-}
+    "ALLREDUCE": "all_reduce", "ALLGATHER": "all_gather", "REDUCE_SCATTER": "reduce_scatter", "ALLTOALL": "all_to_all"
+}  # fmt: skip
 _PYTHON_API = "torch.distributed.distributed_c10d"  # the module of torch.distributed's collective functions
 _CALLER_DEPTH = 4  # frames searched for it under the hook: the function, or it behind an ObservedProcessGroup
 
@@ -209,7 +192,7 @@ class CollectiveCalls:
     def __init__(self) -> None:
         self.counts: dict[str, int] = {}
         self._group: dist.ProcessGroup | None = None
-        self._lock: threading.Lock | None = None
+        self._lock: threading.Lock | None = None  # made by `start`: a Lock cannot be pickled (spawn pickles callbacks)
 
     @staticmethod
     def available() -> bool:

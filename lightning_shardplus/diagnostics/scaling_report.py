@@ -38,20 +38,7 @@ _TOTALS = (*STEP_PHASES, "samples", "micro_batches")
 class ScalingReport(Callback):
     """Where each training step's time goes (:data:`STEP_PHASES`, marked at Lightning's hooks), summed per rank and
     gathered once when training ends; rank 0 then prints a verdict, logs ``scaling/*`` to the Trainer's loggers and
-    writes ``output_file``; every rank keeps :attr:`report`. What each phase is: docs/scaling-report.md.
-
-    Args:
-        single_device_samples_per_second: samples/s of the same workload on one device, for the efficiency.
-        skip_first_steps: micro-batches at the start of the fit that are not counted.
-        threshold: the share of a step from which data loading, exposed communication or the time between steps
-            is called the bottleneck.
-        output_file: a JSON file rank 0 writes the report to.
-        batch_size_fn: samples in a batch; default: the datamodule's ``per_device_batch_size`` or the training
-            DataLoader's ``batch_size``.
-        verbose: print the verdict and the figures on rank 0 when training ends.
-        device_timing: ``None``: device timing events where the training device has them, the host clock on the
-            CPU; ``False``: always the host clock; ``True``: device events, an error on a device without them.
-    """
+    writes ``output_file``; every rank keeps :attr:`report`. The arguments and each phase: docs/scaling-report.md."""
 
     def __init__(
         self,
@@ -107,8 +94,6 @@ class ScalingReport(Callback):
         self._start = self._before_backward = self._computed = self._after_backward = None
         self._host_before_backward = self._host_computed = self._host_after_backward = math.nan
 
-    # ------------------------------------------------------------------ the end of the backward computation
-
     def _backward_started(self, grad: torch.Tensor) -> None:
         """A hook on the loss: backward has started; the mark is queued to run when its computation ends."""
         call_when_backward_ends(self._mark_computed)
@@ -118,20 +103,14 @@ class ScalingReport(Callback):
         self._host_computed = time.perf_counter()
         self._computed = self._clock.mark()
 
-    # ------------------------------------------------------------------ Lightning hooks
-
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
             self._clock = step_clock(trainer.strategy.root_device, self.device_timing)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._sums = [0.0] * len(_TOTALS)
-        self._seen = 0
-        self._was_tuning = False
-        self._world_size = trainer.world_size
-        self._batch_size = micro_batch_size(trainer)
+        self._sums, self._seen, self._was_tuning, self.report = [0.0] * len(_TOTALS), 0, False, None
+        self._world_size, self._batch_size = trainer.world_size, micro_batch_size(trainer)
         self._pending.clear()
-        self.report = None
         if not isinstance(trainer.profiler, _FetchTimingProfiler):
             self._profiler = _FetchTimingProfiler(trainer.profiler, self)
             # an instance patch: no hook sees `next()` on the training loader, Lightning times it only through the
@@ -199,25 +178,17 @@ class ScalingReport(Callback):
         after_tuning, self._was_tuning = self._was_tuning, tuning
         if tuning or after_tuning or self._seen <= self.skip_first_steps or self._start is None:
             return self._count_finished(wait=False)
-        step = _CountedStep(
-            self._start if previous_end is None else previous_end,
-            fetches,
-            self._start,
-            self._before_backward,
-            self._computed if self._world_size > 1 and self._computed_in_backward() else None,
-            self._after_backward,
-            end,
-            self.batch_size_fn(batch) if self.batch_size_fn is not None else (self._batch_size or 0),
-        )
-        self._pending.append(step)
+        computed = self._computed if self._world_size > 1 and self._computed_in_backward() else None
+        samples = self.batch_size_fn(batch) if self.batch_size_fn is not None else (self._batch_size or 0)
+        start = self._start if previous_end is None else previous_end
+        self._pending.append(_CountedStep(start, fetches, self._start, self._before_backward, computed,
+                                          self._after_backward, end, samples))  # fmt: skip
         self._count_finished(wait=False)  # on the host clock: at once
 
     def _computed_in_backward(self) -> bool:
         """Whether the backward computation ended during this backward pass, by the host's clock (NaN: not made)."""
-        before = self._host_before_backward
-        return (before <= self._host_computed or before != before) and self._host_computed <= (
-            self._host_after_backward
-        )
+        before, computed = self._host_before_backward, self._host_computed
+        return (before <= computed or math.isnan(before)) and computed <= self._host_after_backward
 
     def _count_finished(self, wait: bool) -> None:
         """Adds the phases of the pending micro-batches the clock can measure (with ``wait``: all of them)."""
@@ -245,14 +216,13 @@ class ScalingReport(Callback):
             gathered = [torch.empty_like(local) for _ in range(dist.get_world_size())]
             dist.all_gather(gathered, local)
         per_rank = [[float(value) for value in row] for row in torch.stack(gathered).cpu()]
+        compression = getattr(getattr(trainer.strategy, "config", None), "gradient_compression", None)
         self.report = summarize_scaling(
-            [dict(zip(_TOTALS, row, strict=True)) for row in per_rank],
-            threshold=self.threshold,
+            [dict(zip(_TOTALS, row, strict=True)) for row in per_rank], threshold=self.threshold,
             single_device_samples_per_second=self.single_device_samples_per_second,
-            micro_batches_per_step=micro_batches_per_step(trainer),
-            timing=self._clock.name,
-            gradient_compression=getattr(getattr(trainer.strategy, "config", None), "gradient_compression", None),
-        )
+            micro_batches_per_step=micro_batches_per_step(trainer), timing=self._clock.name,
+            gradient_compression=compression,
+        )  # fmt: skip
         if not trainer.is_global_zero:
             return
         if self.verbose:

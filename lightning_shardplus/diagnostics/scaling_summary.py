@@ -1,6 +1,5 @@
-"""The scaling report's figures from each rank's phase totals: milliseconds and shares per phase, samples/s,
-scaling efficiency, a one-line verdict on what limits scaling, and the report as text. Pure functions: no
-Lightning, no process group."""
+"""The scaling report's figures from each rank's phase totals (milliseconds and shares per phase, samples/s,
+efficiency, a verdict) and the report as text: pure functions, no Lightning, no process group."""
 
 from __future__ import annotations
 
@@ -12,13 +11,9 @@ STEP_PHASES: tuple[str, ...] = ("data", "between_steps", "forward", "backward", 
 
 
 def summarize_scaling(
-    per_rank: list[dict[str, float]],
-    threshold: float = 0.2,
-    single_device_samples_per_second: float | None = None,
-    micro_batches_per_step: int = 1,
-    timing: str = "host",
-    gradient_compression: str | None = None,
-) -> dict[str, Any]:
+    per_rank: list[dict[str, float]], threshold: float = 0.2, single_device_samples_per_second: float | None = None,
+    micro_batches_per_step: int = 1, timing: str = "host", gradient_compression: str | None = None,
+) -> dict[str, Any]:  # fmt: skip
     """The report of :class:`ScalingReport` from each rank's totals (seconds per phase, samples, micro-batches):
     per-micro-batch milliseconds and shares of each phase (means over ranks), samples/s, efficiency, verdict.
     ``timing``: the clock of the figures (``"host"`` or ``"<device> events"``); ``gradient_compression``: the
@@ -26,11 +21,8 @@ def summarize_scaling(
     world_size = len(per_rank)
     counted = [rank for rank in per_rank if rank["micro_batches"] > 0]
     if not counted:
-        return {
-            "world_size": world_size,
-            "micro_batches": 0,
-            "verdict": "no training step was counted (fewer steps than `skip_first_steps`)",
-        }
+        verdict = "no training step was counted (fewer steps than `skip_first_steps`)"
+        return {"world_size": world_size, "micro_batches": 0, "verdict": verdict}
     ms_per_micro_batch = {
         phase: statistics.fmean(1000 * rank[phase] / rank["micro_batches"] for rank in counted) for phase in STEP_PHASES
     }
@@ -43,18 +35,12 @@ def summarize_scaling(
     if samples_per_second is not None and single_device_samples_per_second:
         efficiency = samples_per_second / (world_size * single_device_samples_per_second)
     report = {
-        "world_size": world_size,
-        "micro_batches": int(min(rank["micro_batches"] for rank in counted)),
-        "micro_batches_per_optimizer_step": micro_batches_per_step,
-        "ms_per_micro_batch": ms_per_micro_batch,
-        "fractions": fractions,
-        "samples_per_second": samples_per_second,
-        "single_device_samples_per_second": single_device_samples_per_second,
-        "scaling_efficiency": efficiency,
-        "timing": timing,
-        "gradient_compression": gradient_compression,
-        "per_rank": per_rank,
-    }
+        "world_size": world_size, "micro_batches": int(min(rank["micro_batches"] for rank in counted)),
+        "micro_batches_per_optimizer_step": micro_batches_per_step, "ms_per_micro_batch": ms_per_micro_batch,
+        "fractions": fractions, "samples_per_second": samples_per_second,
+        "single_device_samples_per_second": single_device_samples_per_second, "scaling_efficiency": efficiency,
+        "timing": timing, "gradient_compression": gradient_compression, "per_rank": per_rank,
+    }  # fmt: skip
     report["verdict"] = scaling_verdict(report, threshold)
     return report
 
