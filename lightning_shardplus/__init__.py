@@ -20,10 +20,4 @@ _namespace.register(ShardPlusStrategy, registered_names())
 del registered_names
 _lightning.warn_if_untested()
 
-__all__ = [
-    "ExactShardSampler",
-    "PaddedShardSampler",
-    "ShardPlusDataModule",
-    "ShardPlusStrategy",
-    "SyntheticDataModule",
-]
+__all__ = ["ExactShardSampler", "PaddedShardSampler", "ShardPlusDataModule", "ShardPlusStrategy", "SyntheticDataModule"]

@@ -1,18 +1,7 @@
-"""Both Lightning namespaces from one source tree.
-
-``lightning.pytorch`` and ``pytorch_lightning`` are two copies of Lightning with separate classes and separate
-strategy registries: a strategy built on one is refused by the other's Trainer. Lightning's own build makes
-``pytorch_lightning`` from ``lightning.pytorch`` by rewriting its imports (``lightning.pytorch`` ->
-``pytorch_lightning``, ``lightning.fabric`` -> ``lightning_fabric``); this module does the same at import time:
-
-- ``lightning_shardplus`` is written for ``lightning.pytorch``. Where ``lightning`` is not installed (or
-  ``SHARDPLUS_NAMESPACE=pytorch_lightning``), its submodules are served rewritten for ``pytorch_lightning``.
-- ``lightning_shardplus.pytorch_lightning`` is the package for ``pytorch_lightning`` wherever both are installed:
-  the same files, rewritten, under that name (so its classes pickle by name, and a YAML ``class_path`` reaches
-  them); where the package itself is already for ``pytorch_lightning``, the same modules under a second name.
-- ``register`` puts the ``shardplus*`` names into each installed namespace's registry: the ``pytorch_lightning``
-  one when that package is first imported, so a process that never imports it never pays for it.
-"""
+"""Both Lightning namespaces from one source tree, as Lightning's own build makes ``pytorch_lightning`` from
+``lightning.pytorch``: our modules served with their imports rewritten, as ``lightning_shardplus.pytorch_lightning``
+(and as ``lightning_shardplus`` itself where only ``pytorch_lightning`` is installed); the strategy names registered
+in each namespace's registry, ``pytorch_lightning``'s when it is imported. The story: docs/compatibility.md."""
 
 from __future__ import annotations
 
