@@ -3,9 +3,13 @@ and logger connector use where it has no public hook; ``tests/test_lightning_pri
 
 from __future__ import annotations
 
+import inspect
 import re
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
+import lightning.pytorch as pl
+import torch
 from lightning.fabric.utilities.data import sized_len
 from lightning.pytorch.loops.fetchers import _PrefetchDataFetcher
 from lightning.pytorch.overrides.distributed import (
@@ -13,18 +17,17 @@ from lightning.pytorch.overrides.distributed import (
     _IndexBatchSamplerWrapper,
 )
 from lightning.pytorch.trainer.connectors.data_connector import _parse_num_batches
+from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultCollection, _ResultMetric
 from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.combined_loader import _SUPPORTED_MODES
-from lightning.pytorch.utilities.data import _update_dataloader
+from lightning.pytorch.utilities.data import _update_dataloader, extract_batch_size
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.utils.data import DataLoader, DistributedSampler, Sampler, SequentialSampler
 
 
 class InjectedSeed(int):
-    """The ``seed`` the strategy hands to Lightning's sampler injection (``distributed_sampler_kwargs``).
-
-    Lightning passes it on to the ``DistributedSampler`` it builds, which stores it as ``.seed``; finding this
-    type there tells a sampler Lightning injected from one the user built (which is left alone).
-    """
+    """The ``seed`` in the strategy's ``distributed_sampler_kwargs``: found as ``.seed`` of a DistributedSampler, it
+    tells one Lightning injected from one the user built (left alone)."""
 
 
 def is_injected(sampler: Any) -> bool:
@@ -33,15 +36,13 @@ def is_injected(sampler: Any) -> bool:
 
 
 def effective_sampler(dataloader: DataLoader) -> Any:
-    """The sampler that orders ``dataloader``: for prediction Lightning puts it inside the batch sampler
-    (wrapped to record indices), leaving ``dataloader.sampler`` a default one."""
+    """The sampler that orders ``dataloader`` (for prediction, inside Lightning's batch sampler)."""
     inner = getattr(dataloader.batch_sampler, "sampler", None)
     return inner if isinstance(inner, DistributedSampler) else dataloader.sampler
 
 
 def injected_over_dataset_order(sampler: DistributedSampler) -> bool:
-    """Whether Lightning's injected sampler shards the dataset itself (plain or sequential order), as opposed
-    to wrapping a custom sampler of the user's, whose order we must not replace."""
+    """Whether Lightning's injected sampler shards the dataset itself, not a custom sampler of the user's."""
     if type(sampler) is DistributedSampler:
         return True
     if isinstance(sampler, UnrepeatedDistributedSamplerWrapper):  # predict: wraps the loader's own sampler
@@ -50,8 +51,7 @@ def injected_over_dataset_order(sampler: DistributedSampler) -> bool:
 
 
 def unrepeated_sampler(injected: UnrepeatedDistributedSamplerWrapper, num_replicas: int, rank: int) -> Sampler:
-    """Lightning's prediction sampler over the user's sampler that ``injected`` wraps, sharded over
-    ``num_replicas`` ranks (as ``_get_distributed_sampler`` builds it). Private: ``_DatasetSamplerWrapper._sampler``."""
+    """Lightning's prediction sampler over the user's sampler ``injected`` wraps, over ``num_replicas`` ranks."""
     user_sampler = injected.dataset._sampler
     return UnrepeatedDistributedSamplerWrapper(
         user_sampler, num_replicas=num_replicas, rank=rank, shuffle=injected.shuffle, seed=injected.seed
@@ -59,36 +59,22 @@ def unrepeated_sampler(injected: UnrepeatedDistributedSamplerWrapper, num_replic
 
 
 def micro_batches_done_in_epoch(trainer: Any) -> int:
-    """Training micro-batches started so far in the current epoch, the running one included.
-
-    It is the counter Lightning's accumulation decides with
-    (``_TrainingEpochLoop._accumulated_batches_reached``:
-    ``batch_progress.current.ready % accumulate_grad_batches == 0``; gradients are zeroed when
-    ``batch_idx % accumulate_grad_batches == 0`` with ``batch_idx == ready - 1``), restored on resume.
-    Internal: ``trainer.fit_loop.epoch_loop.batch_progress`` is not public API.
-    """
+    """Training micro-batches started in this epoch, the running one included: the counter Lightning's accumulation
+    decides with (``batch_progress.current.ready``, restored on resume; not public API)."""
     return int(trainer.fit_loop.epoch_loop.batch_progress.current.ready)
 
 
 def micro_batches_trained_in_epoch(trainer: Any) -> int:
-    """Training micro-batches of the current epoch whose step has run (``batch_progress.current.processed``):
-    during ``on_train_batch_end``, where ``ModelCheckpoint`` saves, the batch just trained counts, and it is
-    the count Lightning restores a mid-epoch resume to (it marks that batch completed when restarting)."""
+    """Training micro-batches of this epoch whose step has run (``batch_progress.current.processed``): in
+    ``on_train_batch_end`` the batch just trained counts, as in what a mid-epoch resume restores."""
     return int(trainer.fit_loop.epoch_loop.batch_progress.current.processed)
 
 
 def refresh_training_batch_count(trainer: Any) -> bool:
-    """Make Lightning's count of training batches in this epoch follow the training loaders' current lengths;
-    True if it changed. Call it once the epoch's first batch is fetched.
-
-    ``_FitLoop.setup_data`` reads ``len(loader)`` once per fit (or per reload) into the combined loader's
-    ``limits``, ``fit_loop.max_batches`` (what ``trainer.num_training_batches`` returns and the end-of-epoch
-    check reads), ``val_check_batch``, and the data fetcher's ``length`` (which marks the last batch). A resumed
-    epoch on another world size has another length than the epochs after it, so they are re-read here, with
-    ``limit_train_batches`` applied as ``setup_data`` does, and the fetched batch's last-batch flag is
-    recomputed. Private: ``_combined_loader``, ``_mode``, ``_SUPPORTED_MODES``, ``_parse_num_batches``,
-    ``_data_fetcher`` and the fetcher's ``length``/``fetched``/``done``.
-    """
+    """Make Lightning's count of this epoch's training batches follow the loaders' current lengths (True if it
+    changed): ``_FitLoop.setup_data`` reads them once per fit into the combined loader's ``limits``,
+    ``max_batches``, ``val_check_batch`` and the fetcher's ``length``, and a resumed epoch on another world size
+    has another length. Call it once the epoch's first batch is fetched."""
     fit_loop = trainer.fit_loop
     combined = fit_loop._combined_loader
     if combined is None or combined.limits is None:
@@ -116,19 +102,14 @@ def refresh_training_batch_count(trainer: Any) -> bool:
 
 
 def training_loaders_combination(trainer: Any) -> tuple[str, int]:
-    """The mode of the training ``CombinedLoader`` Lightning built (around a single loader too: then
-    ``"max_size_cycle"``) and how many loaders it combines. Private: ``_FitLoop._combined_loader``,
-    ``CombinedLoader._mode``."""
+    """The mode of the training ``CombinedLoader`` Lightning built (around one loader too) and its loader count."""
     combined = trainer.fit_loop._combined_loader
     return (combined._mode, len(combined.flattened)) if combined is not None else ("min_size", 1)
 
 
 def replace_sampler(dataloader: DataLoader, sampler: Sampler, stage: RunningStage) -> DataLoader:
-    """Rebuild ``dataloader`` (its class, batch size, collate_fn, workers, ...) around ``sampler``.
-
-    For prediction Lightning has already rebuilt the loader around a ``BatchSampler`` wrapped to record the
-    indices of each batch, and cannot rebuild it again: the sampler is swapped inside that wrapper.
-    """
+    """Rebuild ``dataloader`` around ``sampler``; for prediction (already rebuilt around an index-recording batch
+    sampler), swap the sampler inside that wrapper."""
     batch_sampler = dataloader.batch_sampler
     if isinstance(batch_sampler, _IndexBatchSamplerWrapper):
         batch_sampler._batch_sampler.sampler = sampler  # private: the wrapped BatchSampler
@@ -188,9 +169,8 @@ def set_computed(result_metric: Any, value: Any) -> None:
 
 
 def publish_loader_values(trainer: Any, dataloader_idx: int | None) -> None:
-    """Put the epoch values logged for evaluation loader ``dataloader_idx`` into ``callback_metrics``, the logged
-    and the progress-bar metrics, as Lightning does when its loop moves to the next loader
-    (``update_eval_epoch_metrics`` reads the values of ``_ResultCollection.dataloader_idx`` only)."""
+    """Publish evaluation loader ``dataloader_idx``'s epoch values (``callback_metrics``, logged, progress bar), as
+    Lightning does when its loop moves to the next loader."""
     results = trainer._results
     current, results.dataloader_idx = results.dataloader_idx, dataloader_idx
     try:
@@ -200,28 +180,14 @@ def publish_loader_values(trainer: Any, dataloader_idx: int | None) -> None:
 
 
 def set_metric_sync(metric: Any, sync_on_compute: bool, dist_sync_on_step: bool) -> None:
-    """Set a torchmetrics ``Metric``'s sync switches. Its ``compute()`` reads the private ``_to_sync``, which
-    torchmetrics copies from ``sync_on_compute`` only at construction and at the end of ``forward``: a Metric fed
-    with ``update()`` would otherwise sync inside Lightning's epoch-end read, on the ranks that logged it only."""
+    """Set a torchmetrics ``Metric``'s sync switches, and the private ``_to_sync`` its ``compute()`` reads (copied
+    from ``sync_on_compute`` only at construction and after ``forward``)."""
     metric.sync_on_compute, metric.dist_sync_on_step = sync_on_compute, dist_sync_on_step
     metric._to_sync = sync_on_compute
 
 
 # ---------------------------------------------------------------- training metrics (`training_metrics`)
 # No public hook sits between "a value was logged" and "it is read"; `sync_dist` runs in `_ResultCollection.log`.
-
-import inspect  # noqa: E402
-from collections.abc import Callable  # noqa: E402
-from typing import NamedTuple  # noqa: E402
-
-import lightning.pytorch as pl  # noqa: E402
-import torch  # noqa: E402
-from lightning.pytorch.trainer.connectors.logger_connector.result import (  # noqa: E402
-    _ResultCollection,
-    _ResultMetric,
-)
-from lightning.pytorch.utilities.data import extract_batch_size  # noqa: E402
-from lightning.pytorch.utilities.exceptions import MisconfigurationException  # noqa: E402
 
 
 class TrainingLog(NamedTuple):
@@ -336,8 +302,7 @@ def epoch_state(metric: _ResultMetric) -> tuple[torch.Tensor, torch.Tensor | Non
 
 
 def _default_epoch_state(metric: _ResultMetric) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The epoch state of a fresh ``_ResultMetric`` (as its ``__init__`` sets it): 0, or -inf/+inf for
-    max/min."""
+    """The epoch state of a fresh ``_ResultMetric``: 0, or -inf/+inf for max/min."""
     name = _reduce_name(metric)
     fill = {"max": float("-inf"), "min": float("inf")}.get(name, 0.0)
     count = torch.zeros_like(metric.cumulated_batch_size) if name == "mean" else None
@@ -345,8 +310,7 @@ def _default_epoch_state(metric: _ResultMetric) -> tuple[torch.Tensor, torch.Ten
 
 
 def set_step_value(metric: _ResultMetric, value: torch.Tensor | None) -> None:
-    """Make ``value`` the step value that loggers, the progress bar and ``callback_metrics`` read (None: the
-    metric has no step value to show yet and is left out of them)."""
+    """Make ``value`` the step value the loggers read (None: no step value yet, left out of them)."""
     metric._forward_cache = value  # private: read by `_ResultCollection._get_cache(on_step=True)`
     if value is not None:
         metric.has_reset = False  # private: as `update_metrics` does; a reset metric is left out of the values
@@ -354,9 +318,7 @@ def set_step_value(metric: _ResultMetric, value: torch.Tensor | None) -> None:
             metric.value = value  # what `update` stores for on_step-only values
 
 
-def set_epoch_state(
-    metric: _ResultMetric, value: torch.Tensor, cumulated_batch_size: torch.Tensor | None
-) -> None:
+def set_epoch_state(metric: _ResultMetric, value: torch.Tensor, cumulated_batch_size: torch.Tensor | None) -> None:
     """Replace the epoch accumulation of ``metric`` (see :func:`epoch_state`)."""
     metric.value = value
     if cumulated_batch_size is not None:
@@ -366,9 +328,8 @@ def set_epoch_state(
 
 
 def batch_size_of_current_batch(results: _ResultCollection) -> int | None:
-    """The batch size Lightning uses for this batch's epoch means when ``self.log`` is given none: the one it
-    already inferred, else inferred the same way from the batch; None when there is no batch or it has no
-    tensor."""
+    """The batch size Lightning uses for this batch's epoch means when ``self.log`` is given none; None when the
+    batch has no tensor."""
     if results.batch_size is not None:  # private: cached by `_ResultCollection._extract_batch_size`
         return int(results.batch_size)
     batch = results.batch  # private: set by the logger connector's `on_batch_start`
@@ -385,9 +346,8 @@ def batch_size_of_current_batch(results: _ResultCollection) -> int | None:
 
 
 def logs_this_step(trainer: pl.Trainer) -> bool:
-    """Whether the logger connector logs the training metrics at the end of this batch: the rule of
-    ``_LoggerConnector.update_train_step_metrics`` (not between the micro-batches of an accumulation window in
-    automatic optimization; every batch in manual optimization)."""
+    """Whether the training metrics are logged at the end of this batch (``update_train_step_metrics``' rule: not
+    inside an accumulation window in automatic optimization)."""
     if trainer.accumulate_grad_batches == 1:  # no accumulation window: every batch is logged
         return True
     accumulating = trainer.fit_loop._should_accumulate()  # private: `_FitLoop._should_accumulate`
@@ -395,10 +355,8 @@ def logs_this_step(trainer: pl.Trainer) -> bool:
 
 
 def loggers_read_this_step(trainer: pl.Trainer, logs: bool | None = None) -> bool:
-    """Whether the logger connector hands the training metrics to the loggers at the end of this batch (then it
-    reads them on the host anyway): ``_LoggerConnector.update_train_step_metrics``, which runs after
-    ``on_train_batch_end`` and before the step counter ``should_update_logs`` reads moves on. ``logs``: what
-    :func:`logs_this_step` returned for this batch, if the caller has it."""
+    """Whether the loggers read the training metrics at the end of this batch (on the host anyway), as
+    ``update_train_step_metrics`` decides after ``on_train_batch_end``; ``logs``: :func:`logs_this_step`'s answer."""
     if not (logs_this_step(trainer) if logs is None else logs):
         return False
     if trainer.fast_dev_run:
@@ -416,18 +374,13 @@ def loggers_read_this_step(trainer: pl.Trainer, logs: bool | None = None) -> boo
 TRAIN_DATALOADER_NEXT = "[_TrainingEpochLoop].train_dataloader_next"
 
 
-
 # ---------------------------------------------------------------- DDP re-wrap (fusion autotuning)
 
 
 def rewrap_ddp(strategy: Any, ddp_kwargs: dict[str, Any]) -> None:
-    """Wrap the LightningModule in a new ``DistributedDataParallel`` built with ``ddp_kwargs`` merged into the
-    strategy's (``None`` values remove a key): the way ``DDPStrategy.configure_ddp`` wraps it, through the
-    private ``_setup_model`` and ``_ddp_kwargs``. A collective: every rank must call it at the same step.
-
-    The new wrapper does not broadcast the module's state from rank 0 (``init_sync=False``): the parameters are
-    identical on every rank at a step boundary already, and a model-sized broadcast per re-wrap grows with the
-    model; buffers stay as a run without the re-wrap would have them."""
+    """Wrap the LightningModule in a new DDP with ``ddp_kwargs`` merged into the strategy's (None removes a key), as
+    ``configure_ddp`` does; a collective, at the same step on every rank. No broadcast (``init_sync=False``): the
+    parameters are identical on every rank at a step boundary."""
     set_ddp_kwargs(strategy, ddp_kwargs)
     user_value = strategy._ddp_kwargs.get("init_sync", _ABSENT)
     strategy._ddp_kwargs["init_sync"] = False
@@ -444,15 +397,13 @@ _ABSENT = object()
 
 
 def ddp_kwargs(strategy: Any) -> dict[str, Any]:
-    """The keyword arguments the strategy gives ``DistributedDataParallel`` (private ``DDPStrategy._ddp_kwargs``;
-    read only)."""
+    """The keyword arguments the strategy gives ``DistributedDataParallel`` (read only)."""
     return strategy._ddp_kwargs
 
 
 def attached_trainer(module: Any) -> Any:
-    """The Trainer ``module`` is attached to, or None (``LightningModule.trainer`` raises when there is none;
-    this reads the private ``_trainer`` it returns; a stand-in without it, as a ``Mock(spec=...)`` of a
-    LightningModule that Lightning's own launcher tests connect, has none)."""
+    """The Trainer ``module`` is attached to, or None (``LightningModule.trainer`` raises then; a ``Mock(spec=...)``
+    module, as Lightning's launcher tests connect, has no ``_trainer``)."""
     return getattr(module, "_trainer", None)
 
 
@@ -466,10 +417,8 @@ def set_ddp_kwargs(strategy: Any, ddp_kwargs: dict[str, Any]) -> None:
 
 
 def mark_resumed_step_saved(trainer: Any) -> None:
-    """ModelCheckpoint remembers the last step it saved at (``_last_global_step_saved``) but does not restore it
-    from a checkpoint: after a resume inside an aggregation window it saves again at the resumed step, at the
-    first micro-batch, mid-window (and a ``save_last`` file is overwritten with that). The resumed step was
-    saved already: the checkpoint being resumed is it."""
+    """Tell step-triggered ModelCheckpoints the resumed step was saved (they do not restore
+    ``_last_global_step_saved``: after a resume inside an aggregation window they saved again, mid-window)."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     step = trainer.global_step
@@ -481,20 +430,17 @@ def mark_resumed_step_saved(trainer: Any) -> None:
             callback._last_global_step_saved = max(callback._last_global_step_saved, step)
 
 
-# A Lightning warning that is wrong under exact evaluation, matched by its text (tests/test_lightning_private.py
-# checks that Lightning still emits it with these words).
+# Lightning warnings that are wrong under shardplus, matched by their text (canaries: tests/test_lightning_private.py)
 EVALUATION_SAMPLER_WARNING = r"Using `DistributedSampler` with the dataloaders\. During `trainer\."
 
 
 def silence_evaluation_sampler_warning() -> Any:
-    """Lightning advises one device for validate/test because its sampler replicates samples; exact evaluation
-    replicates none. Returns what undoes it (the filter is process-wide: remove it when the run ends)."""
+    """Ignore Lightning's advice of one device for validate/test (exact evaluation replicates no sample); returns
+    what undoes it."""
     return _ignore_warning(EVALUATION_SAMPLER_WARNING)
 
 
-# Lightning's warning on a resume from a checkpoint saved mid-epoch when a training loader is not `_Stateful`
-# (`_TrainingEpochLoop.reset`), matched by its text (tests/test_lightning_private.py checks that Lightning still
-# emits it with these words). Not true where shardplus's samplers continue the epoch from the checkpoint.
+# on a mid-epoch resume with a loader that is not `_Stateful`: false where shardplus's samplers continue the epoch
 NOT_RESUMABLE_WARNING = r"You're resuming from a checkpoint that ended before the epoch ended and your dataloader is"
 
 
