@@ -142,10 +142,11 @@ RANK_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 
 
 def export_rank_variables(environment: ClusterEnvironment, local_world_size: int) -> Callable[[], None]:
-    """Set :data:`RANK_VARIABLES` where absent (Lightning's launchers set neither ``RANK`` nor ``LOCAL_WORLD_SIZE``;
-    Mosaic Streaming reads them: docs/uneven-inputs.md); returns what removes the ones it set."""
+    """Set :data:`RANK_VARIABLES` where absent, with more than one process (Lightning's launchers set neither ``RANK``
+    nor ``LOCAL_WORLD_SIZE``; Mosaic Streaming reads them, and takes their absence for one process); returns what
+    removes the ones it set."""
     values = (environment.global_rank(), environment.world_size(), environment.local_rank(), local_world_size)
-    added = [name for name in RANK_VARIABLES if name not in os.environ]
+    added = [name for name in RANK_VARIABLES if name not in os.environ and environment.world_size() > 1]
     os.environ.update({name: str(value) for name, value in zip(RANK_VARIABLES, values, strict=True) if name in added})
 
     def remove() -> None:

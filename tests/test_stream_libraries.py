@@ -206,6 +206,9 @@ def test_each_process_has_the_rank_variables_stream_libraries_read_during_the_ru
     one = cpu_trainer(ShardPlusStrategy(start_method="fork"), 1, max_steps=1)
     one.fit(RankVariables(tmp_path / "one"), DataLoader([sample(i) for i in range(6)], batch_size=2))
     assert "RANK" not in os.environ and "LOCAL_WORLD_SIZE" not in os.environ  # removed at teardown
+    # one process: none set (as under ddp), so a strategy set up and never torn down leaves none behind
+    (alone,) = rows(tmp_path / "one", 0, "environment")
+    assert alone["RANK"] is alone["WORLD_SIZE"] is alone["LOCAL_WORLD_SIZE"] is None  # (LOCAL_RANK: Lightning's)
 
 
 # ------------------------------------------------------------------------------------------- Mosaic Streaming
