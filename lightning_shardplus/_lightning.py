@@ -497,10 +497,14 @@ def _ignore_warning(pattern: str) -> Any:
 
 def destroy_process_group_at_exit() -> None:
     """Lightning's process-group teardown at exit, for every backend (Lightning registers it for NCCL only: a gloo
-    group alive at interpreter shutdown aborts the process now and then, exit code 134, under ``ddp`` too)."""
+    group alive at interpreter shutdown aborts the process now and then, exit code 134, under ``ddp`` too). Not on
+    torch before 2.13: there a gloo group's destructor, holding the GIL, can deadlock with its worker thread."""
     import atexit
 
     from lightning.fabric.utilities.distributed import _destroy_dist_connection
+
+    if release(torch.__version__) < (2, 13):
+        return
 
     atexit.unregister(_destroy_dist_connection)  # no duplicate when Lightning registered it (NCCL)
     atexit.register(_destroy_dist_connection)

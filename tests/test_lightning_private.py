@@ -462,7 +462,9 @@ def test_lightning_destroys_the_process_group_at_exit_for_nccl_only_and_shardplu
     monkeypatch.setattr(atexit, "unregister", lambda f: registered.remove(f) if f in registered else None)
     _lightning.destroy_process_group_at_exit()
     _lightning.destroy_process_group_at_exit()
-    assert registered == [distributed._destroy_dist_connection]  # once, Lightning's own teardown
+    # once, Lightning's own teardown; not on torch < 2.13 (a gloo group's destructor can deadlock there at exit)
+    old_torch = _lightning.release(torch.__version__) < (2, 13)
+    assert registered == ([] if old_torch else [distributed._destroy_dist_connection])
 
 
 @pytest.mark.parametrize("log_every_n_steps", [1, 3, 0])
