@@ -496,9 +496,8 @@ def _ignore_warning(pattern: str) -> Any:
 
 
 def destroy_process_group_at_exit() -> None:
-    """Lightning's process-group teardown at exit, for every backend (Lightning registers it for NCCL only: a gloo
-    group alive at interpreter shutdown aborts the process now and then, exit code 134, under ``ddp`` too). Not on
-    torch before 2.13: there a gloo group's destructor, holding the GIL, can deadlock with its worker thread."""
+    """Lightning's process-group teardown at exit on every backend (Lightning: NCCL only; a gloo group alive at exit
+    aborts now and then), not on torch < 2.13 (its gloo destructor can deadlock over the GIL)."""
     import atexit
 
     from lightning.fabric.utilities.distributed import _destroy_dist_connection
