@@ -1,8 +1,11 @@
 """Every use of a private Lightning (or argparse) name, in one place: what Lightning's own data connector, loops
-and logger connector use where it has no public hook; ``tests/test_lightning_private.py`` fails if one moves."""
+and logger connector use where it has no public hook; ``tests/test_lightning_private.py`` fails if one moves, and
+on a release that moved one, ``lightning_gaps`` (below) names the feature that cannot run."""
 
 from __future__ import annotations
 
+import functools
+import importlib
 import inspect
 import re
 from collections.abc import Callable
@@ -11,18 +14,33 @@ from typing import Any, NamedTuple
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.data import sized_len
-from lightning.pytorch.loops.fetchers import _PrefetchDataFetcher
-from lightning.pytorch.overrides.distributed import (
-    UnrepeatedDistributedSamplerWrapper,
-    _IndexBatchSamplerWrapper,
-)
-from lightning.pytorch.trainer.connectors.data_connector import _parse_num_batches
-from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultCollection, _ResultMetric
+from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import RunningStage
-from lightning.pytorch.utilities.combined_loader import _SUPPORTED_MODES
-from lightning.pytorch.utilities.data import _update_dataloader, extract_batch_size
+from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from torch.utils.data import DataLoader, DistributedSampler, Sampler, SequentialSampler
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Sampler, SequentialSampler
+
+
+def _private(module: str, name: str) -> Any:
+    """``from module import name``, or None where this Lightning moved it (its feature's probe, below, says so)."""
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
+        return None
+
+
+_FitLoop = _private("lightning.pytorch.loops.fit_loop", "_FitLoop")
+_PrefetchDataFetcher = _private("lightning.pytorch.loops.fetchers", "_PrefetchDataFetcher")
+UnrepeatedDistributedSamplerWrapper = _private(
+    "lightning.pytorch.overrides.distributed", "UnrepeatedDistributedSamplerWrapper"
+)
+_IndexBatchSamplerWrapper = _private("lightning.pytorch.overrides.distributed", "_IndexBatchSamplerWrapper")
+_parse_num_batches = _private("lightning.pytorch.trainer.connectors.data_connector", "_parse_num_batches")
+_LoggerConnector = _private("lightning.pytorch.trainer.connectors.logger_connector", "_LoggerConnector")
+_ResultCollection = _private("lightning.pytorch.trainer.connectors.logger_connector.result", "_ResultCollection")
+_ResultMetric = _private("lightning.pytorch.trainer.connectors.logger_connector.result", "_ResultMetric")
+_SUPPORTED_MODES = _private("lightning.pytorch.utilities.combined_loader", "_SUPPORTED_MODES")
+_update_dataloader = _private("lightning.pytorch.utilities.data", "_update_dataloader")
 
 
 class InjectedSeed(int):
@@ -426,7 +444,7 @@ def mark_resumed_step_saved(trainer: Any) -> None:
         # only those that save "every n train steps" at this step: the others (at validation or epoch ends) did
         # not save at it, and the same field would make them skip their next save at this step
         every = getattr(callback, "_every_n_train_steps", 0) if isinstance(callback, ModelCheckpoint) else 0
-        if every >= 1 and step % every == 0:
+        if every >= 1 and step % every == 0 and hasattr(callback, "_last_global_step_saved"):
             callback._last_global_step_saved = max(callback._last_global_step_saved, step)
 
 
@@ -500,10 +518,9 @@ def destroy_process_group_at_exit() -> None:
     aborts now and then), not on torch < 2.13 (its gloo destructor can deadlock over the GIL)."""
     import atexit
 
-    from lightning.fabric.utilities.distributed import _destroy_dist_connection
-
-    if release(torch.__version__) < (2, 13):
-        return
+    _destroy_dist_connection = _private("lightning.fabric.utilities.distributed", "_destroy_dist_connection")
+    if _destroy_dist_connection is None or release(torch.__version__) < (2, 13):
+        return  # Lightning's behaviour
 
     atexit.unregister(_destroy_dist_connection)  # no duplicate when Lightning registered it (NCCL)
     atexit.register(_destroy_dist_connection)
@@ -538,12 +555,105 @@ def warn_if_untested() -> None:
     if LIGHTNING_RELEASE > NEWEST_TESTED:
         warnings.warn(
             f"lightning-shardplus was tested with Lightning {SUPPORTED}; this is {pl.__version__}. It should train; "
-            "a feature that finds Lightning changed falls back to Lightning's behaviour with a warning naming it.",
+            "a feature whose private Lightning names moved is refused, or falls back to Lightning's behaviour with "
+            "a warning naming it, when the strategy is built.",
             UserWarning,
             stacklevel=3,
         )
 
 
+# ==========================================================================================================
+# What this Lightning lacks, per feature: a release that moved a private name above loses the feature that needs
+# it, not the package. Each probe touches its feature's names on throwaway Lightning objects; run once per
+# process when a strategy is built (`config.check_arguments`), whose policy refuses or falls back.
+# ==========================================================================================================
+
+
+def _probe_sharding() -> None:
+    """The samplers' glue (loader rebuilds, prediction wrappers, the fit loop's loaders), DDP's kwargs."""
+    _imported("_FitLoop", "_PrefetchDataFetcher", "_IndexBatchSamplerWrapper", "_parse_num_batches", "_SUPPORTED_MODES")
+    _imported("UnrepeatedDistributedSamplerWrapper", "_update_dataloader")
+    sampler = SequentialSampler(range(2))
+    _attributes(UnrepeatedDistributedSamplerWrapper(sampler, num_replicas=1, rank=0), "dataset._sampler", "shuffle")
+    _attributes(_IndexBatchSamplerWrapper(BatchSampler(sampler, 1, drop_last=False)), "_batch_sampler")
+    fit_loop = _FitLoop(None)
+    _attributes(fit_loop, "_combined_loader", "_data_fetcher", "max_batches", "epoch_loop.batch_progress.current.ready")
+    _attributes(_PrefetchDataFetcher(), "length", "done", "fetched")
+    _attributes(DDPStrategy(), "_ddp_kwargs")
+
+
+def _probe_results(*names: str) -> None:
+    """The logged values' names in a result collection Lightning filled (``self.log`` ends there, with these
+    keywords)."""
+    _imported("_ResultCollection", "_ResultMetric")
+    results = _ResultCollection(training=True)
+    results.log(
+        "training_step", "probe", torch.tensor(1.0), prog_bar=False, logger=True, on_step=True, on_epoch=True,
+        reduce_fx="mean", sync_dist=False, sync_dist_fn=_synced_by_shardplus, sync_dist_group=None,
+        add_dataloader_idx=True, batch_size=1, metric_attribute=None, rank_zero_only=False,
+    )  # fmt: skip
+    _attributes(results, "batch_size", "batch", "dataloader_idx")
+    metric = results["training_step.probe"]
+    _attributes(metric, "_computed", "_forward_cache", "has_reset", "value", "cumulated_batch_size", "meta.on_epoch")
+    _attributes(metric, "meta.is_mean_reduction", "meta.is_sum_reduction", "meta.is_max_reduction", *names)
+
+
+def _probe_exact_evaluation() -> None:
+    _probe_results()
+    _imported("_LoggerConnector")
+    _attributes(pl.Trainer, "_results")
+    _attributes(_LoggerConnector, "update_eval_epoch_metrics")
+    _attributes(importlib.import_module(_ResultCollection.__module__), "warning_cache")
+    from torchmetrics import MeanMetric
+
+    _attributes(MeanMetric(), "_to_sync", "sync_on_compute", "dist_sync_on_step")
+
+
+def _probe_training_metrics() -> None:
+    _probe_results()
+    _attributes(_FitLoop(None), "_should_accumulate", "epoch_loop._results", "epoch_loop._batches_that_stepped")
+
+
+def _probe_fusion_tuning() -> None:
+    """Re-wrapping DDP: the strategy's DDP kwargs and DDPStrategy's own ``_setup_model`` (the base's does not wrap)."""
+    _attributes(DDPStrategy(), "_ddp_kwargs")
+    if "_setup_model" not in vars(DDPStrategy):
+        raise AttributeError("DDPStrategy defines no `_setup_model`")
+
+
+def _imported(*names: str) -> None:
+    """Raise ImportError where one of ``names`` (imported above with :func:`_private`) was not found."""
+    if missing := [name for name in names if globals()[name] is None]:
+        raise ImportError(f"cannot import {', '.join(missing)}")
+
+
+def _attributes(owner: Any, *paths: str) -> None:
+    """Raise AttributeError where ``owner`` lacks one of the dotted ``paths``."""
+    for path in paths:
+        functools.reduce(getattr, path.split("."), owner)
+
+
+# The features a Lightning release can take away, by strategy argument ("sharding": the strategy itself).
+PROBES = {
+    "sharding": _probe_sharding,
+    "exact_evaluation": _probe_exact_evaluation,
+    "average_training_metrics": _probe_training_metrics,
+    "auto_tune_tensor_fusion": _probe_fusion_tuning,
+}
+
+
+@functools.cache
+def lightning_gaps() -> dict[str, str]:
+    """Feature -> what its probe found missing in this Lightning (empty on every supported release)."""
+    gaps = {}
+    for feature, probe in PROBES.items():
+        try:
+            probe()
+        except Exception as error:  # a moved name or a changed signature: the feature cannot run here
+            gaps[feature] = f"{type(error).__name__}: {error}"
+    return gaps
+
+
 def parser_actions(parser: Any) -> list[Any]:
     """The actions of an argparse parser (argparse keeps no public list of them: private ``_actions``)."""
-    return parser._actions
+    return getattr(parser, "_actions", [])

@@ -16,7 +16,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from functools import cached_property
+from functools import cache, cached_property
 from typing import Any
 
 import lightning.fabric.plugins  # noqa: F401  (the modules `_lightning_classes` reads in sys.modules)
@@ -25,11 +25,12 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.accelerators import AcceleratorRegistry
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
 from torch.nn import Parameter
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_shardplus import fusion
+from lightning_shardplus import _lightning, fusion
 from lightning_shardplus._validation import (
     check_bool,
     check_choice,
@@ -137,7 +138,7 @@ def check_arguments(arguments: dict[str, Any]) -> tuple[ShardPlusConfig, timedel
     """``ShardPlusStrategy``'s arguments (its ``locals()``) checked: its config, DDP's timeout (a number is
     seconds, as YAML gives it), the keyword arguments for ``DDPStrategy`` as DDP takes them, and the names of
     those at DDP's own default (left out then, as with ``strategy="ddp"``)."""
-    config, a = ShardPlusConfig.from_arguments(arguments), arguments
+    config, a = fit_to_lightning(ShardPlusConfig.from_arguments(arguments)), arguments
     flags = {"static_graph": a["static_graph"], "gradient_as_bucket_view": a["gradient_as_bucket_view"]}
     ddp_kwargs = dict(a["ddp_kwargs"])
     for name in ("find_unused_parameters", "broadcast_buffers"):  # only when given (torch 2.13 deprecates the latter)
@@ -153,6 +154,34 @@ def check_arguments(arguments: dict[str, Any]) -> tuple[ShardPlusConfig, timedel
     given = {"bucket_cap_mb": config.tensor_fusion_threshold_mb, **{name: ddp_kwargs[name] for name in flags}}
     defaults = [name for name, value in given.items() if value in (None, DDP_DEFAULTS[name])]  # None: torch < 2.4 too
     return config, process_group_timeout(a["timeout"]), ddp_kwargs, defaults
+
+
+# What takes the place of a default feature this Lightning cannot run (`_lightning.lightning_gaps`).
+_FALLBACKS = {
+    "exact_evaluation": "evaluation runs on Lightning's DistributedSampler, as under strategy='ddp'",
+    "average_training_metrics": "training values are synced as `self.log(sync_dist=...)` asks, as under 'ddp'",
+}
+
+
+def fit_to_lightning(config: ShardPlusConfig) -> ShardPlusConfig:
+    """``config`` on this Lightning: a feature whose private Lightning names moved is refused, or, where it is on by
+    default, turned off with one warning; never a failure in the middle of a fit."""
+    for feature, gap in _lightning.lightning_gaps().items():
+        if feature != "sharding" and not getattr(config, feature):
+            continue
+        moved = f"Lightning {_lightning.pl.__version__} moved a private name it needs ({gap})"
+        supported = f"Lightning {_lightning.SUPPORTED} run it (docs/compatibility.md)"
+        if feature not in _FALLBACKS:
+            what = "ShardPlusStrategy" if feature == "sharding" else f"`{feature}`=True"
+            raise RuntimeError(f"{what} cannot run here: {moved}. {supported}.")
+        _warn_once(f"shardplus: `{feature}` is off: {moved}; {_FALLBACKS[feature]}. {supported}.")
+        config = dataclasses.replace(config, **{feature: False})
+    return config
+
+
+@cache
+def _warn_once(message: str) -> None:
+    rank_zero_warn(message)
 
 
 # DistributedDataParallel's flags (each checked where this torch has it); the optional ones take None (its default).
@@ -280,8 +309,10 @@ def _check_communication_hook(config: ShardPlusConfig, hook: Callable | None, st
             f"`gradient_compression`={compression!r} and `ddp_comm_hook`={hook!r} both "
             "choose DDP's communication hook: give one of them (gradient_compression='none' for yours)."
         )
-    if compression != "none" and state is not None and not (
-        compression == "powersgd" and isinstance(state, PowerSGDState)
+    if (
+        compression != "none"
+        and state is not None
+        and not (compression == "powersgd" and isinstance(state, PowerSGDState))
     ):
         raise ValueError(
             f"`ddp_comm_state`={state!r} does not go with `gradient_compression`="
