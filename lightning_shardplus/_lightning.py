@@ -8,6 +8,7 @@ import functools
 import importlib
 import inspect
 import re
+import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -388,7 +389,6 @@ def loggers_read_this_step(trainer: pl.Trainer, logs: bool | None = None) -> boo
 
 # ---------------------------------------------------------------- scaling report (`diagnostics.ScalingReport`)
 # The profiler action under which Lightning's training loop times `next()` on the training loader.
-
 TRAIN_DATALOADER_NEXT = "[_TrainingEpochLoop].train_dataloader_next"
 
 
@@ -448,69 +448,13 @@ def mark_resumed_step_saved(trainer: Any) -> None:
             callback._last_global_step_saved = max(callback._last_global_step_saved, step)
 
 
-# Lightning warnings that are wrong under shardplus, matched by their text (canaries: tests/test_lightning_private.py)
-EVALUATION_SAMPLER_WARNING = r"Using `DistributedSampler` with the dataloaders\. During `trainer\."
-
-
-def silence_evaluation_sampler_warning() -> Any:
-    """Ignore Lightning's advice of one device for validate/test (exact evaluation replicates no sample); returns
-    what undoes it."""
-    return _ignore_warning(EVALUATION_SAMPLER_WARNING)
-
-
-# on a mid-epoch resume with a loader that is not `_Stateful`: false where shardplus's samplers continue the epoch
-NOT_RESUMABLE_WARNING = r"You're resuming from a checkpoint that ended before the epoch ended and your dataloader is"
-
-
-def silence_not_resumable_warning() -> Any:
-    """Ignore Lightning's warning that the training loaders cannot resume mid-epoch (when every one of them is
-    continued exactly by its shardplus sampler); returns what undoes it."""
-    return _ignore_warning(NOT_RESUMABLE_WARNING)
-
-
-# Lightning's advice to sync epoch-level values (`_ResultCollection._get_cache`), given once per value name (its
-# module-level `warning_cache`). The evaluation loop reads the epoch values before the epoch-end hooks, where exact
-# evaluation reduces them: for those values the advice is wrong.
-EPOCH_SYNC_ADVICE = (
-    r"It is recommended to use `self\.log\({names}, \.\.\., sync_dist=True\)` when logging on epoch level in "
-    r"distributed setting"
-)
-
-
-def silence_epoch_sync_advice(names: Any) -> Any:
-    """Ignore Lightning's sync_dist advice for the values logged under ``names`` until the returned function is
-    called; it also forgets that the advice was given for them (Lightning gives it once per name and process), so
-    that a later run where it is true still sees it."""
+def forget_given_warnings(pattern: str) -> None:
+    """Make Lightning's logged-results module forget it gave the warnings matching ``pattern`` (it gives each once
+    per process: its private ``warning_cache``), so that a later run where they are true shows them again."""
     from lightning.pytorch.trainer.connectors.logger_connector import result
 
-    pattern = EPOCH_SYNC_ADVICE.format(names="(" + "|".join(re.escape(repr(name)) for name in sorted(names)) + ")")
-    restore_filter = _ignore_warning(pattern)
-
-    def restore() -> None:
-        restore_filter()
-        cache = result.warning_cache  # private: the module's `WarningCache` (a set of messages)
-        cache.difference_update([message for message in cache if re.match(pattern, message)])
-
-    return restore
-
-
-def _ignore_warning(pattern: str) -> Any:
-    """A process-wide "ignore" filter for Lightning's ``PossibleUserWarning`` matching ``pattern``; returns what
-    removes it. Put into ``warnings.filters`` directly: ``warnings.filterwarnings`` would make Python forget which
-    warnings it has shown, and show each "default" warning again (Lightning's LeafSpec deprecation, twice per
-    process); an "ignore" filter needs no such reset."""
-    import warnings
-
-    from lightning.pytorch.utilities.warnings import PossibleUserWarning
-
-    added = ("ignore", re.compile(pattern, re.I), PossibleUserWarning, None, 0)
-    warnings.filters.insert(0, added)
-
-    def restore() -> None:
-        if added in warnings.filters:  # an "ignore" filter leaves nothing in the warning registries to reset
-            warnings.filters.remove(added)
-
-    return restore
+    cache = result.warning_cache
+    cache.difference_update([message for message in cache if re.match(pattern, message)])
 
 
 def destroy_process_group_at_exit() -> None:
@@ -530,8 +474,6 @@ def destroy_process_group_at_exit() -> None:
 # Releases: the Lightning release this process runs and what differs inside the supported range
 # (docs/compatibility.md). `tests/test_lightning_private.py` (section "releases") checks each.
 # ==========================================================================================================
-
-import warnings  # noqa: E402
 
 NEWEST_TESTED = (2, 6)
 SUPPORTED = "2.4 to 2.6"
@@ -577,14 +519,14 @@ def _probe_sharding() -> None:
     _attributes(UnrepeatedDistributedSamplerWrapper(sampler, num_replicas=1, rank=0), "dataset._sampler", "shuffle")
     _attributes(_IndexBatchSamplerWrapper(BatchSampler(sampler, 1, drop_last=False)), "_batch_sampler")
     fit_loop = _FitLoop(None)
-    _attributes(fit_loop, "_combined_loader", "_data_fetcher", "max_batches", "epoch_loop.batch_progress.current.ready")
+    _attributes(fit_loop, "_combined_loader", "_data_fetcher", "max_batches")
+    _attributes(fit_loop.epoch_loop.batch_progress.current, "ready", "processed")
     _attributes(_PrefetchDataFetcher(), "length", "done", "fetched")
     _attributes(DDPStrategy(), "_ddp_kwargs")
 
 
-def _probe_results(*names: str) -> None:
-    """The logged values' names in a result collection Lightning filled (``self.log`` ends there, with these
-    keywords)."""
+def _probe_results() -> None:
+    """A result collection Lightning filled (``self.log`` ends there, with these keywords), and its values."""
     _imported("_ResultCollection", "_ResultMetric")
     results = _ResultCollection(training=True)
     results.log(
@@ -595,7 +537,7 @@ def _probe_results(*names: str) -> None:
     _attributes(results, "batch_size", "batch", "dataloader_idx")
     metric = results["training_step.probe"]
     _attributes(metric, "_computed", "_forward_cache", "has_reset", "value", "cumulated_batch_size", "meta.on_epoch")
-    _attributes(metric, "meta.is_mean_reduction", "meta.is_sum_reduction", "meta.is_max_reduction", *names)
+    _attributes(metric, "meta.is_mean_reduction", "meta.is_sum_reduction", "meta.is_max_reduction")
 
 
 def _probe_exact_evaluation() -> None:
@@ -615,8 +557,7 @@ def _probe_training_metrics() -> None:
 
 
 def _probe_fusion_tuning() -> None:
-    """Re-wrapping DDP: the strategy's DDP kwargs and DDPStrategy's own ``_setup_model`` (the base's does not wrap)."""
-    _attributes(DDPStrategy(), "_ddp_kwargs")
+    """Re-wrapping DDP: DDPStrategy's own ``_setup_model`` (the base's does not wrap; ``_ddp_kwargs``: sharding)."""
     if "_setup_model" not in vars(DDPStrategy):
         raise AttributeError("DDPStrategy defines no `_setup_model`")
 

@@ -309,10 +309,8 @@ def _check_communication_hook(config: ShardPlusConfig, hook: Callable | None, st
             f"`gradient_compression`={compression!r} and `ddp_comm_hook`={hook!r} both "
             "choose DDP's communication hook: give one of them (gradient_compression='none' for yours)."
         )
-    if (
-        compression != "none"
-        and state is not None
-        and not (compression == "powersgd" and isinstance(state, PowerSGDState))
+    if compression != "none" and state is not None and not (
+        compression == "powersgd" and isinstance(state, PowerSGDState)
     ):
         raise ValueError(
             f"`ddp_comm_state`={state!r} does not go with `gradient_compression`="

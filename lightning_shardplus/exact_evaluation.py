@@ -12,7 +12,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from torchmetrics import Metric
 
-from lightning_shardplus import _lightning
+from lightning_shardplus import _lightning, false_warnings
 
 # Where evaluation values are logged per batch; values logged in epoch-level hooks keep Lightning's handling.
 _PER_BATCH_FX = frozenset(
@@ -117,7 +117,7 @@ class ExactEvaluation(Callback):
             rm.meta.name for key, rm in _lightning.epoch_result_metrics(results).items() if _exactly_reduced(key, rm)
         }
         if new := names - self._silenced:
-            self._restore_warnings.append(_lightning.silence_epoch_sync_advice(new))
+            self._restore_warnings.append(false_warnings.silence_epoch_sync_advice(new))
             self._silenced |= new
 
     on_test_batch_end = on_validation_batch_end

@@ -13,7 +13,7 @@ from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, Sampler
 
-from lightning_shardplus import _lightning, aggregation
+from lightning_shardplus import _lightning, aggregation, false_warnings
 from lightning_shardplus.sharding import (
     ExactShardSampler,
     PaddedShardSampler,
@@ -46,7 +46,7 @@ class ShardedLoaders:
         self._restore_resume_warning: Callable[[], None] | None = None
         if exact_evaluation and num_replicas > 1:
             # Lightning warns that its evaluation sampler replicates samples: not so with exact shards
-            self._restore_warnings = _lightning.silence_evaluation_sampler_warning()
+            self._restore_warnings = false_warnings.silence_evaluation_sampler_warning()
 
     def close(self) -> None:
         """The run ends: put the warning filters back."""
@@ -109,7 +109,7 @@ class ShardedLoaders:
         resume mid-epoch is not true: it is silenced until the run ends."""
         continued, loaders = self._resumed_exactly, _lightning.training_loaders_combination(self.trainer)[1]
         if continued and continued == loaders and self._restore_resume_warning is None:
-            self._restore_resume_warning = _lightning.silence_not_resumable_warning()
+            self._restore_resume_warning = false_warnings.silence_not_resumable_warning()
         self._resumed, self._resumed_used, self._resumed_exactly = None, 0, 0
 
     def _training_sampler(self, dataloader: DataLoader, injected: Any) -> PaddedShardSampler:

@@ -13,7 +13,7 @@ from lightning.pytorch.trainer.connectors.data_connector import _get_distributed
 from lightning.pytorch.trainer.states import RunningStage
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, SequentialSampler
 
-from lightning_shardplus import ExactShardSampler, ShardPlusStrategy, _lightning, _torch
+from lightning_shardplus import ExactShardSampler, ShardPlusStrategy, _lightning, _torch, false_warnings
 
 
 def test_lightning_passes_the_strategy_seed_to_the_sampler_it_injects():
@@ -370,10 +370,10 @@ def test_lightnings_evaluation_sampler_warning_still_reads_as_shardplus_silences
 
     connector = (Path(pl.__file__).parent / "trainer/connectors/data_connector.py").read_text()
     text = "Using `DistributedSampler` with the dataloaders. During `trainer."
-    assert text in connector.replace('f"', '"') and re.match(_lightning.EVALUATION_SAMPLER_WARNING, text)
+    assert text in connector.replace('f"', '"') and re.match(false_warnings.EVALUATION_SAMPLER_WARNING, text)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        restore = _lightning.silence_evaluation_sampler_warning()
+        restore = false_warnings.silence_evaluation_sampler_warning()
         warnings.warn(text + "validate()`, ...", PossibleUserWarning, stacklevel=1)
         warnings.warn("another warning", PossibleUserWarning, stacklevel=1)
         restore()  # when the run ends: later Trainers (plain ddp) see it again
@@ -398,7 +398,7 @@ def test_lightnings_epoch_sync_advice_still_reads_as_shardplus_silences_it():
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            restore = _lightning.silence_epoch_sync_advice({"val_loss", "acc(x)"})
+            restore = false_warnings.silence_epoch_sync_advice({"val_loss", "acc(x)"})
             for name in ("val_loss", "acc(x)", "other"):
                 result.warning_cache.warn(text.format(name), category=PossibleUserWarning)
             restore()  # evaluation ends: said again where true, although Lightning says it once per name
@@ -540,13 +540,13 @@ def test_lightnings_not_resumable_warning_still_reads_as_shardplus_silences_it(t
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         fit(mid_epoch)
-    assert any(re.match(_lightning.NOT_RESUMABLE_WARNING, str(w.message)) for w in caught)
+    assert any(re.match(false_warnings.NOT_RESUMABLE_WARNING, str(w.message)) for w in caught)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        restore = _lightning.silence_not_resumable_warning()
+        restore = false_warnings.silence_not_resumable_warning()
         fit(mid_epoch)
         restore()
-    assert not any(re.match(_lightning.NOT_RESUMABLE_WARNING, str(w.message)) for w in caught)
+    assert not any(re.match(false_warnings.NOT_RESUMABLE_WARNING, str(w.message)) for w in caught)
 
 
 # ---------------------------------------------------------------------------------------------- releases
