@@ -30,8 +30,7 @@ class ObservedProcessGroup(dist.ProcessGroup):
 
     def __init__(self, group: dist.ProcessGroup, observe: Callable[[Sequence[torch.Tensor]], None]) -> None:
         super().__init__(group.rank(), group.size())
-        self.group = group
-        self.observe = observe
+        self.group, self.observe = group, observe
 
     def allreduce(self, tensors, opts):  # what `torch.distributed.all_reduce(tensor, group=self)` calls
         self.observe(tensors)
@@ -85,10 +84,7 @@ class CommunicationCounter(CommunicationHookWrapper):
         self._observed: dict[int, ObservedProcessGroup] = {}
 
     def __getstate__(self) -> dict[str, Any]:  # the spawn launcher pickles the Trainer's callbacks
-        state = self.__dict__.copy()
-        state["_lock"] = None
-        state["_observed"] = {}
-        return state
+        return self.__dict__ | {"_lock": None, "_observed": {}}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
