@@ -73,8 +73,10 @@ def describe(key: str, result_metric: Any) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def _exactly_reduced(key: str, result_metric: Any) -> bool:
-    return result_metric.meta.fx.split(".")[0] in _PER_BATCH_FX and not result_metric.meta.sync.rank_zero_only
+def _exactly_reduced(results: Any) -> dict[str, Any]:
+    """The epoch values of ``results`` that exact evaluation reduces, by key: those logged per batch, for all ranks."""
+    metrics = _lightning.epoch_result_metrics(results).items()
+    return {k: rm for k, rm in metrics if rm.meta.fx.split(".")[0] in _PER_BATCH_FX and not rm.meta.sync.rank_zero_only}
 
 
 class ExactEvaluation(Callback):
@@ -112,10 +114,7 @@ class ExactEvaluation(Callback):
 
     def on_validation_batch_end(self, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
         # before Lightning reads the epoch values (after the last batch of each loader)
-        results = _lightning.active_results(trainer)
-        names = {
-            rm.meta.name for key, rm in _lightning.epoch_result_metrics(results).items() if _exactly_reduced(key, rm)
-        }
+        names = {rm.meta.name for rm in _exactly_reduced(_lightning.active_results(trainer)).values()}
         if new := names - self._silenced:
             self._restore_warnings.append(_lightning.silence_epoch_sync_advice(new))
             self._silenced |= new
@@ -137,11 +136,7 @@ class ExactEvaluation(Callback):
         """Every rank: agree on the logged keys, register the ones this rank lacks, then reduce the running
         values in one all_gather and the torchmetrics Metrics with their own sync, in key order."""
         results = _lightning.active_results(trainer)
-        local = {
-            key: describe(key, rm)
-            for key, rm in _lightning.epoch_result_metrics(results).items()
-            if _exactly_reduced(key, rm)
-        }
+        local = {key: describe(key, rm) for key, rm in _exactly_reduced(results).items()}
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, local)
         entries = dict(sorted({k: v for rank_entries in gathered for k, v in rank_entries.items()}.items()))
