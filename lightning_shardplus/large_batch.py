@@ -46,14 +46,13 @@ def _check_warmup_epochs(value: Any) -> None:
 
 
 class ScaleLearningRate(Callback):
-    """Scale the learning rate by ``rule(effective_batch / reference_batch_size)``, after an optional linear warmup:
-    the large-batch recipe of Goyal et al. (2017), as Horovod and Determined apply it (docs/large-batch.md).
+    """Scale the learning rate by ``rule(effective_batch / reference_batch_size)`` after an optional linear warmup.
 
-    ``effective_batch`` is ``ShardPlusStrategy.effective_batch_size``: per-device batch x world size x
-    micro-batches per step. The factor multiplies the optimizer's rates only while its ``step`` runs, so
-    schedulers, ``LearningRateMonitor`` and checkpoints see the unscaled rates; a resumed run continues the warmup.
-    ``rule``: ``"linear"``, ``"sqrt"`` or ``"none"``; ``reference_batch_size`` None: the per-device batch size;
-    ``warmup_steps`` or ``warmup_epochs`` (not both). The arguments: docs/large-batch.md."""
+    ``effective_batch`` is ``ShardPlusStrategy.effective_batch_size``: per-device batch x world size x micro-batches
+    per step. The factor multiplies the optimizer's rates only while its ``step`` runs, so schedulers,
+    ``LearningRateMonitor`` and checkpoints see the unscaled rates; a resumed run continues the warmup. ``rule``:
+    ``"linear"``, ``"sqrt"`` or ``"none"``; ``reference_batch_size`` None: the per-device batch size; ``warmup_steps``
+    or ``warmup_epochs`` (not both). The arguments: docs/large-batch.md."""
 
     def __init__(
         self,
@@ -106,10 +105,9 @@ class ScaleLearningRate(Callback):
             ratio = float(world_size * aggregation_steps)
         elif self.effective_batch_size is None:
             raise ValueError(
-                f"ScaleLearningRate got `reference_batch_size`={self.reference_batch_size} but cannot find "
-                "the per-device batch size: the datamodule has no `per_device_batch_size` and no training "
-                "DataLoader has a `batch_size`. Give the DataLoader a batch_size, or leave "
-                "`reference_batch_size` None."
+                f"ScaleLearningRate got `reference_batch_size`={self.reference_batch_size} but cannot find the "
+                "per-device batch size: the datamodule has no `per_device_batch_size` and no training DataLoader has a "
+                "`batch_size`. Give the DataLoader a batch_size, or leave `reference_batch_size` None."
             )
         else:
             ratio = self.effective_batch_size / self.reference_batch_size
@@ -149,16 +147,14 @@ class ScaleLearningRate(Callback):
                 # the same on every rank: nothing to average (and averaged metrics would warn, this is logged late)
                 pl_module.log(name, rate, on_step=True, on_epoch=False, batch_size=1, rank_zero_only=True)
 
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str | None = None) -> None:
         self._restore_all()
         self._remove_hooks()
+
+    on_train_end = teardown
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._restore_all()
-
-    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._restore_all()
-        self._remove_hooks()
 
     def on_save_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
