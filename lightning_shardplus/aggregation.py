@@ -61,16 +61,14 @@ def check_aggregation(frequency: int, trainer: Any, model: Any | None, static_gr
         return
     if model is not None and not model.automatic_optimization:
         raise ValueError(
-            f"`aggregation_frequency`={frequency} needs automatic optimization, but "
-            f"{type(model).__name__} sets `automatic_optimization = False`: use aggregation_frequency=1 "
-            "and aggregate yourself (manual_backward inside `self.trainer.strategy.model.no_sync()` on "
-            "all but the last micro-batch)."
+            f"`aggregation_frequency`={frequency} needs automatic optimization, but {type(model).__name__} sets "
+            "`automatic_optimization = False`: use aggregation_frequency=1 and aggregate yourself (manual_backward "
+            "inside `self.trainer.strategy.model.no_sync()` on all but the last micro-batch)."
         )
     if any(isinstance(cb, GradientAccumulationScheduler) for cb in trainer.callbacks):
         raise ValueError(
-            f"`aggregation_frequency`={frequency} and a GradientAccumulationScheduler callback both set "
-            "the micro-batches per optimizer step: use one of them (aggregation_frequency=1 to keep the "
-            "scheduler)."
+            f"`aggregation_frequency`={frequency} and a GradientAccumulationScheduler callback both set the "
+            "micro-batches per optimizer step: use one of them (aggregation_frequency=1 to keep the scheduler)."
         )
 
 
@@ -169,9 +167,7 @@ class GradientAggregation:
             rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
             per_rank = [None] * world if rank == 0 else None
             torch.distributed.gather_object(local, per_rank, dst=0)
-        if per_rank is None:
-            return None
-        return window_entry(done, self.micro_batches_per_step, per_rank)
+        return None if per_rank is None else window_entry(done, self.micro_batches_per_step, per_rank)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """The window state of a checkpoint being resumed; its gradients are restored when training starts."""
@@ -291,12 +287,15 @@ def micro_batch_size(trainer: Any, loaders: Any = None) -> int | None:
     if isinstance(size, int) and not isinstance(size, bool) and size >= 1:
         return size
     for loader in dataloaders(getattr(trainer, "train_dataloader", None) if loaders is None else loaders):
-        size = loader.batch_size
-        if size is None:  # a custom batch sampler
-            size = getattr(loader.batch_sampler, "batch_size", None)
-        if isinstance(size, int) and size >= 1:
+        if (size := loader_batch_size(loader)) is not None:
             return size
     return None
+
+
+def loader_batch_size(loader: DataLoader) -> int | None:
+    """Samples per batch of ``loader`` (its ``batch_size``, or its batch sampler's); None when unknown."""
+    size = loader.batch_size if loader.batch_size is not None else getattr(loader.batch_sampler, "batch_size", None)
+    return size if isinstance(size, int) and size >= 1 else None
 
 
 def effective_batch_size(trainer: Any) -> int | None:
