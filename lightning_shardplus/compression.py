@@ -334,8 +334,8 @@ class CommunicationHook:
         wrappers: list[Callable[[Callable], Callable]] | None = None,
     ) -> None:  # fmt: skip
         self.name, self.backend = name, backend
-        self.user_hook, self.user_state, self.user_wrapper = user_hook, user_state, user_wrapper
-        self.wrappers, self.device = wrappers or [], device
+        self.user_hook, self.user_state, self.device = user_hook, user_state, device
+        self.wrappers = ([] if user_wrapper is None else [user_wrapper]) + list(wrappers or [])  # innermost first
         self.compression = build_compression(name, user_state)
         if self.compression is not None:
             self.compression.check_backend(backend, device)
@@ -347,12 +347,10 @@ class CommunicationHook:
         hook, state = self.user_hook, self.user_state
         if self.compression is not None:
             hook, state = self.compression.hook_for(model, self.backend)
-        if hook is None and (self.user_wrapper is not None or self.wrappers):
+        if hook is None and self.wrappers:
             hook, state = default_hooks.allreduce_hook, None  # DDP's all-reduce, as a hook that can be wrapped
         if hook is None:
             return
-        if self.user_wrapper is not None:
-            hook = self.user_wrapper(hook)
         for wrap in self.wrappers:
             hook = wrap(hook)
         try:
