@@ -32,20 +32,17 @@ def check_bool(name: str, value: Any) -> bool:
 
 def check_int(name: str, value: Any, minimum: int | None = None) -> int:
     """``value`` as an ``int``: any integer (numpy's too, as for numbers elsewhere), not a bool."""
+    message = f"`{name}`={value!r} is not valid: expected an integer{'' if minimum is None else f' >= {minimum}'}."
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"`{name}`={value!r} is not valid: expected an integer{_bound(minimum)}.")
+        raise TypeError(message)
     if minimum is not None and value < minimum:
-        raise ValueError(f"`{name}`={value!r} is not valid: expected an integer{_bound(minimum)}.")
+        raise ValueError(message)
     return int(value)
 
 
 def check_positive_number(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value < math.inf:
         raise ValueError(f"`{name}`={value!r} is not valid: expected a finite number > 0.")
-
-
-def _bound(minimum: int | None) -> str:
-    return "" if minimum is None else f" >= {minimum}"
 
 
 def process_group_timeout(timeout: Any) -> timedelta | None:

@@ -79,8 +79,7 @@ class DigitsDataModule(ShardPlusDataModule):
             raise ValueError(f"`val_fraction`={val_fraction!r} is not valid: expected 0 < val_fraction < 1.")
         split_seed = check_int("split_seed", split_seed, minimum=0)
         super().__init__(global_batch_size, num_workers=num_workers)
-        self.val_fraction = val_fraction
-        self.split_seed = split_seed
+        self.val_fraction, self.split_seed = val_fraction, split_seed
 
     def _split(self) -> tuple[TensorDataset, TensorDataset]:
         try:

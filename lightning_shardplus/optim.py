@@ -71,19 +71,15 @@ class LARS(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            lr = group["lr"]
-            momentum = group["momentum"]
-            weight_decay = group["weight_decay"]
+            lr, momentum, weight_decay = group["lr"], group["momentum"], group["weight_decay"]
             for param in group["params"]:
                 if param.grad is None:
                     continue
                 grad = param.grad
                 if grad.is_sparse:
                     raise RuntimeError("LARS does not support sparse gradients.")
-                if group["exclude_bias_and_norm"] and param.ndim <= 1:
-                    update = grad
-                else:
-                    update = self._adapted_update(param, grad, weight_decay, group)
+                plain = group["exclude_bias_and_norm"] and param.ndim <= 1  # plain SGD with momentum
+                update = grad if plain else self._adapted_update(param, grad, weight_decay, group)
                 if momentum == 0:
                     param.sub_(update, alpha=lr)
                     continue

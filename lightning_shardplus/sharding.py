@@ -328,15 +328,10 @@ def check_epoch_shards(
     owner: dict[int, int] = {}
     for rank, indices in enumerate(real_indices_per_rank):
         for index in indices:
-            if index in owner and owner[index] != rank:
-                raise ShardingError(
-                    f"verify_sharding: in epoch {epoch}, ranks {owner[index]} and {rank} both read sample {index}: "
-                    "training shards are not disjoint."
-                )
             if index in owner:
-                raise ShardingError(
-                    f"verify_sharding: in epoch {epoch}, rank {rank} read sample {index} twice outside padding."
-                )
+                twice = f"rank {rank} read sample {index} twice outside padding"
+                both = f"ranks {owner[index]} and {rank} both read sample {index}: training shards are not disjoint"
+                raise ShardingError(f"verify_sharding: in epoch {epoch}, {twice if owner[index] == rank else both}.")
             owner[index] = rank
     if expect_full_coverage and len(owner) != dataset_length:
         missing = sorted(set(range(dataset_length)) - owner.keys())

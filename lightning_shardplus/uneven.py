@@ -117,8 +117,7 @@ class ResumableAgreedLoader(AgreedLoader):
             return
         own = states[dist.get_rank()]
         self.loader.load_state_dict(own["state"])
-        self._resume_exhausted = own["ran_out"]
-        self._restored = copy.deepcopy(own["state"])
+        self._resume_exhausted, self._restored = own["ran_out"], copy.deepcopy(own["state"])
 
 
 PER_RANK_KEY = "shardplus_per_rank"
