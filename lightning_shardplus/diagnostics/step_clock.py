@@ -4,23 +4,8 @@ current stream, read once the device has passed them (the host runs ahead of the
 from __future__ import annotations
 
 import time
-from typing import Any, Protocol
 
 import torch
-
-
-class StepClock(Protocol):
-    """Marks points in time and measures seconds between two marks once both have happened."""
-
-    name: str
-
-    def mark(self) -> Any: ...
-
-    def ready(self, mark: Any) -> bool: ...
-
-    def wait(self, mark: Any) -> None: ...
-
-    def seconds(self, start: Any, end: Any) -> float: ...
 
 
 class HostClock:
@@ -62,6 +47,10 @@ class DeviceEventClock:
 
     def seconds(self, start: torch.Event, end: torch.Event) -> float:
         return start.elapsed_time(end) / 1000
+
+
+StepClock = HostClock | DeviceEventClock
+"""Marks points in time (``mark``), says when one has happened (``ready``, ``wait``), measures ``seconds`` between."""
 
 
 def supports_device_events(device: torch.device) -> bool:
