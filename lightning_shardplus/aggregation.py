@@ -1,10 +1,7 @@
 """Gradient aggregation: several micro-batches per optimizer step, gradient communication on the last only.
-
 Lightning's accumulation loop runs the windows (``trainer.accumulate_grad_batches`` is set to the frequency); the
 strategy corrects each window's gradient, since Lightning divides a short last window by the full frequency too
-(Lightning#19987). :class:`GradientAggregation` is the component for one fit; the functions hold the arithmetic
-and the batch-size bookkeeping (docs/batch-size.md; a checkpoint inside a window: docs/resume.md).
-"""
+(Lightning#19987). Batch sizes: docs/batch-size.md; a checkpoint inside a window: docs/resume.md."""
 
 from __future__ import annotations
 
@@ -302,6 +299,4 @@ def effective_batch_size(trainer: Any) -> int | None:
     """Samples per optimizer step over all processes: ``micro-batch size x world size x micro-batches per
     step``; None when the micro-batch size is unknown."""
     per_device = micro_batch_size(trainer)
-    if per_device is None:
-        return None
-    return per_device * trainer.world_size * micro_batches_per_step(trainer)
+    return None if per_device is None else per_device * trainer.world_size * micro_batches_per_step(trainer)

@@ -1,5 +1,4 @@
 """Gradient compression: ``gradient_compression`` -> a DDP communication hook (+ its state), on every device type.
-
 ``"fp16"``/``"bf16"``: torch's cast hooks; ``"powersgd"``: torch's ``powerSGD_hook``, its state kept per parameter
 across bucket re-cuts and saved per rank beside checkpoints, its buckets serialized off NCCL (docs/compression.md)."""
 

@@ -104,12 +104,10 @@ class _ShardSampler(Sampler[int]):
 
 
 class PaddedShardSampler(_ShardSampler):
-    """Training shards of exactly ``ceil(N / num_replicas)`` indices on every rank, reshuffled each epoch.
-
-    Rank ``r`` reads positions ``r, r + W, r + 2W, ...`` of the epoch's order, so what all ranks consumed after
-    ``k`` steps is a prefix of it. Positions past ``N`` are padding: index 0 (``padding="first"``, as Clara Train)
-    or the order's first indices again (``"wrap"``, as torch's ``DistributedSampler``); ``drop_last`` drops them.
-    """
+    """Training shards of exactly ``ceil(N / num_replicas)`` indices on every rank, reshuffled each epoch: rank ``r``
+    reads positions ``r, r + W, r + 2W, ...`` of the epoch's order, so what all ranks consumed after ``k`` steps is a
+    prefix of it. Positions past ``N`` are padding: index 0 (``padding="first"``, as Clara Train) or the order's first
+    indices again (``"wrap"``, as torch's ``DistributedSampler``); ``drop_last`` drops them."""
 
     def __init__(
         self,
@@ -183,10 +181,8 @@ class PaddedShardSampler(_ShardSampler):
                 f"`positions_consumed`={consumed} is not valid for a dataset of {self.dataset_length} samples: "
                 "the checkpoint was written for another training set."
             )
-        self.seed = int(state["seed"])
-        self.epoch = self.resumed_epoch = int(state["epoch"])
-        self.start_position = consumed
-        self.samples_counted_before_start = samples_counted
+        self.seed, self.epoch, self.resumed_epoch = int(state["seed"]), int(state["epoch"]), int(state["epoch"])
+        self.start_position, self.samples_counted_before_start = consumed, samples_counted
         self._set_shard_size()
 
     def _index_chunks(self) -> Iterator[np.ndarray]:
