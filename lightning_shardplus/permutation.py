@@ -51,9 +51,8 @@ def half_bits(length: int) -> int:
 
 
 class KeyedPermutation:
-    """The ``(seed, epoch)`` order of ``range(length)`` as a function of numpy position arrays: the keys and the
-    word size are set up once, then :meth:`at` maps each chunk of positions with a few in-place array operations.
-    """
+    """The ``(seed, epoch)`` order of ``range(length)`` as a function of numpy position arrays: the keys and the word
+    size are set up once, then :meth:`at` maps each chunk of positions with a few in-place array operations."""
 
     def __init__(self, length: int, seed: int, epoch: int) -> None:
         if isinstance(length, bool) or not isinstance(length, int) or not 0 <= length <= MAX_LENGTH:

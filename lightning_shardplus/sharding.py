@@ -14,7 +14,7 @@ import torch
 from torch.utils.data import Sampler
 
 from lightning_shardplus._validation import check_bool, check_choice, check_int
-from lightning_shardplus.permutation import MAX_LENGTH, KeyedPermutation, _splitmix64
+from lightning_shardplus.permutation import _MASK64, MAX_LENGTH, KeyedPermutation, _splitmix64
 
 PaddingMode = Literal["first", "wrap"]
 PADDING_MODES: tuple[str, ...] = ("first", "wrap")
@@ -345,7 +345,6 @@ _DIGEST_KEYS = (0x243F6A8885A308D3, 0x13198A2E03707344, 0xA4093822299F31D0)  # o
 _HALF = 31  # each lane travels as two int64 halves of 31 bits: their sums over 2**32 ranks fit in an int64
 _COUNTS = 3  # real samples read, "ran to the end" and "read past the dataset or another world size"
 DIGEST_WIDTH = _COUNTS + 2 * (len(_DIGEST_KEYS) + 1)
-_MASK64 = (1 << 64) - 1
 
 
 def _mix(values: Any, key: int) -> Any:

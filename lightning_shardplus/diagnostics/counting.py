@@ -23,10 +23,9 @@ _COUNTED = ("rounds", "buckets", "collectives", "bytes")
 
 
 class ObservedProcessGroup(dist.ProcessGroup):
-    """``group`` as a process group of its own that calls ``observe(tensors)`` with the tensors this rank
-    contributes to each all-reduce and all-gather issued through it, then forwards the collective to ``group``.
-    ``torch.distributed``'s registry does not know it: ``get_rank(group)``, ``broadcast`` from a source refuse it.
-    """
+    """``group`` as a process group of its own that calls ``observe(tensors)`` with the tensors this rank contributes to
+    each all-reduce and all-gather issued through it, then forwards the collective to ``group``. ``torch.distributed``'s
+    registry does not know it: ``get_rank(group)``, ``broadcast`` from a source refuse it."""
 
     def __init__(self, group: dist.ProcessGroup, observe: Callable[[Sequence[torch.Tensor]], None]) -> None:
         super().__init__(group.rank(), group.size())
@@ -180,10 +179,9 @@ _CALLER_DEPTH = 4  # frames searched for it under the hook: the function, or it 
 
 
 class CollectiveCalls:
-    """How many collectives of each kind (``"all_reduce"``, ``"barrier"``, ...) were issued on a process group
-    through ``torch.distributed``'s Python functions between :meth:`start` and :meth:`stop`, from any thread (not
-    DDP's C++ reducer's). Start and stop between steps: torch expects no collective running while hooks change.
-    """
+    """How many collectives of each kind (``"all_reduce"``, ``"barrier"``, ...) were issued on a process group through
+    ``torch.distributed``'s Python functions between :meth:`start` and :meth:`stop`, from any thread (not DDP's C++
+    reducer's). Start and stop between steps: torch expects no collective running while hooks change."""
 
     def __init__(self) -> None:
         self.counts: dict[str, int] = {}

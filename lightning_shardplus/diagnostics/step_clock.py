@@ -70,9 +70,8 @@ def supports_device_events(device: torch.device) -> bool:
 
 
 def step_clock(device: torch.device, device_timing: bool | None = None) -> StepClock:
-    """The clock for a training step on ``device``: device events where the device has them and
-    ``device_timing`` is not False, the host clock otherwise; ``device_timing=True`` on a device without
-    events is an error."""
+    """The clock for a training step on ``device``: device events where the device has them and ``device_timing`` is not
+    False, the host clock otherwise; ``device_timing=True`` on a device without events is an error."""
     supported = supports_device_events(device)
     if device_timing and not supported:
         raise ValueError(
