@@ -239,10 +239,9 @@ def restore_window_gradients(
             "of the window is resharded; the run equals no uninterrupted one."
         )
     parameters = dict(module.named_parameters())
-    for name, gradient in gradients.items():
-        parameter = parameters.get(name)
-        if parameter is None or parameter.shape != gradient.shape:
-            return f"the checkpoint's accumulated gradient of {name!r} does not fit this model: none is restored."
+    misfits = [name for name, g in gradients.items() if name not in parameters or parameters[name].shape != g.shape]
+    if misfits:
+        return f"the checkpoint's accumulated gradient of {misfits[0]!r} does not fit this model: none is restored."
     for name, gradient in gradients.items():
         parameter = parameters[name]
         gradient = gradient.to(device=parameter.device, dtype=parameter.dtype)

@@ -90,13 +90,6 @@ class ExactEvaluation(Callback):
         self._silenced: set[str] = set()  # names whose sync_dist advice is ignored until `_close`
         self._restore_warnings: list[Callable[[], None]] = []
 
-    def _open(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.deferring = True
-        for metric in pl_module.modules():
-            if isinstance(metric, Metric):
-                self._metric_flags[metric] = (metric.sync_on_compute, metric.dist_sync_on_step)
-                _lightning.set_metric_sync(metric, sync_on_compute=False, dist_sync_on_step=False)
-
     def _close(self, trainer: pl.Trainer) -> None:
         self.deferring = False
         for restore in self._restore_warnings:
@@ -108,7 +101,11 @@ class ExactEvaluation(Callback):
         self._metric_flags.clear()
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._open(trainer, pl_module)
+        self.deferring = True
+        for metric in pl_module.modules():
+            if isinstance(metric, Metric):
+                self._metric_flags[metric] = (metric.sync_on_compute, metric.dist_sync_on_step)
+                _lightning.set_metric_sync(metric, sync_on_compute=False, dist_sync_on_step=False)
 
     on_test_start = on_validation_start
 

@@ -228,10 +228,7 @@ class ScaleLearningRate(Callback):
         return restore
 
     def _restore(self, index: int) -> None:
-        rates = self._user_lrs.pop(index, None)
-        if rates is None:
-            return
-        for group, rate in zip(self._optimizers[index].param_groups, rates, strict=False):
+        for group, rate in zip(self._optimizers[index].param_groups, self._user_lrs.pop(index, []), strict=False):
             if isinstance(rate, torch.Tensor) and isinstance(group["lr"], torch.Tensor):
                 group["lr"].copy_(rate)
             else:

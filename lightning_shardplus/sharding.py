@@ -195,10 +195,7 @@ class PaddedShardSampler(_ShardSampler):
         # Padding positions p >= N, kept as offsets p - N (p itself may pass 2**63 - 1): index 0, or the order's
         # first indices again (offset modulo N, as torch's DistributedSampler repeats its order).
         for offsets in _chunks(start + real * w - n, self.num_samples - real, w):
-            if self.padding == "first":
-                yield np.zeros_like(offsets)
-            else:
-                yield order(offsets % n)
+            yield np.zeros_like(offsets) if self.padding == "first" else order(offsets % n)
 
     def __iter__(self) -> Iterator[int]:
         return self._recorded() if self.record_indices else super().__iter__()

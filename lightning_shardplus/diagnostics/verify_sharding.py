@@ -53,8 +53,7 @@ class VerifySharding(Callback):
         totals = total.tolist()
         sums = [totals[i * DIGEST_WIDTH : (i + 1) * DIGEST_WIDTH] for i in range(len(samplers))]
         for i, sampler in enumerate(samplers):
-            problem = digest_problem(sums[i], own[i], sampler, world)
-            if problem is not None:
+            if (problem := digest_problem(sums[i], own[i], sampler, world)) is not None:
                 _name_the_ranks(trainer.current_epoch, sampler, world, distributed, problem)
         self.epochs_checked += 1
         self.epochs_complete += all(summed[1] == world for summed in sums)  # every rank ran the epoch to its end
