@@ -64,6 +64,8 @@ def _dataset_length(dataset_or_length: Sized | int) -> int:
 class _ShardSampler(Sampler[int]):
     """What both samplers share: the arguments, the epoch and the epoch's global order."""
 
+    num_samples: int  # the indices :meth:`_index_chunks` yields in all (set by each sampler)
+
     def __init__(
         self, dataset_or_length: Sized | int, num_replicas: int, rank: int, *, shuffle: bool, seed: int
     ) -> None:
@@ -90,14 +92,10 @@ class _ShardSampler(Sampler[int]):
         """This rank's indices for the current epoch, chunk by chunk (int64 arrays)."""
         raise NotImplementedError
 
-    def _shard_size(self) -> int:
-        """How many indices :meth:`_index_chunks` yields in all."""
-        return len(self)
-
     def __iter__(self) -> Iterator[int]:
         """The indices as Python ints: one list for a shard of at most :data:`UP_FRONT_SIZE`, else each chunk's
         ``memoryview`` (which makes each int as it is read), chained in C."""
-        if self._shard_size() <= UP_FRONT_SIZE:
+        if self.num_samples <= UP_FRONT_SIZE:
             chunks = list(self._index_chunks())
             return iter(np.concatenate(chunks).tolist() if chunks else [])
         return itertools.chain.from_iterable(map(memoryview, self._index_chunks()))
@@ -128,13 +126,11 @@ class PaddedShardSampler(_ShardSampler):
         # Mid-epoch resume (see `load_state_dict`): the epoch it applies to, the positions of that epoch's order
         # already consumed, and the per-rank samples the resumed epoch counts as done without yielding them.
         self.resumed_epoch: int | None = None
-        self.start_position = 0
-        self.samples_counted_before_start = 0
+        self.start_position = self.samples_counted_before_start = 0
         self._set_shard_size()
         # Debug aid for `verify_sharding`: what the last iteration yielded, and whether it ran to the end.
-        self.record_indices = record_indices
+        self.record_indices, self.completed_epoch = record_indices, False
         self.yielded_indices: list[int] = []
-        self.completed_epoch = False
 
     def _set_shard_size(self) -> None:
         """``num_samples`` (this rank's indices) and ``total_size`` (all ranks') from ``start_position`` on."""
@@ -200,9 +196,6 @@ class PaddedShardSampler(_ShardSampler):
     def __iter__(self) -> Iterator[int]:
         return self._recorded() if self.record_indices else super().__iter__()
 
-    def _shard_size(self) -> int:
-        return self.num_samples
-
     def _recorded(self) -> Iterator[int]:
         """The indices, noting each in ``yielded_indices`` and whether the epoch ran to its end."""
         self.yielded_indices, self.completed_epoch = [], False
@@ -225,14 +218,15 @@ class ExactShardSampler(_ShardSampler):
     ) -> None:
         super().__init__(dataset_or_length, num_replicas, rank, shuffle=shuffle, seed=seed)
         self.start, self.stop = shard_bounds(self.dataset_length, num_replicas, rank)
+        self.num_samples = self.stop - self.start
 
     def _index_chunks(self) -> Iterator[np.ndarray]:
         order = self._order()
-        for positions in _chunks(self.start, self.stop - self.start, 1):
+        for positions in _chunks(self.start, self.num_samples, 1):
             yield order(positions)
 
     def __len__(self) -> int:
-        return self.stop - self.start
+        return self.num_samples
 
 
 class PlaceholderShardSampler(Sampler[int]):
