@@ -67,11 +67,8 @@ def process_group_timeout(timeout: Any) -> timedelta | None:
 def check_process_group_backend(backend: Any) -> None:
     """At construction: None or a non-empty string. The name is checked when the processes start
     (:func:`check_process_group_backend_known`): a third-party backend registers itself when its package is imported."""
-    if backend is None:
-        return
-    if not isinstance(backend, str) or not backend.strip():
-        error = TypeError if not isinstance(backend, str) else ValueError
-        raise error(
+    if backend is not None and (not isinstance(backend, str) or not backend.strip()):
+        raise (ValueError if isinstance(backend, str) else TypeError)(
             f"`process_group_backend`={backend!r} is not valid: expected None (Lightning chooses) or a backend "
             "name: 'gloo', 'nccl', a third-party one such as 'ccl', or per device like 'cpu:gloo,cuda:nccl'."
         )
@@ -143,11 +140,9 @@ def _try_writing(path: Path, replaced: bool) -> None:
                 directory.mkdir()
                 created.append(directory)
         if path.exists():
-            with open(path, "ab"):
-                pass
+            open(path, "ab").close()
         if replaced or not path.exists():
-            with tempfile.NamedTemporaryFile(dir=path.parent):
-                pass
+            tempfile.NamedTemporaryFile(dir=path.parent).close()
     finally:
         for directory in reversed(created):
             with contextlib.suppress(OSError):

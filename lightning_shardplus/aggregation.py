@@ -113,10 +113,9 @@ class GradientAggregation:
     def on_train_start(self) -> None:
         """After a resume, keep step-triggered checkpoints from saving mid-window and give a window resumed in its
         middle its accumulated gradients."""
-        trainer, micro_batches = self.trainer, self.micro_batches_per_step
-        if trainer.ckpt_path is not None and micro_batches > 1:
+        if self.trainer.ckpt_path is not None and self.micro_batches_per_step > 1:
             # resumed at an optimizer step: checkpointing "every n steps" must not save again mid-window
-            _lightning.mark_resumed_step_saved(trainer)
+            _lightning.mark_resumed_step_saved(self.trainer)
             self._resume_window()
 
     def wrap_closure(self, optimizer: Optimizer, closure: Callable[[], Any]) -> Callable[[], Any]:

@@ -188,8 +188,7 @@ class SyntheticDataModule(ShardPlusDataModule):
     def _make(self, count: int, offset: int) -> TensorDataset:
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + offset)
         inputs = torch.randn(count, *self.input_shape, generator=generator)
-        labels = (inputs.reshape(count, -1) @ self._rule).argmax(dim=1)
-        return TensorDataset(inputs, labels)
+        return TensorDataset(inputs, (inputs.reshape(count, -1) @ self._rule).argmax(dim=1))
 
     def build_train_dataset(self) -> Dataset:
         return self._make(self.num_samples, 1)

@@ -189,8 +189,7 @@ class ScaleLearningRate(Callback):
                 f"`warmup_epochs`={self.warmup_epochs!r} needs the number of training batches per epoch, but "
                 "the training dataloader has no length: give `warmup_steps` instead."
             )
-        steps_per_epoch = math.ceil(batches / micro_batches)
-        return math.floor(self.warmup_epochs * steps_per_epoch + 0.5)
+        return math.floor(self.warmup_epochs * math.ceil(batches / micro_batches) + 0.5)  # optimizer steps per epoch
 
     def _make_pre_hook(self, index: int) -> Any:
         def scale(optimizer: Optimizer, args: Any, kwargs: Any) -> None:

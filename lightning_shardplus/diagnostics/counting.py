@@ -91,11 +91,10 @@ class CommunicationCounter(CommunicationHookWrapper):
 
     def wrap(self, hook: Callable) -> Callable:
         """``hook`` counted: its calls, and the collectives it issues through the process group it is given."""
-        counter = self
 
         def counting_hook(state, bucket):  # no annotations: DDP checks them against its types
-            counter._count_call(last=bucket.is_last())
-            return call_with_observed_group(hook, state, bucket, counter._observed_group)
+            self._count_call(last=bucket.is_last())
+            return call_with_observed_group(hook, state, bucket, self._observed_group)
 
         counting_hook.__qualname__ = f"counted({getattr(hook, '__qualname__', repr(hook))})"
         return counting_hook

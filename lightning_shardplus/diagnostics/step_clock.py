@@ -78,6 +78,4 @@ def step_clock(device: torch.device, device_timing: bool | None = None) -> StepC
             f"`device_timing`=True is not valid on device {str(device)!r}: it has no timing events (torch.Event); "
             "expected None (use them where available) or False (host wall clock)."
         )
-    if supported and device_timing is not False:
-        return DeviceEventClock(device)
-    return HostClock()
+    return DeviceEventClock(device) if supported and device_timing is not False else HostClock()
