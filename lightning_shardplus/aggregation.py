@@ -256,11 +256,8 @@ def restore_window_gradients(
 
 def dataloaders(loaders: Any) -> Iterator[DataLoader]:
     """The DataLoaders (or wrappers forwarding to one, ``uneven.AgreedLoader``) in ``trainer.train_dataloader``."""
-    if isinstance(loaders, dict):
-        for value in loaders.values():
-            yield from dataloaders(value)
-    elif isinstance(loaders, (list, tuple)):
-        for value in loaders:
+    if isinstance(loaders, (dict, list, tuple)):
+        for value in loaders.values() if isinstance(loaders, dict) else loaders:
             yield from dataloaders(value)
     elif isinstance(loaders, DataLoader) or isinstance(getattr(loaders, "loader", None), DataLoader):
         yield loaders

@@ -142,7 +142,6 @@ class ExactEvaluation(Callback):
         for rank_entries in gathered:  # list-state layouts from any rank that has them
             for key, entry in rank_entries.items():
                 entries[key]["list_states"].update(entry["list_states"])
-        device = trainer.strategy.root_device
         result_metrics = {
             key: results[key] if key in local else self._register(results, entry, pl_module, trainer)
             for key, entry in entries.items()
@@ -152,7 +151,7 @@ class ExactEvaluation(Callback):
             local_values = torch.stack(
                 [torch.stack([rm.value.double(), getattr(rm, "cumulated_batch_size", torch.tensor(0)).double()])
                  for rm in map(result_metrics.get, tensor_keys)]
-            ).to(device)  # fmt: skip
+            ).to(trainer.strategy.root_device)  # fmt: skip
             everyone = [torch.empty_like(local_values) for _ in range(dist.get_world_size())]
             dist.all_gather(everyone, local_values)
             stacked = torch.stack(everyone).cpu()  # ranks x keys x (value, count)
