@@ -37,6 +37,11 @@ def warmup_factor(factor: float, step: int, warmup_steps: int) -> float:
     return factor if step >= warmup_steps else 1.0 + (factor - 1.0) * step / warmup_steps
 
 
+def _value(rate: Any) -> Any:
+    """A learning rate as it is now (a tensor rate is copied: it changes in place)."""
+    return rate.detach().clone() if isinstance(rate, torch.Tensor) else rate
+
+
 def _check_warmup_epochs(value: Any) -> None:
     message = f"`warmup_epochs`={value!r} is not valid: expected a finite number >= 0 (fractions allowed)."
     if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -198,20 +203,10 @@ class ScaleLearningRate(Callback):
             if self._depth[index] > 1:
                 return
             factor = self.factor_at(self._steps[index])
-            saved: list[Any] = []
-            applied: list[Any] = []
+            self._user_lrs[index] = [_value(group["lr"]) for group in optimizer.param_groups]
             for group in optimizer.param_groups:
-                rate = group["lr"]
-                if isinstance(rate, torch.Tensor):
-                    saved.append(rate.clone())
-                    rate.mul_(factor)
-                    applied.append(rate.detach().clone())
-                else:
-                    saved.append(rate)
-                    group["lr"] = rate * factor
-                    applied.append(rate * factor)
-            self._user_lrs[index] = saved
-            self._applied[index] = applied
+                group["lr"] *= factor  # a tensor rate in place (a scheduler may hold it), a float replaced
+            self._applied[index] = [_value(group["lr"]) for group in optimizer.param_groups]
 
         return scale
 
