@@ -15,8 +15,7 @@ _MASK64 = (1 << 64) - 1
 def _splitmix64(state: int) -> tuple[int, int]:
     """One step of splitmix64 on Python ints: ``(new state, output)``."""
     state = (state + 0x9E3779B97F4A7C15) & _MASK64
-    z = state
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((state ^ (state >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
     return state, z ^ (z >> 31)
 
