@@ -130,8 +130,7 @@ class GradientAggregation:
 
         def closure_then_normalize() -> Any:
             result = closure()
-            done = _lightning.micro_batches_done_in_epoch(trainer)
-            aggregated = window_length(done, frequency)
+            aggregated = window_length(_lightning.micro_batches_done_in_epoch(trainer), frequency)
             factor = gradient_correction(frequency, aggregated, self.average)
             if ranks_correction is not None:
                 factor *= ranks_correction(aggregated, self.average)

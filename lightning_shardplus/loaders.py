@@ -182,9 +182,8 @@ def gather_predictions(loop: Any, num_replicas: int) -> None:
     every rank's, in dataset order (exact shards are contiguous blocks in rank order); the other ranks keep theirs."""
     if not loop.return_predictions:
         return
-    rank = torch.distributed.get_rank()
     for predictions in [loop.predictions] if loop.num_dataloaders == 1 else loop.predictions:
-        gathered: list[Any] | None = [None] * num_replicas if rank == 0 else None
+        gathered: list[Any] | None = [None] * num_replicas if torch.distributed.get_rank() == 0 else None
         torch.distributed.gather_object(predictions, gathered, dst=0)
         if gathered is not None:
             predictions[:] = [batch for rank_batches in gathered for batch in rank_batches]
