@@ -80,7 +80,7 @@ class RunComponents:
                 user_state=setup.ddp_comm_state, user_wrapper=setup.ddp_comm_wrapper,
                 wrappers=[cb.wrap for cb in trainer.callbacks if isinstance(cb, CommunicationHookWrapper)],
             )  # fmt: skip
-            parts.fusion = _tensor_fusion(config, trainer, setup)  # after GradientAggregation set accumulate_grad_batches
+            parts.fusion = _tensor_fusion(config, trainer, setup)  # once the aggregation frequency is set
         return parts
 
     def load_states(self, states: dict[str, Any]) -> None:

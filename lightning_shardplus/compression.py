@@ -66,9 +66,8 @@ class CastCompression:
             ) from err
 
     def hook_for(self, model: DistributedDataParallel, backend: str) -> tuple[Callable, object]:
-        if self.dtype == torch.float16:
-            return default_hooks.fp16_compress_hook, None
-        return (default_hooks.bf16_compress_hook if backend == "nccl" else shardplus_bf16_compress_hook), None
+        bf16 = default_hooks.bf16_compress_hook if backend == "nccl" else shardplus_bf16_compress_hook
+        return (default_hooks.fp16_compress_hook if self.dtype == torch.float16 else bf16), None
 
     def state_dict(self) -> dict[str, Any] | None:
         return None

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
+from functools import partial
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -124,10 +127,6 @@ class DigitsStreamDataModule(pl.LightningDataModule):
 
     def prepare_data(self) -> None:
         """Write the train and validation splits as litdata datasets (local rank 0; the others wait)."""
-        import inspect
-        from functools import partial
-        from pathlib import Path
-
         import litdata
 
         for split, dataset in zip(("train", "val"), self.digits._split(), strict=True):
