@@ -32,20 +32,17 @@ def check_bool(name: str, value: Any) -> bool:
 
 def check_int(name: str, value: Any, minimum: int | None = None) -> int:
     """``value`` as an ``int``: any integer (numpy's too, as for numbers elsewhere), not a bool."""
+    message = f"`{name}`={value!r} is not valid: expected an integer{'' if minimum is None else f' >= {minimum}'}."
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"`{name}`={value!r} is not valid: expected an integer{_bound(minimum)}.")
+        raise TypeError(message)
     if minimum is not None and value < minimum:
-        raise ValueError(f"`{name}`={value!r} is not valid: expected an integer{_bound(minimum)}.")
+        raise ValueError(message)
     return int(value)
 
 
 def check_positive_number(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value < math.inf:
         raise ValueError(f"`{name}`={value!r} is not valid: expected a finite number > 0.")
-
-
-def _bound(minimum: int | None) -> str:
-    return "" if minimum is None else f" >= {minimum}"
 
 
 def process_group_timeout(timeout: Any) -> timedelta | None:
@@ -70,11 +67,8 @@ def process_group_timeout(timeout: Any) -> timedelta | None:
 def check_process_group_backend(backend: Any) -> None:
     """At construction: None or a non-empty string. The name is checked when the processes start
     (:func:`check_process_group_backend_known`): a third-party backend registers itself when its package is imported."""
-    if backend is None:
-        return
-    if not isinstance(backend, str) or not backend.strip():
-        error = TypeError if not isinstance(backend, str) else ValueError
-        raise error(
+    if backend is not None and (not isinstance(backend, str) or not backend.strip()):
+        raise (ValueError if isinstance(backend, str) else TypeError)(
             f"`process_group_backend`={backend!r} is not valid: expected None (Lightning chooses) or a backend "
             "name: 'gloo', 'nccl', a third-party one such as 'ccl', or per device like 'cpu:gloo,cuda:nccl'."
         )
@@ -146,11 +140,9 @@ def _try_writing(path: Path, replaced: bool) -> None:
                 directory.mkdir()
                 created.append(directory)
         if path.exists():
-            with open(path, "ab"):
-                pass
+            open(path, "ab").close()
         if replaced or not path.exists():
-            with tempfile.NamedTemporaryFile(dir=path.parent):
-                pass
+            tempfile.NamedTemporaryFile(dir=path.parent).close()
     finally:
         for directory in reversed(created):
             with contextlib.suppress(OSError):

@@ -1,10 +1,7 @@
 """Gradient aggregation: several micro-batches per optimizer step, gradient communication on the last only.
-
 Lightning's accumulation loop runs the windows (``trainer.accumulate_grad_batches`` is set to the frequency); the
 strategy corrects each window's gradient, since Lightning divides a short last window by the full frequency too
-(Lightning#19987). :class:`GradientAggregation` is the component for one fit; the functions hold the arithmetic
-and the batch-size bookkeeping (docs/batch-size.md; a checkpoint inside a window: docs/resume.md).
-"""
+(Lightning#19987). Batch sizes: docs/batch-size.md; a checkpoint inside a window: docs/resume.md."""
 
 from __future__ import annotations
 
@@ -61,16 +58,14 @@ def check_aggregation(frequency: int, trainer: Any, model: Any | None, static_gr
         return
     if model is not None and not model.automatic_optimization:
         raise ValueError(
-            f"`aggregation_frequency`={frequency} needs automatic optimization, but "
-            f"{type(model).__name__} sets `automatic_optimization = False`: use aggregation_frequency=1 "
-            "and aggregate yourself (manual_backward inside `self.trainer.strategy.model.no_sync()` on "
-            "all but the last micro-batch)."
+            f"`aggregation_frequency`={frequency} needs automatic optimization, but {type(model).__name__} sets "
+            "`automatic_optimization = False`: use aggregation_frequency=1 and aggregate yourself (manual_backward "
+            "inside `self.trainer.strategy.model.no_sync()` on all but the last micro-batch)."
         )
     if any(isinstance(cb, GradientAccumulationScheduler) for cb in trainer.callbacks):
         raise ValueError(
-            f"`aggregation_frequency`={frequency} and a GradientAccumulationScheduler callback both set "
-            "the micro-batches per optimizer step: use one of them (aggregation_frequency=1 to keep the "
-            "scheduler)."
+            f"`aggregation_frequency`={frequency} and a GradientAccumulationScheduler callback both set the "
+            "micro-batches per optimizer step: use one of them (aggregation_frequency=1 to keep the scheduler)."
         )
 
 
@@ -118,10 +113,9 @@ class GradientAggregation:
     def on_train_start(self) -> None:
         """After a resume, keep step-triggered checkpoints from saving mid-window and give a window resumed in its
         middle its accumulated gradients."""
-        trainer, micro_batches = self.trainer, self.micro_batches_per_step
-        if trainer.ckpt_path is not None and micro_batches > 1:
+        if self.trainer.ckpt_path is not None and self.micro_batches_per_step > 1:
             # resumed at an optimizer step: checkpointing "every n steps" must not save again mid-window
-            _lightning.mark_resumed_step_saved(trainer)
+            _lightning.mark_resumed_step_saved(self.trainer)
             self._resume_window()
 
     def wrap_closure(self, optimizer: Optimizer, closure: Callable[[], Any]) -> Callable[[], Any]:
@@ -136,8 +130,7 @@ class GradientAggregation:
 
         def closure_then_normalize() -> Any:
             result = closure()
-            done = _lightning.micro_batches_done_in_epoch(trainer)
-            aggregated = window_length(done, frequency)
+            aggregated = window_length(_lightning.micro_batches_done_in_epoch(trainer), frequency)
             factor = gradient_correction(frequency, aggregated, self.average)
             if ranks_correction is not None:
                 factor *= ranks_correction(aggregated, self.average)
@@ -169,9 +162,7 @@ class GradientAggregation:
             rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
             per_rank = [None] * world if rank == 0 else None
             torch.distributed.gather_object(local, per_rank, dst=0)
-        if per_rank is None:
-            return None
-        return window_entry(done, self.micro_batches_per_step, per_rank)
+        return None if per_rank is None else window_entry(done, self.micro_batches_per_step, per_rank)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """The window state of a checkpoint being resumed; its gradients are restored when training starts."""
@@ -246,10 +237,9 @@ def restore_window_gradients(
             "of the window is resharded; the run equals no uninterrupted one."
         )
     parameters = dict(module.named_parameters())
-    for name, gradient in gradients.items():
-        parameter = parameters.get(name)
-        if parameter is None or parameter.shape != gradient.shape:
-            return f"the checkpoint's accumulated gradient of {name!r} does not fit this model: none is restored."
+    misfits = [name for name, g in gradients.items() if name not in parameters or parameters[name].shape != g.shape]
+    if misfits:
+        return f"the checkpoint's accumulated gradient of {misfits[0]!r} does not fit this model: none is restored."
     for name, gradient in gradients.items():
         parameter = parameters[name]
         gradient = gradient.to(device=parameter.device, dtype=parameter.dtype)
@@ -265,11 +255,8 @@ def restore_window_gradients(
 
 def dataloaders(loaders: Any) -> Iterator[DataLoader]:
     """The DataLoaders (or wrappers forwarding to one, ``uneven.AgreedLoader``) in ``trainer.train_dataloader``."""
-    if isinstance(loaders, dict):
-        for value in loaders.values():
-            yield from dataloaders(value)
-    elif isinstance(loaders, (list, tuple)):
-        for value in loaders:
+    if isinstance(loaders, (dict, list, tuple)):
+        for value in loaders.values() if isinstance(loaders, dict) else loaders:
             yield from dataloaders(value)
     elif isinstance(loaders, DataLoader) or isinstance(getattr(loaders, "loader", None), DataLoader):
         yield loaders
@@ -291,18 +278,19 @@ def micro_batch_size(trainer: Any, loaders: Any = None) -> int | None:
     if isinstance(size, int) and not isinstance(size, bool) and size >= 1:
         return size
     for loader in dataloaders(getattr(trainer, "train_dataloader", None) if loaders is None else loaders):
-        size = loader.batch_size
-        if size is None:  # a custom batch sampler
-            size = getattr(loader.batch_sampler, "batch_size", None)
-        if isinstance(size, int) and size >= 1:
+        if (size := loader_batch_size(loader)) is not None:
             return size
     return None
+
+
+def loader_batch_size(loader: DataLoader) -> int | None:
+    """Samples per batch of ``loader`` (its ``batch_size``, or its batch sampler's); None when unknown."""
+    size = loader.batch_size if loader.batch_size is not None else getattr(loader.batch_sampler, "batch_size", None)
+    return size if isinstance(size, int) and size >= 1 else None
 
 
 def effective_batch_size(trainer: Any) -> int | None:
     """Samples per optimizer step over all processes: ``micro-batch size x world size x micro-batches per
     step``; None when the micro-batch size is unknown."""
     per_device = micro_batch_size(trainer)
-    if per_device is None:
-        return None
-    return per_device * trainer.world_size * micro_batches_per_step(trainer)
+    return None if per_device is None else per_device * trainer.world_size * micro_batches_per_step(trainer)

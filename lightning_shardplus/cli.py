@@ -49,8 +49,7 @@ class ShardPlusCLI(LightningCLI):
 
     def __init__(self, *args: Any, trainer_defaults: dict[str, Any] | None = None, **kwargs: Any) -> None:
         defaults = {"strategy": STRATEGY_DEFAULT, **(trainer_defaults or {})}
-        kwargs.setdefault("subclass_mode_model", True)
-        kwargs.setdefault("subclass_mode_data", True)
+        kwargs = {"subclass_mode_model": True, "subclass_mode_data": True, **kwargs}
         super().__init__(*args, trainer_defaults=defaults, **kwargs)
 
     def init_parser(self, **kwargs: Any) -> LightningArgumentParser:

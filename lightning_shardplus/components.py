@@ -80,7 +80,7 @@ class RunComponents:
                 user_state=setup.ddp_comm_state, user_wrapper=setup.ddp_comm_wrapper,
                 wrappers=[cb.wrap for cb in trainer.callbacks if isinstance(cb, CommunicationHookWrapper)],
             )  # fmt: skip
-            parts.fusion = _tensor_fusion(config, trainer, setup, parts.aggregation.micro_batches_per_step)
+            parts.fusion = _tensor_fusion(config, trainer, setup)  # once the aggregation frequency is set
         return parts
 
     def load_states(self, states: dict[str, Any]) -> None:
@@ -162,15 +162,13 @@ def _add_callbacks(config: ShardPlusConfig, trainer: pl.Trainer, exact_across_ra
         callbacks.insert(0, AverageTrainingMetrics())
 
 
-def _tensor_fusion(
-    config: ShardPlusConfig, trainer: pl.Trainer, setup: DistributedSetup, micro_batches_per_step: int
-) -> fusion.TensorFusion:
+def _tensor_fusion(config: ShardPlusConfig, trainer: pl.Trainer, setup: DistributedSetup) -> fusion.TensorFusion:
     ddp_kwargs = setup.ddp_kwargs or {}
     # what the best bucket size depends on, beside the parameters, world size, device, backend and torch
     extra = {
         "gradient_compression": config.gradient_compression,
         "ddp_comm_hook": getattr(setup.ddp_comm_hook, "__qualname__", None),
-        "micro_batches_per_step": micro_batches_per_step,
+        "micro_batches_per_step": aggregation.micro_batches_per_step(trainer),
         # (DDP's default, False, where left out: the key is the same whether the flag was passed or not)
         **{k: ddp_kwargs.get(k, False) for k in ("find_unused_parameters", "static_graph", "gradient_as_bucket_view")},
     }

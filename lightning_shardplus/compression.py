@@ -1,5 +1,4 @@
 """Gradient compression: ``gradient_compression`` -> a DDP communication hook (+ its state), on every device type.
-
 ``"fp16"``/``"bf16"``: torch's cast hooks; ``"powersgd"``: torch's ``powerSGD_hook``, its state kept per parameter
 across bucket re-cuts and saved per rank beside checkpoints, its buckets serialized off NCCL (docs/compression.md)."""
 
@@ -67,9 +66,8 @@ class CastCompression:
             ) from err
 
     def hook_for(self, model: DistributedDataParallel, backend: str) -> tuple[Callable, object]:
-        if self.dtype == torch.float16:
-            return default_hooks.fp16_compress_hook, None
-        return (default_hooks.bf16_compress_hook if backend == "nccl" else shardplus_bf16_compress_hook), None
+        bf16 = default_hooks.bf16_compress_hook if backend == "nccl" else shardplus_bf16_compress_hook
+        return (default_hooks.fp16_compress_hook if self.dtype == torch.float16 else bf16), None
 
     def state_dict(self) -> dict[str, Any] | None:
         return None
@@ -334,8 +332,8 @@ class CommunicationHook:
         wrappers: list[Callable[[Callable], Callable]] | None = None,
     ) -> None:  # fmt: skip
         self.name, self.backend = name, backend
-        self.user_hook, self.user_state, self.user_wrapper = user_hook, user_state, user_wrapper
-        self.wrappers, self.device = wrappers or [], device
+        self.user_hook, self.user_state, self.device = user_hook, user_state, device
+        self.wrappers = ([] if user_wrapper is None else [user_wrapper]) + list(wrappers or [])  # innermost first
         self.compression = build_compression(name, user_state)
         if self.compression is not None:
             self.compression.check_backend(backend, device)
@@ -347,12 +345,10 @@ class CommunicationHook:
         hook, state = self.user_hook, self.user_state
         if self.compression is not None:
             hook, state = self.compression.hook_for(model, self.backend)
-        if hook is None and (self.user_wrapper is not None or self.wrappers):
+        if hook is None and self.wrappers:
             hook, state = default_hooks.allreduce_hook, None  # DDP's all-reduce, as a hook that can be wrapped
         if hook is None:
             return
-        if self.user_wrapper is not None:
-            hook = self.user_wrapper(hook)
         for wrap in self.wrappers:
             hook = wrap(hook)
         try:

@@ -23,10 +23,9 @@ def check_map_style(name: str, dataset: Any) -> None:
         stream = isinstance(dataset, IterableDataset)
         kind = "an IterableDataset (a stream)" if stream else f"a {type(dataset).__name__}"
         raise ValueError(
-            f"`{name}` is {kind}: ShardPlusDataModule shards map-style datasets (with __len__ and __getitem__). "
-            "Give a stream to the Trainer as a DataLoader instead (`trainer.fit(model, train_dataloaders=...)` or "
-            "your own datamodule); the strategy's `uneven_inputs` keeps the ranks in step over it "
-            "(docs/uneven-inputs.md)."
+            f"`{name}` is {kind}: ShardPlusDataModule shards map-style datasets (with __len__ and __getitem__). Give a "
+            "stream to the Trainer as a DataLoader instead (`trainer.fit(model, train_dataloaders=...)` or your own "
+            "datamodule); the strategy's `uneven_inputs` keeps the ranks in step over it (docs/uneven-inputs.md)."
         )
 
 
@@ -189,8 +188,7 @@ class SyntheticDataModule(ShardPlusDataModule):
     def _make(self, count: int, offset: int) -> TensorDataset:
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + offset)
         inputs = torch.randn(count, *self.input_shape, generator=generator)
-        labels = (inputs.reshape(count, -1) @ self._rule).argmax(dim=1)
-        return TensorDataset(inputs, labels)
+        return TensorDataset(inputs, (inputs.reshape(count, -1) @ self._rule).argmax(dim=1))
 
     def build_train_dataset(self) -> Dataset:
         return self._make(self.num_samples, 1)

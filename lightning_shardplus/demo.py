@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
+from functools import partial
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -79,8 +82,7 @@ class DigitsDataModule(ShardPlusDataModule):
             raise ValueError(f"`val_fraction`={val_fraction!r} is not valid: expected 0 < val_fraction < 1.")
         split_seed = check_int("split_seed", split_seed, minimum=0)
         super().__init__(global_batch_size, num_workers=num_workers)
-        self.val_fraction = val_fraction
-        self.split_seed = split_seed
+        self.val_fraction, self.split_seed = val_fraction, split_seed
 
     def _split(self) -> tuple[TensorDataset, TensorDataset]:
         try:
@@ -125,10 +127,6 @@ class DigitsStreamDataModule(pl.LightningDataModule):
 
     def prepare_data(self) -> None:
         """Write the train and validation splits as litdata datasets (local rank 0; the others wait)."""
-        import inspect
-        from functools import partial
-        from pathlib import Path
-
         import litdata
 
         for split, dataset in zip(("train", "val"), self.digits._split(), strict=True):

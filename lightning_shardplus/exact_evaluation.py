@@ -73,8 +73,10 @@ def describe(key: str, result_metric: Any) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def _exactly_reduced(key: str, result_metric: Any) -> bool:
-    return result_metric.meta.fx.split(".")[0] in _PER_BATCH_FX and not result_metric.meta.sync.rank_zero_only
+def _exactly_reduced(results: Any) -> dict[str, Any]:
+    """The epoch values of ``results`` that exact evaluation reduces, by key: those logged per batch, for all ranks."""
+    metrics = _lightning.epoch_result_metrics(results).items()
+    return {k: rm for k, rm in metrics if rm.meta.fx.split(".")[0] in _PER_BATCH_FX and not rm.meta.sync.rank_zero_only}
 
 
 class ExactEvaluation(Callback):
@@ -88,13 +90,6 @@ class ExactEvaluation(Callback):
         self._silenced: set[str] = set()  # names whose sync_dist advice is ignored until `_close`
         self._restore_warnings: list[Callable[[], None]] = []
 
-    def _open(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.deferring = True
-        for metric in pl_module.modules():
-            if isinstance(metric, Metric):
-                self._metric_flags[metric] = (metric.sync_on_compute, metric.dist_sync_on_step)
-                _lightning.set_metric_sync(metric, sync_on_compute=False, dist_sync_on_step=False)
-
     def _close(self, trainer: pl.Trainer) -> None:
         self.deferring = False
         for restore in self._restore_warnings:
@@ -106,16 +101,17 @@ class ExactEvaluation(Callback):
         self._metric_flags.clear()
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._open(trainer, pl_module)
+        self.deferring = True
+        for metric in pl_module.modules():
+            if isinstance(metric, Metric):
+                self._metric_flags[metric] = (metric.sync_on_compute, metric.dist_sync_on_step)
+                _lightning.set_metric_sync(metric, sync_on_compute=False, dist_sync_on_step=False)
 
     on_test_start = on_validation_start
 
     def on_validation_batch_end(self, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
         # before Lightning reads the epoch values (after the last batch of each loader)
-        results = _lightning.active_results(trainer)
-        names = {
-            rm.meta.name for key, rm in _lightning.epoch_result_metrics(results).items() if _exactly_reduced(key, rm)
-        }
+        names = {rm.meta.name for rm in _exactly_reduced(_lightning.active_results(trainer)).values()}
         if new := names - self._silenced:
             self._restore_warnings.append(false_warnings.silence_epoch_sync_advice(new))
             self._silenced |= new
@@ -137,11 +133,7 @@ class ExactEvaluation(Callback):
         """Every rank: agree on the logged keys, register the ones this rank lacks, then reduce the running
         values in one all_gather and the torchmetrics Metrics with their own sync, in key order."""
         results = _lightning.active_results(trainer)
-        local = {
-            key: describe(key, rm)
-            for key, rm in _lightning.epoch_result_metrics(results).items()
-            if _exactly_reduced(key, rm)
-        }
+        local = {key: describe(key, rm) for key, rm in _exactly_reduced(results).items()}
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, local)
         entries = dict(sorted({k: v for rank_entries in gathered for k, v in rank_entries.items()}.items()))
@@ -150,7 +142,6 @@ class ExactEvaluation(Callback):
         for rank_entries in gathered:  # list-state layouts from any rank that has them
             for key, entry in rank_entries.items():
                 entries[key]["list_states"].update(entry["list_states"])
-        device = trainer.strategy.root_device
         result_metrics = {
             key: results[key] if key in local else self._register(results, entry, pl_module, trainer)
             for key, entry in entries.items()
@@ -160,7 +151,7 @@ class ExactEvaluation(Callback):
             local_values = torch.stack(
                 [torch.stack([rm.value.double(), getattr(rm, "cumulated_batch_size", torch.tensor(0)).double()])
                  for rm in map(result_metrics.get, tensor_keys)]
-            ).to(device)  # fmt: skip
+            ).to(trainer.strategy.root_device)  # fmt: skip
             everyone = [torch.empty_like(local_values) for _ in range(dist.get_world_size())]
             dist.all_gather(everyone, local_values)
             stacked = torch.stack(everyone).cpu()  # ranks x keys x (value, count)

@@ -37,6 +37,11 @@ def warmup_factor(factor: float, step: int, warmup_steps: int) -> float:
     return factor if step >= warmup_steps else 1.0 + (factor - 1.0) * step / warmup_steps
 
 
+def _value(rate: Any) -> Any:
+    """A learning rate as it is now (a tensor rate is copied: it changes in place)."""
+    return rate.detach().clone() if isinstance(rate, torch.Tensor) else rate
+
+
 def _check_warmup_epochs(value: Any) -> None:
     message = f"`warmup_epochs`={value!r} is not valid: expected a finite number >= 0 (fractions allowed)."
     if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -46,14 +51,13 @@ def _check_warmup_epochs(value: Any) -> None:
 
 
 class ScaleLearningRate(Callback):
-    """Scale the learning rate by ``rule(effective_batch / reference_batch_size)``, after an optional linear warmup:
-    the large-batch recipe of Goyal et al. (2017), as Horovod and Determined apply it (docs/large-batch.md).
+    """Scale the learning rate by ``rule(effective_batch / reference_batch_size)`` after an optional linear warmup.
 
-    ``effective_batch`` is ``ShardPlusStrategy.effective_batch_size``: per-device batch x world size x
-    micro-batches per step. The factor multiplies the optimizer's rates only while its ``step`` runs, so
-    schedulers, ``LearningRateMonitor`` and checkpoints see the unscaled rates; a resumed run continues the warmup.
-    ``rule``: ``"linear"``, ``"sqrt"`` or ``"none"``; ``reference_batch_size`` None: the per-device batch size;
-    ``warmup_steps`` or ``warmup_epochs`` (not both). The arguments: docs/large-batch.md."""
+    ``effective_batch`` is ``ShardPlusStrategy.effective_batch_size``: per-device batch x world size x micro-batches
+    per step. The factor multiplies the optimizer's rates only while its ``step`` runs, so schedulers,
+    ``LearningRateMonitor`` and checkpoints see the unscaled rates; a resumed run continues the warmup. ``rule``:
+    ``"linear"``, ``"sqrt"`` or ``"none"``; ``reference_batch_size`` None: the per-device batch size; ``warmup_steps``
+    or ``warmup_epochs`` (not both). The arguments: docs/large-batch.md."""
 
     def __init__(
         self,
@@ -106,10 +110,9 @@ class ScaleLearningRate(Callback):
             ratio = float(world_size * aggregation_steps)
         elif self.effective_batch_size is None:
             raise ValueError(
-                f"ScaleLearningRate got `reference_batch_size`={self.reference_batch_size} but cannot find "
-                "the per-device batch size: the datamodule has no `per_device_batch_size` and no training "
-                "DataLoader has a `batch_size`. Give the DataLoader a batch_size, or leave "
-                "`reference_batch_size` None."
+                f"ScaleLearningRate got `reference_batch_size`={self.reference_batch_size} but cannot find the "
+                "per-device batch size: the datamodule has no `per_device_batch_size` and no training DataLoader has a "
+                "`batch_size`. Give the DataLoader a batch_size, or leave `reference_batch_size` None."
             )
         else:
             ratio = self.effective_batch_size / self.reference_batch_size
@@ -149,16 +152,14 @@ class ScaleLearningRate(Callback):
                 # the same on every rank: nothing to average (and averaged metrics would warn, this is logged late)
                 pl_module.log(name, rate, on_step=True, on_epoch=False, batch_size=1, rank_zero_only=True)
 
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str | None = None) -> None:
         self._restore_all()
         self._remove_hooks()
+
+    on_train_end = teardown
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._restore_all()
-
-    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._restore_all()
-        self._remove_hooks()
 
     def on_save_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
@@ -193,8 +194,7 @@ class ScaleLearningRate(Callback):
                 f"`warmup_epochs`={self.warmup_epochs!r} needs the number of training batches per epoch, but "
                 "the training dataloader has no length: give `warmup_steps` instead."
             )
-        steps_per_epoch = math.ceil(batches / micro_batches)
-        return math.floor(self.warmup_epochs * steps_per_epoch + 0.5)
+        return math.floor(self.warmup_epochs * math.ceil(batches / micro_batches) + 0.5)  # optimizer steps per epoch
 
     def _make_pre_hook(self, index: int) -> Any:
         def scale(optimizer: Optimizer, args: Any, kwargs: Any) -> None:
@@ -203,20 +203,10 @@ class ScaleLearningRate(Callback):
             if self._depth[index] > 1:
                 return
             factor = self.factor_at(self._steps[index])
-            saved: list[Any] = []
-            applied: list[Any] = []
+            self._user_lrs[index] = [_value(group["lr"]) for group in optimizer.param_groups]
             for group in optimizer.param_groups:
-                rate = group["lr"]
-                if isinstance(rate, torch.Tensor):
-                    saved.append(rate.clone())
-                    rate.mul_(factor)
-                    applied.append(rate.detach().clone())
-                else:
-                    saved.append(rate)
-                    group["lr"] = rate * factor
-                    applied.append(rate * factor)
-            self._user_lrs[index] = saved
-            self._applied[index] = applied
+                group["lr"] *= factor  # a tensor rate in place (a scheduler may hold it), a float replaced
+            self._applied[index] = [_value(group["lr"]) for group in optimizer.param_groups]
 
         return scale
 
@@ -232,10 +222,7 @@ class ScaleLearningRate(Callback):
         return restore
 
     def _restore(self, index: int) -> None:
-        rates = self._user_lrs.pop(index, None)
-        if rates is None:
-            return
-        for group, rate in zip(self._optimizers[index].param_groups, rates, strict=False):
+        for group, rate in zip(self._optimizers[index].param_groups, self._user_lrs.pop(index, []), strict=False):
             if isinstance(rate, torch.Tensor) and isinstance(group["lr"], torch.Tensor):
                 group["lr"].copy_(rate)
             else:

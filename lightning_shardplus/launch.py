@@ -86,11 +86,10 @@ def check_launcher_world_size(environment: ClusterEnvironment | None, devices: i
         settings = f"devices x num_nodes = {world_size}"
     raise ValueError(
         f"{name} started {world_size} processes in all (world size {world_size}), but the Trainer expects "
-        f"devices={devices} x num_nodes={num_nodes} = {devices * num_nodes}. Fix: set {settings} "
-        f"(`--trainer.devices` / `--trainer.num_nodes` on the shardplus command line) to match the launcher, or "
-        f"start {devices} process(es) per node on {num_nodes} node(s) (torchrun --nproc-per-node={devices} "
-        f"--nnodes={num_nodes}; SLURM --ntasks-per-node={devices} --nodes={num_nodes}; mpirun -np "
-        f"{devices * num_nodes})."
+        f"devices={devices} x num_nodes={num_nodes} = {devices * num_nodes}. Fix: set {settings} (`--trainer.devices` "
+        f"/ `--trainer.num_nodes` on the shardplus command line) to match the launcher, or start {devices} process(es) "
+        f"per node on {num_nodes} node(s) (torchrun --nproc-per-node={devices} --nnodes={num_nodes}; SLURM "
+        f"--ntasks-per-node={devices} --nodes={num_nodes}; mpirun -np {devices * num_nodes})."
     )
 
 

@@ -70,9 +70,8 @@ class ShardedLoaders:
         if not _lightning.is_injected(sampler):
             if isinstance(sampler, DistributedSampler):
                 rank_zero_warn(
-                    "shardplus: a DataLoader already has a DistributedSampler; it is left alone, so padded "
-                    "equal shards and exact evaluation do not apply to it. Pass a plain DataLoader to get "
-                    "them."
+                    "shardplus: a DataLoader already has a DistributedSampler; it is left alone, so padded equal "
+                    "shards and exact evaluation do not apply to it. Pass a plain DataLoader to get them."
                 )
             elif (self.exact_evaluation and self.num_replicas > 1 and self.trainer.state.stage in EVALUATION_STAGES
                   and not isinstance(dataloader.dataset, IterableDataset)):  # fmt: skip (streams shard themselves)
@@ -118,7 +117,7 @@ class ShardedLoaders:
         shuffle = bool(injected.shuffle) and self.shuffle
         sampler = PaddedShardSampler(dataloader.dataset, self.num_replicas, self.rank, shuffle=shuffle, seed=self.seed,
                                      padding=self.padding, record_indices=self.record_indices)  # fmt: skip
-        self._resume(sampler, loader_batch_size(dataloader))
+        self._resume(sampler, aggregation.loader_batch_size(dataloader))
         _warn_if_mostly_padding(sampler)
         return sampler
 
@@ -147,13 +146,11 @@ class ShardedLoaders:
         if trainer.state.fn != TrainerFn.FITTING:
             return None
         samplers = [
-            (loader.sampler, loader_batch_size(loader))
+            (loader.sampler, aggregation.loader_batch_size(loader))
             for loader in aggregation.dataloaders(trainer.train_dataloader)
             if isinstance(loader.sampler, PaddedShardSampler)
         ]
-        if not samplers:
-            return None
-        return checkpoint_entry(_lightning.micro_batches_trained_in_epoch(trainer), samplers)
+        return checkpoint_entry(_lightning.micro_batches_trained_in_epoch(trainer), samplers) if samplers else None
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """The progress of a checkpoint being resumed, checked: the training samplers built next continue its epoch."""
@@ -180,20 +177,13 @@ def _warn_if_mostly_padding(sampler: PaddedShardSampler) -> None:
         )
 
 
-def loader_batch_size(loader: DataLoader) -> int | None:
-    """Samples per batch of ``loader`` (its ``batch_size``, or its batch sampler's); None when unknown."""
-    size = loader.batch_size if loader.batch_size is not None else getattr(loader.batch_sampler, "batch_size", None)
-    return size if isinstance(size, int) and size >= 1 else None
-
-
 def gather_predictions(loop: Any, num_replicas: int) -> None:
     """Where the predict ``loop`` returns predictions, on rank 0, replace each loader's list of prediction batches by
     every rank's, in dataset order (exact shards are contiguous blocks in rank order); the other ranks keep theirs."""
     if not loop.return_predictions:
         return
-    rank = torch.distributed.get_rank()
     for predictions in [loop.predictions] if loop.num_dataloaders == 1 else loop.predictions:
-        gathered: list[Any] | None = [None] * num_replicas if rank == 0 else None
+        gathered: list[Any] | None = [None] * num_replicas if torch.distributed.get_rank() == 0 else None
         torch.distributed.gather_object(predictions, gathered, dst=0)
         if gathered is not None:
             predictions[:] = [batch for rank_batches in gathered for batch in rank_batches]

@@ -71,19 +71,15 @@ class LARS(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            lr = group["lr"]
-            momentum = group["momentum"]
-            weight_decay = group["weight_decay"]
+            lr, momentum = group["lr"], group["momentum"]
             for param in group["params"]:
                 if param.grad is None:
                     continue
                 grad = param.grad
                 if grad.is_sparse:
                     raise RuntimeError("LARS does not support sparse gradients.")
-                if group["exclude_bias_and_norm"] and param.ndim <= 1:
-                    update = grad
-                else:
-                    update = self._adapted_update(param, grad, weight_decay, group)
+                plain = group["exclude_bias_and_norm"] and param.ndim <= 1  # plain SGD with momentum
+                update = grad if plain else self._adapted_update(param, grad, group)
                 if momentum == 0:
                     param.sub_(update, alpha=lr)
                     continue
@@ -96,12 +92,10 @@ class LARS(Optimizer):
         return loss
 
     @staticmethod
-    def _adapted_update(
-        param: torch.Tensor, grad: torch.Tensor, weight_decay: float, group: dict[str, Any]
-    ) -> torch.Tensor:
+    def _adapted_update(param: torch.Tensor, grad: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
         """``ratio * (g + weight_decay * w)``, computed on the device (no host synchronization)."""
-        param_norm = torch.linalg.vector_norm(param)
-        grad_norm = torch.linalg.vector_norm(grad)
+        weight_decay = group["weight_decay"]
+        param_norm, grad_norm = torch.linalg.vector_norm(param), torch.linalg.vector_norm(grad)
         denominator = grad_norm + weight_decay * param_norm + group["eps"]
         ratio = group["trust_coefficient"] * param_norm / denominator
         trust_ratio = torch.where((param_norm > 0) & (grad_norm > 0), ratio, torch.ones_like(ratio))

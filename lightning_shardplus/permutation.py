@@ -15,8 +15,7 @@ _MASK64 = (1 << 64) - 1
 def _splitmix64(state: int) -> tuple[int, int]:
     """One step of splitmix64 on Python ints: ``(new state, output)``."""
     state = (state + 0x9E3779B97F4A7C15) & _MASK64
-    z = state
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((state ^ (state >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
     return state, z ^ (z >> 31)
 
@@ -51,9 +50,8 @@ def half_bits(length: int) -> int:
 
 
 class KeyedPermutation:
-    """The ``(seed, epoch)`` order of ``range(length)`` as a function of numpy position arrays: the keys and the
-    word size are set up once, then :meth:`at` maps each chunk of positions with a few in-place array operations.
-    """
+    """The ``(seed, epoch)`` order of ``range(length)`` as a function of numpy position arrays: the keys and the word
+    size are set up once, then :meth:`at` maps each chunk of positions with a few in-place array operations."""
 
     def __init__(self, length: int, seed: int, epoch: int) -> None:
         if isinstance(length, bool) or not isinstance(length, int) or not 0 <= length <= MAX_LENGTH:

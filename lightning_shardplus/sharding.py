@@ -14,7 +14,7 @@ import torch
 from torch.utils.data import Sampler
 
 from lightning_shardplus._validation import check_bool, check_choice, check_int
-from lightning_shardplus.permutation import MAX_LENGTH, KeyedPermutation, _splitmix64
+from lightning_shardplus.permutation import _MASK64, MAX_LENGTH, KeyedPermutation, _splitmix64
 
 PaddingMode = Literal["first", "wrap"]
 PADDING_MODES: tuple[str, ...] = ("first", "wrap")
@@ -64,6 +64,8 @@ def _dataset_length(dataset_or_length: Sized | int) -> int:
 class _ShardSampler(Sampler[int]):
     """What both samplers share: the arguments, the epoch and the epoch's global order."""
 
+    num_samples: int  # the indices :meth:`_index_chunks` yields in all (set by each sampler)
+
     def __init__(
         self, dataset_or_length: Sized | int, num_replicas: int, rank: int, *, shuffle: bool, seed: int
     ) -> None:
@@ -90,26 +92,20 @@ class _ShardSampler(Sampler[int]):
         """This rank's indices for the current epoch, chunk by chunk (int64 arrays)."""
         raise NotImplementedError
 
-    def _shard_size(self) -> int:
-        """How many indices :meth:`_index_chunks` yields in all."""
-        return len(self)
-
     def __iter__(self) -> Iterator[int]:
         """The indices as Python ints: one list for a shard of at most :data:`UP_FRONT_SIZE`, else each chunk's
         ``memoryview`` (which makes each int as it is read), chained in C."""
-        if self._shard_size() <= UP_FRONT_SIZE:
+        if self.num_samples <= UP_FRONT_SIZE:
             chunks = list(self._index_chunks())
             return iter(np.concatenate(chunks).tolist() if chunks else [])
         return itertools.chain.from_iterable(map(memoryview, self._index_chunks()))
 
 
 class PaddedShardSampler(_ShardSampler):
-    """Training shards of exactly ``ceil(N / num_replicas)`` indices on every rank, reshuffled each epoch.
-
-    Rank ``r`` reads positions ``r, r + W, r + 2W, ...`` of the epoch's order, so what all ranks consumed after
-    ``k`` steps is a prefix of it. Positions past ``N`` are padding: index 0 (``padding="first"``, as Clara Train)
-    or the order's first indices again (``"wrap"``, as torch's ``DistributedSampler``); ``drop_last`` drops them.
-    """
+    """Training shards of exactly ``ceil(N / num_replicas)`` indices on every rank, reshuffled each epoch: rank ``r``
+    reads positions ``r, r + W, r + 2W, ...`` of the epoch's order, so what all ranks consumed after ``k`` steps is a
+    prefix of it. Positions past ``N`` are padding: index 0 (``padding="first"``, as Clara Train) or the order's first
+    indices again (``"wrap"``, as torch's ``DistributedSampler``); ``drop_last`` drops them."""
 
     def __init__(
         self,
@@ -130,13 +126,11 @@ class PaddedShardSampler(_ShardSampler):
         # Mid-epoch resume (see `load_state_dict`): the epoch it applies to, the positions of that epoch's order
         # already consumed, and the per-rank samples the resumed epoch counts as done without yielding them.
         self.resumed_epoch: int | None = None
-        self.start_position = 0
-        self.samples_counted_before_start = 0
+        self.start_position = self.samples_counted_before_start = 0
         self._set_shard_size()
         # Debug aid for `verify_sharding`: what the last iteration yielded, and whether it ran to the end.
-        self.record_indices = record_indices
+        self.record_indices, self.completed_epoch = record_indices, False
         self.yielded_indices: list[int] = []
-        self.completed_epoch = False
 
     def _set_shard_size(self) -> None:
         """``num_samples`` (this rank's indices) and ``total_size`` (all ranks') from ``start_position`` on."""
@@ -183,10 +177,8 @@ class PaddedShardSampler(_ShardSampler):
                 f"`positions_consumed`={consumed} is not valid for a dataset of {self.dataset_length} samples: "
                 "the checkpoint was written for another training set."
             )
-        self.seed = int(state["seed"])
-        self.epoch = self.resumed_epoch = int(state["epoch"])
-        self.start_position = consumed
-        self.samples_counted_before_start = samples_counted
+        self.seed, self.epoch, self.resumed_epoch = int(state["seed"]), int(state["epoch"]), int(state["epoch"])
+        self.start_position, self.samples_counted_before_start = consumed, samples_counted
         self._set_shard_size()
 
     def _index_chunks(self) -> Iterator[np.ndarray]:
@@ -199,16 +191,10 @@ class PaddedShardSampler(_ShardSampler):
         # Padding positions p >= N, kept as offsets p - N (p itself may pass 2**63 - 1): index 0, or the order's
         # first indices again (offset modulo N, as torch's DistributedSampler repeats its order).
         for offsets in _chunks(start + real * w - n, self.num_samples - real, w):
-            if self.padding == "first":
-                yield np.zeros_like(offsets)
-            else:
-                yield order(offsets % n)
+            yield np.zeros_like(offsets) if self.padding == "first" else order(offsets % n)
 
     def __iter__(self) -> Iterator[int]:
         return self._recorded() if self.record_indices else super().__iter__()
-
-    def _shard_size(self) -> int:
-        return self.num_samples
 
     def _recorded(self) -> Iterator[int]:
         """The indices, noting each in ``yielded_indices`` and whether the epoch ran to its end."""
@@ -232,14 +218,15 @@ class ExactShardSampler(_ShardSampler):
     ) -> None:
         super().__init__(dataset_or_length, num_replicas, rank, shuffle=shuffle, seed=seed)
         self.start, self.stop = shard_bounds(self.dataset_length, num_replicas, rank)
+        self.num_samples = self.stop - self.start
 
     def _index_chunks(self) -> Iterator[np.ndarray]:
         order = self._order()
-        for positions in _chunks(self.start, self.stop - self.start, 1):
+        for positions in _chunks(self.start, self.num_samples, 1):
             yield order(positions)
 
     def __len__(self) -> int:
-        return self.stop - self.start
+        return self.num_samples
 
 
 class PlaceholderShardSampler(Sampler[int]):
@@ -328,15 +315,10 @@ def check_epoch_shards(
     owner: dict[int, int] = {}
     for rank, indices in enumerate(real_indices_per_rank):
         for index in indices:
-            if index in owner and owner[index] != rank:
-                raise ShardingError(
-                    f"verify_sharding: in epoch {epoch}, ranks {owner[index]} and {rank} both read sample {index}: "
-                    "training shards are not disjoint."
-                )
             if index in owner:
-                raise ShardingError(
-                    f"verify_sharding: in epoch {epoch}, rank {rank} read sample {index} twice outside padding."
-                )
+                twice = f"rank {rank} read sample {index} twice outside padding"
+                both = f"ranks {owner[index]} and {rank} both read sample {index}: training shards are not disjoint"
+                raise ShardingError(f"verify_sharding: in epoch {epoch}, {twice if owner[index] == rank else both}.")
             owner[index] = rank
     if expect_full_coverage and len(owner) != dataset_length:
         missing = sorted(set(range(dataset_length)) - owner.keys())
@@ -354,7 +336,6 @@ _DIGEST_KEYS = (0x243F6A8885A308D3, 0x13198A2E03707344, 0xA4093822299F31D0)  # o
 _HALF = 31  # each lane travels as two int64 halves of 31 bits: their sums over 2**32 ranks fit in an int64
 _COUNTS = 3  # real samples read, "ran to the end" and "read past the dataset or another world size"
 DIGEST_WIDTH = _COUNTS + 2 * (len(_DIGEST_KEYS) + 1)
-_MASK64 = (1 << 64) - 1
 
 
 def _mix(values: Any, key: int) -> Any:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from datetime import timedelta
-from functools import partial
+from functools import partial, partialmethod
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -319,17 +319,9 @@ class ShardPlusStrategy(DDPStrategy):
         with getattr(self.precision_plugin, contexts.get(step, "predict_step_context"))():
             return getattr(self.lightning_module, step)(*args, **kwargs)
 
-    @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._evaluation_step("validation_step", *args, **kwargs)
-
-    @override
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._evaluation_step("test_step", *args, **kwargs)
-
-    @override
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._evaluation_step("predict_step", *args, **kwargs)
+    validation_step = partialmethod(_evaluation_step, "validation_step")
+    test_step = partialmethod(_evaluation_step, "test_step")
+    predict_step = partialmethod(_evaluation_step, "predict_step")
 
     @override
     def on_predict_end(self) -> None:

@@ -142,10 +142,10 @@ class AverageTrainingMetrics(Callback):
     put first in the Trainer's callbacks (by the strategy), before any other callback reads the metrics."""
 
     def __init__(self) -> None:
-        self._restore: Callable[[], None] | None = None
         self._reset()
 
     def _reset(self) -> None:
+        self._restore: Callable[[], None] | None = None  # puts Lightning's logging back
         self._results: Any = None
         self._device = torch.device("cpu")
         self._layout: _Layout | None = None  # agreed by every rank; None before the first reduced step
@@ -327,7 +327,6 @@ class AverageTrainingMetrics(Callback):
     def _stop(self, *_: Any, **__: Any) -> None:
         if self._restore is not None:
             self._restore()
-        self._restore = None
         self._reset()
 
     on_train_end = on_exception = teardown = _stop

@@ -117,8 +117,7 @@ class ResumableAgreedLoader(AgreedLoader):
             return
         own = states[dist.get_rank()]
         self.loader.load_state_dict(own["state"])
-        self._resume_exhausted = own["ran_out"]
-        self._restored = copy.deepcopy(own["state"])
+        self._resume_exhausted, self._restored = own["ran_out"], copy.deepcopy(own["state"])
 
 
 PER_RANK_KEY = "shardplus_per_rank"
@@ -194,8 +193,7 @@ class EvenSteps:
             except StopIteration:
                 exhausted = True
         count = torch.tensor([int(not exhausted)], dtype=torch.int32)
-        work = dist.all_reduce(count, group=self.group, async_op=True)
-        return _Agreement(batch, exhausted, count, work)
+        return _Agreement(batch, exhausted, count, dist.all_reduce(count, group=self.group, async_op=True))
 
     def agreed_batches(self, iterator: Iterator[Any]) -> Iterator[Any]:
         """The batches of ``iterator``, in steps every rank takes together; the agreement on the next micro-batch runs

@@ -23,15 +23,13 @@ _COUNTED = ("rounds", "buckets", "collectives", "bytes")
 
 
 class ObservedProcessGroup(dist.ProcessGroup):
-    """``group`` as a process group of its own that calls ``observe(tensors)`` with the tensors this rank
-    contributes to each all-reduce and all-gather issued through it, then forwards the collective to ``group``.
-    ``torch.distributed``'s registry does not know it: ``get_rank(group)``, ``broadcast`` from a source refuse it.
-    """
+    """``group`` as a process group of its own that calls ``observe(tensors)`` with the tensors this rank contributes to
+    each all-reduce and all-gather issued through it, then forwards the collective to ``group``. ``torch.distributed``'s
+    registry does not know it: ``get_rank(group)``, ``broadcast`` from a source refuse it."""
 
     def __init__(self, group: dist.ProcessGroup, observe: Callable[[Sequence[torch.Tensor]], None]) -> None:
         super().__init__(group.rank(), group.size())
-        self.group = group
-        self.observe = observe
+        self.group, self.observe = group, observe
 
     def allreduce(self, tensors, opts):  # what `torch.distributed.all_reduce(tensor, group=self)` calls
         self.observe(tensors)
@@ -85,10 +83,7 @@ class CommunicationCounter(CommunicationHookWrapper):
         self._observed: dict[int, ObservedProcessGroup] = {}
 
     def __getstate__(self) -> dict[str, Any]:  # the spawn launcher pickles the Trainer's callbacks
-        state = self.__dict__.copy()
-        state["_lock"] = None
-        state["_observed"] = {}
-        return state
+        return self.__dict__ | {"_lock": None, "_observed": {}}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
@@ -96,11 +91,10 @@ class CommunicationCounter(CommunicationHookWrapper):
 
     def wrap(self, hook: Callable) -> Callable:
         """``hook`` counted: its calls, and the collectives it issues through the process group it is given."""
-        counter = self
 
         def counting_hook(state, bucket):  # no annotations: DDP checks them against its types
-            counter._count_call(last=bucket.is_last())
-            return call_with_observed_group(hook, state, bucket, counter._observed_group)
+            self._count_call(last=bucket.is_last())
+            return call_with_observed_group(hook, state, bucket, self._observed_group)
 
         counting_hook.__qualname__ = f"counted({getattr(hook, '__qualname__', repr(hook))})"
         return counting_hook
@@ -184,10 +178,9 @@ _CALLER_DEPTH = 4  # frames searched for it under the hook: the function, or it 
 
 
 class CollectiveCalls:
-    """How many collectives of each kind (``"all_reduce"``, ``"barrier"``, ...) were issued on a process group
-    through ``torch.distributed``'s Python functions between :meth:`start` and :meth:`stop`, from any thread (not
-    DDP's C++ reducer's). Start and stop between steps: torch expects no collective running while hooks change.
-    """
+    """How many collectives of each kind (``"all_reduce"``, ``"barrier"``, ...) were issued on a process group through
+    ``torch.distributed``'s Python functions between :meth:`start` and :meth:`stop`, from any thread (not DDP's C++
+    reducer's). Start and stop between steps: torch expects no collective running while hooks change."""
 
     def __init__(self) -> None:
         self.counts: dict[str, int] = {}

@@ -58,21 +58,16 @@ class ScalingReport(Callback):
         skip_first_steps = check_int("skip_first_steps", skip_first_steps, minimum=0)
         if not 0 < threshold < 1:
             raise ValueError(f"`threshold`={threshold!r} is not valid: expected a number in (0, 1).")
-        self.single_device_samples_per_second = single_device_samples_per_second
-        self.skip_first_steps = skip_first_steps
-        self.threshold = threshold
-        self.output_file = None if output_file is None else Path(output_file)
-        self.batch_size_fn = batch_size_fn
         check_bool("verbose", verbose)
-        self.verbose = verbose
         if device_timing is not None and not isinstance(device_timing, bool):
             raise TypeError(f"`device_timing`={device_timing!r} is not valid: expected None, True or False.")
-        self.device_timing = device_timing
+        self.single_device_samples_per_second, self.threshold = single_device_samples_per_second, threshold
+        self.skip_first_steps, self.batch_size_fn = skip_first_steps, batch_size_fn
+        self.verbose, self.device_timing = verbose, device_timing
+        self.output_file = None if output_file is None else Path(output_file)
         self.report: dict[str, Any] | None = None
         self._sums = [0.0] * len(_TOTALS)  # per `_TOTALS` key, summed locally
-        self._seen = 0
-        self._was_tuning = False
-        self._world_size = 1
+        self._seen, self._was_tuning, self._world_size = 0, False, 1
         self._batch_size: int | None = None
         self._clock: StepClock = HostClock()
         self._previous_end: Any = None  # a mark of `_clock`
@@ -122,11 +117,10 @@ class ScalingReport(Callback):
             trainer.profiler = self._profiler.wrapped
         self._profiler = None
 
-    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        self._restore_profiler(trainer)
-
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._restore_profiler(trainer)
+
+    on_exception = teardown  # (trainer, pl_module, exception)
 
     def _fetch_start(self) -> None:
         self._fetch_started = self._clock.mark()

@@ -31,9 +31,8 @@ def summarize_scaling(
     slowest = max(sum(rank[phase] for phase in STEP_PHASES) for rank in counted)
     samples = sum(rank["samples"] for rank in counted)
     samples_per_second = samples / slowest if slowest > 0 and samples > 0 else None
-    efficiency = None
-    if samples_per_second is not None and single_device_samples_per_second:
-        efficiency = samples_per_second / (world_size * single_device_samples_per_second)
+    known = samples_per_second is not None and single_device_samples_per_second
+    efficiency = samples_per_second / (world_size * single_device_samples_per_second) if known else None
     report = {
         "world_size": world_size, "micro_batches": int(min(rank["micro_batches"] for rank in counted)),
         "micro_batches_per_optimizer_step": micro_batches_per_step, "ms_per_micro_batch": ms_per_micro_batch,

@@ -4,23 +4,8 @@ current stream, read once the device has passed them (the host runs ahead of the
 from __future__ import annotations
 
 import time
-from typing import Any, Protocol
 
 import torch
-
-
-class StepClock(Protocol):
-    """Marks points in time and measures seconds between two marks once both have happened."""
-
-    name: str
-
-    def mark(self) -> Any: ...
-
-    def ready(self, mark: Any) -> bool: ...
-
-    def wait(self, mark: Any) -> None: ...
-
-    def seconds(self, start: Any, end: Any) -> float: ...
 
 
 class HostClock:
@@ -64,6 +49,10 @@ class DeviceEventClock:
         return start.elapsed_time(end) / 1000
 
 
+StepClock = HostClock | DeviceEventClock
+"""Marks points in time (``mark``), says when one has happened (``ready``, ``wait``), measures ``seconds`` between."""
+
+
 def supports_device_events(device: torch.device) -> bool:
     """Whether ``device`` has timing events (CUDA, ROCm, XPU and other accelerators; not the CPU): two are
     recorded and timed once here, since some backends create an event but fail when it is recorded."""
@@ -81,15 +70,12 @@ def supports_device_events(device: torch.device) -> bool:
 
 
 def step_clock(device: torch.device, device_timing: bool | None = None) -> StepClock:
-    """The clock for a training step on ``device``: device events where the device has them and
-    ``device_timing`` is not False, the host clock otherwise; ``device_timing=True`` on a device without
-    events is an error."""
+    """The clock for a training step on ``device``: device events where the device has them and ``device_timing`` is not
+    False, the host clock otherwise; ``device_timing=True`` on a device without events is an error."""
     supported = supports_device_events(device)
     if device_timing and not supported:
         raise ValueError(
             f"`device_timing`=True is not valid on device {str(device)!r}: it has no timing events (torch.Event); "
             "expected None (use them where available) or False (host wall clock)."
         )
-    if supported and device_timing is not False:
-        return DeviceEventClock(device)
-    return HostClock()
+    return DeviceEventClock(device) if supported and device_timing is not False else HostClock()

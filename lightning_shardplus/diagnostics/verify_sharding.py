@@ -39,9 +39,8 @@ class VerifySharding(Callback):
         rank_zero_info(f"shardplus: verify_sharding {_outcome(self.epochs_checked, self.epochs_complete)}")
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        samplers = [
-            dl.sampler for dl in dataloaders(trainer.train_dataloader) if isinstance(dl.sampler, PaddedShardSampler)
-        ]
+        loaders = dataloaders(trainer.train_dataloader)
+        samplers = [dl.sampler for dl in loaders if isinstance(dl.sampler, PaddedShardSampler)]
         if not samplers:
             return
         distributed = dist.is_available() and dist.is_initialized()
@@ -54,8 +53,7 @@ class VerifySharding(Callback):
         totals = total.tolist()
         sums = [totals[i * DIGEST_WIDTH : (i + 1) * DIGEST_WIDTH] for i in range(len(samplers))]
         for i, sampler in enumerate(samplers):
-            problem = digest_problem(sums[i], own[i], sampler, world)
-            if problem is not None:
+            if (problem := digest_problem(sums[i], own[i], sampler, world)) is not None:
                 _name_the_ranks(trainer.current_epoch, sampler, world, distributed, problem)
         self.epochs_checked += 1
         self.epochs_complete += all(summed[1] == world for summed in sums)  # every rank ran the epoch to its end
@@ -75,11 +73,10 @@ def _name_the_ranks(epoch: int, sampler: PaddedShardSampler, world: int, distrib
     """After the digests disagreed (on every rank): gather the index lists to name the ranks and a sample, else
     raise the digest's finding."""
     local = (sampler.yielded_indices[: sampler.num_real_samples], sampler.completed_epoch)
-    gathered: list[Any] = [None] * world
+    gathered: list[Any] = [local]
     if distributed:
+        gathered = [None] * world
         dist.all_gather_object(gathered, local)
-    else:
-        gathered = [local]
     # a resumed epoch read only what the checkpoint had left
     whole = all(done for _, done in gathered) and not sampler.drop_last and sampler.start_position == 0
     check_epoch_shards(epoch, [indices for indices, _ in gathered], sampler.dataset_length, expect_full_coverage=whole)
