@@ -360,13 +360,10 @@ class CommunicationHook:
             ) from err
         setattr(model, _HOOK_REGISTERED, True)
 
-    def local_state_dict(self) -> dict[str, Any] | None:
-        """This rank's compression state (PowerSGD's error feedback is per rank); None when stateless."""
-        return None if self.compression is None else self.compression.state_dict()
-
     def state_dict(self, checkpoint_path: str | PathLike | None = None) -> dict[str, Any] | None:
-        """The checkpoint entry (None when stateless); this rank's state goes to its file beside the checkpoint."""
-        state = self.local_state_dict()
+        """The checkpoint entry (None when stateless); this rank's state (PowerSGD's error feedback is per rank) goes
+        to its file beside the checkpoint."""
+        state = None if self.compression is None else self.compression.state_dict()
         if state is None:
             return None
         rank, world = _rank_and_world()

@@ -228,10 +228,6 @@ class ShardPlusStrategy(DDPStrategy):
         super().remove_checkpoint(filepath)
         remove_rank_states(filepath, self.global_rank)  # every rank: its files beside the checkpoint
 
-    def compression_state_dict(self) -> dict[str, Any] | None:
-        """This rank's gradient-compression state (PowerSGD's); None for stateless compression or outside fit."""
-        return hook.local_state_dict() if (hook := self._components and self._components.hook) else None
-
     @override
     def process_dataloader(self, dataloader: object) -> object:
         """Put shardplus samplers into the loaders Lightning prepared; training streams go in even steps."""
