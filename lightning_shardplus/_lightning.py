@@ -20,6 +20,7 @@ from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Sampler, SequentialSampler
+from torchmetrics import MeanMetric
 
 
 def _private(module: str, name: str) -> Any:
@@ -505,9 +506,8 @@ def warn_if_untested() -> None:
 
 
 # ==========================================================================================================
-# What this Lightning lacks, per feature: a release that moved a private name above loses the feature that needs
-# it, not the package. Each probe touches its feature's names on throwaway Lightning objects; run once per
-# process when a strategy is built (`config.check_arguments`), whose policy refuses or falls back.
+# What this Lightning lacks, per feature: each probe reads its feature's private names on throwaway Lightning objects,
+# once per process when a strategy is built (`config.fit_to_lightning` then refuses the feature or falls back).
 # ==========================================================================================================
 
 
@@ -546,8 +546,6 @@ def _probe_exact_evaluation() -> None:
     _attributes(pl.Trainer, "_results")
     _attributes(_LoggerConnector, "update_eval_epoch_metrics")
     _attributes(importlib.import_module(_ResultCollection.__module__), "warning_cache")
-    from torchmetrics import MeanMetric
-
     _attributes(MeanMetric(), "_to_sync", "sync_on_compute", "dist_sync_on_step")
 
 

@@ -179,9 +179,7 @@ def fit_to_lightning(config: ShardPlusConfig) -> ShardPlusConfig:
     return config
 
 
-@cache
-def _warn_once(message: str) -> None:
-    rank_zero_warn(message)
+_warn_once = cache(rank_zero_warn)  # one warning per message and process
 
 
 # DistributedDataParallel's flags (each checked where this torch has it); the optional ones take None (its default).

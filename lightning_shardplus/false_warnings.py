@@ -1,4 +1,5 @@
-"""Lightning's console warnings that are false under shardplus, silenced where and while they are false."""
+"""Lightning's console warnings that are false under shardplus, silenced where and while they are false; each
+``silence_*`` returns what undoes it."""
 
 from __future__ import annotations
 
@@ -15,8 +16,7 @@ EVALUATION_SAMPLER_WARNING = r"Using `DistributedSampler` with the dataloaders\.
 
 
 def silence_evaluation_sampler_warning() -> Any:
-    """Ignore Lightning's advice of one device for validate/test (exact evaluation replicates no sample); returns
-    what undoes it."""
+    """Ignore Lightning's advice of one device for validate/test (exact evaluation replicates no sample)."""
     return _ignore_warning(EVALUATION_SAMPLER_WARNING)
 
 
@@ -25,14 +25,12 @@ NOT_RESUMABLE_WARNING = r"You're resuming from a checkpoint that ended before th
 
 
 def silence_not_resumable_warning() -> Any:
-    """Ignore Lightning's warning that the training loaders cannot resume mid-epoch (when every one of them is
-    continued exactly by its shardplus sampler); returns what undoes it."""
+    """Ignore Lightning's warning that the training loaders cannot resume mid-epoch (each continued exactly)."""
     return _ignore_warning(NOT_RESUMABLE_WARNING)
 
 
-# Lightning's advice to sync epoch-level values (`_ResultCollection._get_cache`), given once per value name (its
-# module-level `warning_cache`). The evaluation loop reads the epoch values before the epoch-end hooks, where exact
-# evaluation reduces them: for those values the advice is wrong.
+# Lightning's advice to sync epoch-level values, once per value name: the evaluation loop reads the epoch values
+# before the epoch-end hooks, where exact evaluation reduces them; for those values the advice is wrong.
 EPOCH_SYNC_ADVICE = (
     r"It is recommended to use `self\.log\({names}, \.\.\., sync_dist=True\)` when logging on epoch level in "
     r"distributed setting"
@@ -40,9 +38,8 @@ EPOCH_SYNC_ADVICE = (
 
 
 def silence_epoch_sync_advice(names: Any) -> Any:
-    """Ignore Lightning's sync_dist advice for the values logged under ``names`` until the returned function is
-    called; it also forgets that the advice was given for them (Lightning gives it once per name and process), so
-    that a later run where it is true still sees it."""
+    """Ignore Lightning's sync_dist advice for the values logged under ``names``; the undo also forgets it was given
+    for them (once per name and process), so that a later run where it is true still sees it."""
     pattern = EPOCH_SYNC_ADVICE.format(names="(" + "|".join(re.escape(repr(name)) for name in sorted(names)) + ")")
     restore_filter = _ignore_warning(pattern)
 
@@ -54,10 +51,9 @@ def silence_epoch_sync_advice(names: Any) -> Any:
 
 
 def _ignore_warning(pattern: str) -> Any:
-    """A process-wide "ignore" filter for Lightning's ``PossibleUserWarning`` matching ``pattern``; returns what
-    removes it. Put into ``warnings.filters`` directly: ``warnings.filterwarnings`` would make Python forget which
-    warnings it has shown, and show each "default" warning again (Lightning's LeafSpec deprecation, twice per
-    process); an "ignore" filter needs no such reset."""
+    """A process-wide "ignore" filter for Lightning's ``PossibleUserWarning`` matching ``pattern``; returns its undo.
+    Put into ``warnings.filters`` directly: ``warnings.filterwarnings`` would make Python show each "default" warning
+    again (Lightning's LeafSpec deprecation, twice per process); an "ignore" filter needs no such reset."""
     added = ("ignore", re.compile(pattern, re.I), PossibleUserWarning, None, 0)
     warnings.filters.insert(0, added)
 
