@@ -6,8 +6,10 @@ Fork workers cannot hand Python objects back, so each rank appends what it saw t
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import signal
+import traceback
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -146,3 +148,34 @@ def kill_leftover_processes(marker: str) -> list[int]:
             except OSError:
                 pass
     return killed
+
+
+def in_forked_process(function, timeout: float = 120) -> None:
+    """Run ``function()`` in a forked child that leaves with ``os._exit``, skipping every destructor; raise what it
+    raised. For a test that builds a gloo process group and DDP in one process: torch's ``~ProcessGroupGloo`` joins
+    its worker thread holding the GIL while that thread may still free a finished collective, which needs the GIL
+    when a Python hook ran in it (a PowerSGD comm hook): the test process hung in CI."""
+    context = multiprocessing.get_context("fork")
+    reader, writer = context.Pipe(duplex=False)
+    child = context.Process(target=_report_to, args=(writer, function))
+    child.start()
+    writer.close()
+    try:
+        if not reader.poll(timeout):
+            raise TimeoutError(f"{function.__name__} did not finish in {timeout} s")
+        error = reader.recv()
+    finally:
+        child.kill()
+        child.join()
+    if error is not None:
+        raise AssertionError(f"in the forked child:\n{error}")
+
+
+def _report_to(writer, function) -> None:
+    try:
+        function()
+        writer.send(None)
+    except BaseException:
+        writer.send(traceback.format_exc())
+    finally:
+        os._exit(0)

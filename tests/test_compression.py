@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _models import IndexedDataset, RecordingModule, cpu_trainer, read_records
+from _models import IndexedDataset, RecordingModule, cpu_trainer, in_forked_process, read_records
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -317,7 +317,7 @@ def test_a_corrupt_per_rank_powersgd_file_warns_naming_it_and_the_fit_goes_on(tm
     assert rank_file(checkpoint, 0, 2) not in text  # rank 0's file was fine
 
 
-def test_canary_powersgd_state_layout_is_torchs(tmp_path):
+def test_canary_powersgd_state_layout_is_torchs():
     # compression.py cuts torch's per-bucket PowerSGD memory into per-parameter pieces as powerSGD_hook lays it
     # out (error: the bucket's flat gradients; P and Q: the compressed matrices grouped by shape, in order of first
     # appearance, n*r and m*r each) and reads these PowerSGDState fields: a torch that changes either fails here
@@ -329,8 +329,9 @@ def test_canary_powersgd_state_layout_is_torchs(tmp_path):
               "min_compression_rate", "total_numel_before_compression", "total_numel_after_compression",
               "next_stats_report", "start_powerSGD_iter", "use_error_feedback", "warm_start"}  # fmt: skip
     assert fields <= set(PowerSGDState.__slots__)
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
+
+    def layout() -> None:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         torch.manual_seed(0)  # weights (48, 32) first and last, other shapes between them; biases not compressed
         module = nn.Sequential(nn.Linear(32, 48), nn.Linear(48, 20), nn.Linear(20, 32, bias=False), nn.Linear(32, 48))
         compression = PowerSGDCompression(PowerSGDState(None, matrix_approximation_rank=2, start_powerSGD_iter=2))
@@ -349,8 +350,8 @@ def test_canary_powersgd_state_layout_is_torchs(tmp_path):
                 n, m = parameter.shape
                 p, q = parts["p"].view(n, 2), parts["q"].view(m, 2)
                 assert torch.allclose(parameter.grad, p @ q.T, atol=1e-5), name
-    finally:
-        dist.destroy_process_group()
+
+    in_forked_process(layout)  # the process group and DDP die with the child (see `in_forked_process`)
 
 
 @pytest.mark.timeout(120)
