@@ -155,11 +155,13 @@ def epoch_result_metrics(results: Any) -> dict[str, Any]:
 
 def log_placeholder(results: Any, description: dict[str, Any], value: Any, sync_dist_fn: Any) -> Any:
     """Register ``description``'s key on a rank that never logged it (e.g. one with no evaluation batch), with
-    a value that does not change the reduction (``batch_size=0``); returns its ``_ResultMetric``."""
+    a value that does not change the reduction (``batch_size=0``); returns its ``_ResultMetric``. Lightning's own
+    ``log``, not an instance patch's (:func:`intercept_training_logs`)."""
     previous_idx = results.dataloader_idx
     results.dataloader_idx = description["dataloader_idx"]
     try:
-        results.log(
+        type(results).log(
+            results,
             description["fx"],
             description["name"],
             value,
@@ -239,7 +241,7 @@ class LoggedValue(NamedTuple):
     epoch_state_before: tuple[torch.Tensor, torch.Tensor | None] | None
 
 
-def _synced_by_shardplus(value: Any, *_: Any, **__: Any) -> Any:
+def synced_by_shardplus(value: Any, *_: Any, **__: Any) -> Any:
     """The identity, as ``sync_dist_fn`` of the values shardplus reduces itself (``sync_dist`` stays True, so
     Lightning does not warn that their epoch values are unsynced)."""
     return value
@@ -284,7 +286,7 @@ def intercept_training_logs(
             return original(fx, name, value, **kwargs)
         existing = results.get(key)
         before = epoch_state(existing) if existing is not None and call.on_epoch else None
-        original(fx, name, value, **{**kwargs, "sync_dist": True, "sync_dist_fn": _synced_by_shardplus})
+        original(fx, name, value, **{**kwargs, "sync_dist": True, "sync_dist_fn": synced_by_shardplus})
         metric = results[key]
         if call.on_epoch and before is None:
             before = _default_epoch_state(metric)
@@ -531,7 +533,7 @@ def _probe_results() -> None:
     results = _ResultCollection(training=True)
     results.log(
         "training_step", "probe", torch.tensor(1.0), prog_bar=False, logger=True, on_step=True, on_epoch=True,
-        reduce_fx="mean", sync_dist=False, sync_dist_fn=_synced_by_shardplus, sync_dist_group=None,
+        reduce_fx="mean", sync_dist=False, sync_dist_fn=synced_by_shardplus, sync_dist_group=None,
         add_dataloader_idx=True, batch_size=1, metric_attribute=None, rank_zero_only=False,
     )  # fmt: skip
     _attributes(results, "batch_size", "batch", "dataloader_idx")

@@ -72,12 +72,17 @@ def describe(key: str, result_metric: Any) -> dict[str, Any]:
 
 
 def reduce_epoch_values(
-    trainer: pl.Trainer, pl_module: pl.LightningModule, results: Any, local: dict[str, Any], how: Combine = combine
+    trainer: pl.Trainer,
+    pl_module: pl.LightningModule,
+    results: Any,
+    local: dict[str, Any],
+    how: Combine = combine,
+    sync_dist_fn: Callable | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Every rank: agree on the keys of ``local`` (key -> this rank's ``_ResultMetric``) over all ranks, register
     those this rank lacks in ``results``, then reduce the tensors' running values in one all_gather (``how``) and
-    each torchmetrics Metric with its own sync, in key order; the epoch values Lightning reports are set. Returns
-    the agreed entries by key."""
+    each torchmetrics Metric with its own sync, in key order; the epoch values Lightning reports are set. Keys are
+    registered with ``sync_dist_fn`` (default: the strategy's ``reduce``). Returns the agreed entries by key."""
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, {key: describe(key, rm) for key, rm in local.items()})
     entries = dict(sorted({k: v for rank_entries in gathered for k, v in rank_entries.items()}.items()))
@@ -87,7 +92,7 @@ def reduce_epoch_values(
         for key, entry in rank_entries.items():
             entries[key]["list_states"].update(entry["list_states"])
     result_metrics = {
-        key: local[key] if key in local else _register(results, entry, pl_module, trainer)
+        key: local[key] if key in local else _register(results, entry, pl_module, trainer, sync_dist_fn)
         for key, entry in entries.items()
     }
     tensor_keys = [key for key, entry in entries.items() if entry["reduction"] != "metric"]
@@ -114,9 +119,11 @@ def reduce_epoch_values(
     return entries
 
 
-def _register(results: Any, entry: dict[str, Any], pl_module: pl.LightningModule, trainer: pl.Trainer) -> Any:
+def _register(
+    results: Any, entry: dict[str, Any], pl_module: pl.LightningModule, trainer: pl.Trainer, sync_dist_fn: Any
+) -> Any:
     if entry["reduction"] == "metric":
         value: Any = pl_module.get_submodule(entry["metric_attribute"])
     else:
         value = torch.tensor(_IDENTITY[entry["reduction"]], device=trainer.strategy.root_device)
-    return _lightning.log_placeholder(results, entry, value, trainer.strategy.reduce)
+    return _lightning.log_placeholder(results, entry, value, sync_dist_fn or trainer.strategy.reduce)

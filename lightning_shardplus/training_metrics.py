@@ -1,10 +1,10 @@
-"""Averaged training metrics: each tensor logged ``on_step`` in training replaced, once per optimizer step, by its
-batch-weighted mean over ranks (``sync_dist`` ones by their ``reduce_fx``): one SUM all-reduce on device tensors
-(plus one MAX for max/min), no host read per step; names that differ raise :class:`MetricMismatchError`."""
+"""Averaged training metrics: each tensor logged ``on_step`` in training is replaced, once per optimizer step, by its
+batch-weighted mean over the ranks that logged it (``sync_dist`` ones by their ``reduce_fx``). The step's collective
+starts when backward begins and is waited for where the values are first read; epoch values are each rank's
+running sums, reduced once at the epoch end. docs/training-metrics.md."""
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -15,130 +15,109 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 
-from lightning_shardplus import _lightning
+from lightning_shardplus import _lightning, epoch_values
 
 _F64, _INF = torch.float64, float("inf")
-_HEADER = 2  # summed over ranks: the ranks with data, the ranks whose names differ from the layout
-Signature = tuple[tuple[str, str], ...]  # sorted (key, reduction)
-EpochState = tuple[Tensor, Tensor | None]
+_SLOTS = {"mean": 4, "sum": 2, "max": 1, "min": 1}  # summed: (w * v, w, v, calls), (v, calls), (calls)
 
 
 class MetricMismatchError(RuntimeError):
-    """Ranks logged different training metrics in the same step; raised on every rank."""
+    """Ranks logged one name with different reductions (``reduce_fx``/``sync_dist``); raised on every rank."""
 
 
-class _Observed:
-    """What this rank logged since the last reduction: each name's reduction, and (key, value, weight) in order."""
+class _Call(NamedTuple):
+    """This rank's last ``self.log`` of a name in a micro-batch."""
 
-    def __init__(self) -> None:
-        self.reductions: dict[str, str] = {}
-        self.rows: list[tuple[str, Tensor, float]] = []  # values: 0-dim float64 on the device
-
-    def signature(self) -> Signature:
-        return tuple(sorted(self.reductions.items()))
+    value: Tensor  # as Lightning stored it for the step
+    weight: float
+    reduction: str  # over ranks: the ``reduce_fx`` of a ``sync_dist`` value, else "mean"
+    late: bool  # logged after the step's first reduction started
 
 
-def _on(device: torch.device, numbers: list[Any], dtype: torch.dtype = _F64) -> Tensor:
-    """Host numbers on the device, the copy queued without waiting for the device."""
-    return torch.tensor(numbers, dtype=dtype).to(device, non_blocking=True)
+class _Plan:
+    """Where each name of one reduction lives in the packed float64 vector: slot 0 counts the ranks that logged a
+    name outside the layout, then each name's summed slots (:data:`_SLOTS`), then per max/min its (signed value,
+    NaN flag), reduced by MAX. Without max/min names one SUM all_reduce, else one all_gather."""
 
+    def __init__(self, entries: dict[str, str], device: torch.device) -> None:
+        self.entries, self.offset, size = entries, {}, 1  # key -> reduction
+        for key, reduction in entries.items():
+            self.offset[key], size = size, size + _SLOTS[reduction]
+        self.summed, order = size, [[k for k, r in entries.items() if r == kind] for kind in ("mean", "sum")]
+        self.extremes = [key for key, reduction in entries.items() if reduction in ("max", "min")]
+        self.extreme = {key: size + 2 * i for i, key in enumerate(self.extremes)}
+        self.size = size + 2 * len(self.extremes)
+        self.position = {key: i for i, key in enumerate(order[0] + order[1] + self.extremes)}
 
-class _Layout:
-    """Where each name of an agreed signature lives. SUM buffer: the header, per mean (weight * value, weight), per
-    sum its value; MAX buffer: per max/min name its value (negated for min, NaN as -inf), then its NaN flag.
-    ``position``: a name's index in the step's vector of values (means, sums, then max/min)."""
+        def at(keys: list[str], shift: int = 0, where: dict[str, int] = self.offset) -> Tensor:
+            return torch.tensor([where[key] + shift for key in keys], dtype=torch.long, device=device)
 
-    def __init__(self, signature: Signature, device: torch.device) -> None:
-        self.signature, self.device = signature, device
-        self.reductions = dict(signature)
-        means = [key for key, reduction in signature if reduction == "mean"]
-        sums = [key for key, reduction in signature if reduction == "sum"]
-        self.extremes = [key for key, reduction in signature if reduction in ("max", "min")]
-        self.means, self.sums = len(means), len(sums)
-        self.position = {key: i for i, key in enumerate(means + sums + self.extremes)}
-        self.slots = {key: _HEADER + 2 * i for i, key in enumerate(means)}  # of the value, in its buffer
-        self.slots |= {key: _HEADER + 2 * self.means + i for i, key in enumerate(sums)}
-        self.slots |= {key: i for i, key in enumerate(self.extremes)}
-        self.numel = _HEADER + 2 * self.means + self.sums
-        n = len(self.extremes)
-        self.identity = _on(device, [-_INF] * n + [0.0] * n) if n else None
-        self.signs = _on(device, [1.0 if self.reductions[key] == "max" else -1.0 for key in self.extremes])
-        self._plan: tuple[Any, tuple[Any, ...]] | None = None  # for the last order of observations
+        self.means, self.sums, self.extreme_calls = at(order[0]), at(order[1]), at(self.extremes)
+        self.maxima = at(self.extremes, 0, self.extreme)
+        self.signs = _f64([1.0 if entries[key] == "max" else -1.0 for key in self.extremes], device)
 
-    def _plan_for(self, observed: _Observed, differs: bool) -> tuple[Any, ...]:
-        """The device constants that put ``observed`` into the buffers, kept while the steps repeat the order and
-        weights: the SUM buffer's header and weights; (observations, slots, factors) of the mean/sum observations
-        (factor: the weight, or 1) and of the max/min ones (factor: +1 for max, -1 for min)."""
-        cache_key = tuple((key, weight) for key, _, weight in observed.rows)
-        if self._plan is not None and self._plan[0] == cache_key:
-            return self._plan[1]
-        constants = [1.0, float(differs)] + [0.0] * (self.numel - _HEADER)
-        summed, maxed = [], []
-        for i, (key, weight) in enumerate(cache_key):
-            reduction = self.reductions.get(key)
-            if reduction != observed.reductions[key]:
-                continue  # not in the layout: this rank's own value
-            slot = self.slots[key]
+    def pack(self, calls: list[tuple[str, _Call]], unplaced: bool, device: torch.device) -> Tensor:
+        """This rank's vector for ``calls`` (each in this plan, with this plan's reduction)."""
+        constants = [float(unplaced)] + [0.0] * (self.size - 1)
+        for slot in self.extreme.values():
+            constants[slot] = -_INF
+        values, added, maxed = [], [], []  # (call, slot, factor)
+        for key, call in calls:
+            slot, reduction = self.offset[key], self.entries[key]
             if reduction == "mean":
-                constants[slot + 1] += weight
-            if reduction in ("mean", "sum"):
-                summed.append((i, slot, weight if reduction == "mean" else 1.0))
+                constants[slot + 1] += call.weight
+                constants[slot + 3] += 1
+                added += [(len(values), slot, call.weight), (len(values), slot + 2, 1.0)]
+            elif reduction == "sum":
+                constants[slot + 1] += 1
+                added.append((len(values), slot, 1.0))
             else:
-                maxed.append((i, slot, 1.0 if reduction == "max" else -1.0))
-        plan = (_on(self.device, constants), self._columns(summed), self._columns(maxed))
-        self._plan = (cache_key, plan)
-        return plan
+                constants[slot] += 1
+                maxed.append((len(values), self.extreme[key], 1.0 if reduction == "max" else -1.0))
+            values.append(call.value.detach().reshape(()).to(device, _F64))
+        vector = torch.tensor(constants, dtype=_F64).to(device, non_blocking=True)
+        if added:
+            rows, slots, factors = zip(*added, strict=True)
+            stacked = torch.stack(values)
+            vector.index_add_(0, _long(slots, device), stacked[_long(rows, device)] * _f64(factors, device))
+        if maxed:
+            rows, slots, signs = zip(*maxed, strict=True)
+            signed, where = torch.stack(values)[_long(rows, device)] * _f64(signs, device), _long(slots, device)
+            vector.scatter_reduce_(0, where, signed.nan_to_num(nan=-_INF, posinf=_INF, neginf=-_INF), "amax")
+            vector.scatter_reduce_(0, where + 1, signed.isnan().to(_F64), "amax")
+        return vector
 
-    def _columns(self, rows: list[tuple[int, int, float]]) -> tuple[Tensor, Tensor, Tensor] | None:
-        if not rows:
-            return None
-        observations, slots, factors = zip(*rows, strict=True)
-        on = self.device
-        return _on(on, list(observations), torch.long), _on(on, list(slots), torch.long), _on(on, list(factors))
+    def start(self, vector: Tensor) -> tuple[Any, list[Tensor]]:
+        """Start this rank's part of the reduction (async)."""
+        if not self.extremes:
+            return dist.all_reduce(vector, async_op=True), [vector]
+        gathered = [torch.empty_like(vector) for _ in range(dist.get_world_size())]
+        return dist.all_gather(gathered, vector, async_op=True), gathered
 
-    def pack(self, observed: _Observed | None, differs: bool) -> tuple[Tensor, Tensor | None]:
-        """This rank's SUM buffer and MAX buffer (None in a layout without max/min names); ``observed`` None: a rank
-        without data in the step, which contributes nothing."""
-        maxed = None if self.identity is None else self.identity.clone()
-        if observed is None:
-            return torch.zeros(self.numel, dtype=_F64, device=self.device), maxed
-        constants, summed_part, maxed_part = self._plan_for(observed, differs)
-        summed = constants.clone()
-        if summed_part is not None or maxed_part is not None:
-            stacked = torch.stack([value for _, value, _ in observed.rows])
-        if summed_part is not None:
-            rows, slots, factors = summed_part
-            summed.index_add_(0, slots, stacked.index_select(0, rows) * factors)
-        if maxed is not None and maxed_part is not None:
-            rows, slots, signs = maxed_part
-            signed = stacked.index_select(0, rows) * signs
-            maxed.scatter_reduce_(0, slots, signed.nan_to_num(nan=-_INF, posinf=_INF, neginf=-_INF), "amax")
-            maxed.scatter_reduce_(0, slots + len(self.extremes), signed.isnan().to(_F64), "amax")
-        return summed, maxed
-
-    def values(self, summed: Tensor, maxed: Tensor | None) -> Tensor:
-        """The reduced step value of every name, in ``position`` order (a zero total weight gives NaN)."""
-        end, n = _HEADER + 2 * self.means, len(self.extremes)
-        parts = []
-        if self.means:
-            parts.append(summed[_HEADER:end:2] / summed[_HEADER + 1 : end : 2])
-        if self.sums:
-            parts.append(summed[end:])
-        if maxed is not None:
-            parts.append(torch.where(maxed[n:] > 0, float("nan"), maxed[:n] * self.signs))
-        return torch.cat(parts) if len(parts) > 1 else parts[0] if parts else summed[:0]
+    def finish(self, work: Any, buffers: list[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+        """Wait (on NCCL: the device's stream, not the host); the summed header, each name's value over the ranks
+        that logged it (in :attr:`position` order) and how many calls it had."""
+        work.wait()
+        if self.extremes:
+            stacked = torch.stack(buffers)
+            buffers = [torch.cat([stacked[:, : self.summed].sum(0), stacked[:, self.summed :].amax(0)])]
+        v = buffers[0]
+        weighted, weight, plain, calls = (v[self.means + i] for i in range(4))
+        extremes = torch.where(v[self.maxima + 1] > 0, float("nan"), v[self.maxima] * self.signs)
+        values = torch.cat([torch.where(weight > 0, weighted / weight, plain / calls), v[self.sums], extremes])
+        return v[0], values, torch.cat([calls, v[self.sums + 1], v[self.extreme_calls]])
 
 
-class _Pending(NamedTuple):
-    """A name logged since the last reduction: its last call, its reduction, its epoch state before (or None)."""
+def _long(numbers: Sequence[int], device: torch.device) -> Tensor:
+    return torch.tensor(numbers, dtype=torch.long).to(device, non_blocking=True)
 
-    logged: _lightning.LoggedValue
-    reduction: str
-    before: EpochState | None
+
+def _f64(numbers: Sequence[float], device: torch.device) -> Tensor:
+    return torch.tensor(numbers, dtype=_F64).to(device, non_blocking=True)
 
 
 class AverageTrainingMetrics(Callback):
-    """Replaces the training values logged on each rank by their reduction over all ranks, once per optimizer step;
+    """Replaces the training values logged on each rank by their reduction over the ranks, once per optimizer step;
     put first in the Trainer's callbacks (by the strategy), before any other callback reads the metrics."""
 
     def __init__(self) -> None:
@@ -148,18 +127,28 @@ class AverageTrainingMetrics(Callback):
         self._restore: Callable[[], None] | None = None  # puts Lightning's logging back
         self._results: Any = None
         self._device = torch.device("cpu")
-        self._layout: _Layout | None = None  # agreed by every rank; None before the first reduced step
-        self._observed, self._pending, self._without_data, self._weight = _Observed(), {}, False, None
-        self._followed: dict[str, _Pending] = {}  # logged in this rank's last step with data
-        self._last: dict[str, Tensor] = {}  # each name's last reduced step value
-        self._labels: dict[str, str] = {}
-        self._differ: Tensor | None = None  # summed "names differ" flags since the last check, on the device
-        self._first_difference: tuple[int, str, list[tuple[str, str, str]]] | None = None  # (step, where, names)
-        self._steps = self._epoch = 0
+        self._layout: dict[str, tuple[str, bool]] | None = None  # key -> (reduction, late); agreed by every rank
+        self._plans: dict[str, _Plan] = {}  # "early", "late" and "all" of the layout
+        self._latest: dict[str, tuple[str, bool, str]] = {}  # since the agreement: (reduction, late, label) per key
+        self._unplaced = False  # a call outside the layout, not yet announced in a reduction's slot 0
+        self._flags: Tensor | None = None  # the summed slot 0 since the names were last checked, on the device
+        self._metrics: dict[str, Any] = {}  # key -> this rank's `_ResultMetric`
+        self._last: dict[str, Tensor] = {}  # key -> the last step value written
+        self._epoch_keys: set[str] = set()  # logged on this rank this epoch, in micro-batches with data
         self._warned: set[str] = set()
+        self._clear()
+
+    def _clear(self) -> None:
+        """Forget the step: its calls, per micro-batch of an aggregation window."""
+        self._calls: dict[str, _Call] = {}
+        self._own: dict[str, Tensor] = {}  # key -> this rank's value of its last call in the step
+        self._window: list[dict[str, _Call]] = []  # the window's earlier micro-batches with data
+        self._before: dict[str, Any] = {}  # key -> epoch state before this micro-batch's first call
+        self._in_flight: list[tuple[_Plan, Any, list[Tensor]]] = []
+        self._started = self._backward_began = self._without_data = False
 
     def abstain_this_step(self) -> None:
-        """This rank has no data in this micro-batch (``uneven_inputs="join"``): it reduces without contributing."""
+        """This rank has no data in this micro-batch (``uneven_inputs="join"``): what it logs counts nowhere."""
         self._without_data = True
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -171,9 +160,8 @@ class AverageTrainingMetrics(Callback):
         self._restore = _lightning.intercept_training_logs(self._results, self._take, self._taken)
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # what a batch skipped by `on_train_batch_start` returning -1 logged stays out of the next epoch
-        self._epoch = trainer.current_epoch
-        self._clear()
+        self._clear()  # a batch skipped by `on_train_batch_start` returning -1 stays out of the next epoch
+        self._epoch_keys.clear()
 
     def _take(self, log: _lightning.TrainingLog) -> bool:
         if not log.on_step or not log.is_tensor or log.rank_zero_only:
@@ -192,137 +180,160 @@ class AverageTrainingMetrics(Callback):
         return False
 
     def _taken(self, logged: _lightning.LoggedValue) -> None:
-        log = logged.log
+        log, late = logged.log, self._backward_began
         reduction = logged.reduce_fx if log.sync_dist and logged.reduce_fx != "mean" else "mean"
-        weight = float(log.batch_size) if log.batch_size is not None else self._batch_weight()
-        self._observed.reductions[log.key] = reduction
-        self._observed.rows.append((log.key, logged.value.detach().reshape(()).to(self._device, _F64), weight))
-        self._labels[log.key] = f"`{log.name}` (from {log.fx})"
-        previous = self._pending.get(log.key)
-        self._pending[log.key] = _Pending(logged, reduction, previous.before if previous else logged.epoch_state_before)
-
-    def _batch_weight(self) -> float:
-        if self._weight is None:
+        if log.batch_size is not None:
+            weight = float(log.batch_size)
+        else:
             size = _lightning.batch_size_of_current_batch(self._results)
-            self._weight = float(size) if size is not None else 1.0
-        return self._weight
+            weight = 1.0 if size is None else float(size)
+        self._calls[log.key] = _Call(logged.value, weight, reduction, late)
+        self._own[log.key] = logged.value
+        self._metrics[log.key] = logged.metric
+        if logged.epoch_state_before is not None:
+            self._before.setdefault(log.key, logged.epoch_state_before)
+        self._latest[log.key] = (reduction, late, f"`{log.name}` (from {log.fx})")
+        entry = None if self._layout is None else self._layout.get(log.key)
+        if entry is None or entry[0] != reduction or (late and not entry[1]):
+            self._unplaced = True
+
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
+        # the step's values logged so far are complete: start their reduction, to run while backward computes
+        if self._restore is not None and not self._backward_began and _lightning.logs_this_step(trainer):
+            self._backward_began = True  # in the last micro-batch of an aggregation window: what follows is late
+            if self._layout is not None and self._needs_early():
+                self._start("early")
+
+    def _needs_early(self) -> bool:
+        """Whether the step has a reduction when backward begins: for names logged before it, or as the step's one
+        collective (which tells every rank of names outside the layout)."""
+        return bool(self._plans["early"].entries) or not self._plans["late"].entries
+
+    def _start(self, phase: str) -> None:
+        """Start reducing this step's calls in ``phase``'s plan (every rank, in the same order)."""
+        plan, self._started = self._plans[phase], True
+        calls = self._window + ([] if self._without_data else [self._calls])
+        placed = [
+            (key, call) for micro_batch in calls for key, call in micro_batch.items()
+            if plan.entries.get(key) == call.reduction and (phase != "early" or not call.late)
+        ]  # fmt: skip
+        vector = plan.pack(placed, self._unplaced, self._device)
+        self._unplaced = False
+        self._in_flight.append((plan, *plan.start(vector)))
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         if self._restore is None:
             return
-        self._weight = None  # the next batch's size is inferred anew
+        if self._without_data:  # its values count nowhere: not in this rank's epoch values either
+            for key, before in self._before.items():
+                _lightning.set_epoch_state(self._metrics[key], *before)
         if not _lightning.logs_this_step(trainer):
-            # inside an accumulation window: the previous step's values until this window is reduced
-            for key, pending in self._pending.items():
-                _lightning.set_step_value(pending.logged.metric, self._last.get(key))
+            # inside an aggregation window: the previous step's values until the window is reduced
+            for key in self._calls:
+                _lightning.set_step_value(self._metrics[key], self._last.get(key))
+            if not self._without_data:
+                self._window.append(self._calls)
+                self._epoch_keys.update(self._calls)
+            self._calls, self._before, self._without_data, self._backward_began = {}, {}, False, False
             return
+        where = f"epoch {trainer.current_epoch}, batch {batch_idx}"
         try:
-            self._reduce(f"epoch {self._epoch}, batch {batch_idx}")
-            if _lightning.loggers_read_this_step(trainer, logs=True):
-                self._check()
+            if not self._without_data:
+                self._epoch_keys.update(self._calls)
+            if self._layout is None:  # the first step: the names are agreed, then reduced in one collective
+                self._agree(where)
+                self._start("all")
+            else:
+                if not self._started and self._needs_early():  # no backward ran
+                    self._start("early")
+                if self._plans["late"].entries:
+                    self._start("late")
+            self._finish()
+            if _lightning.loggers_read_this_step(trainer, logs=True) and self._check_names(where):
+                self._start("all")  # every name logged in this step, in the new layout
+                self._finish()
         finally:
             self._clear()
 
+    def _finish(self) -> None:
+        """Wait for the reductions in flight and write their values as the step values."""
+        in_flight, self._in_flight = self._in_flight, []
+        for plan, work, buffers in in_flight:
+            flags, values, calls = plan.finish(work, buffers)
+            self._flags = flags if self._flags is None else self._flags + flags
+            self._write(plan, values, calls)
+
+    def _write(self, plan: _Plan, values: Tensor, calls: Tensor) -> None:
+        """The reduced values as the step values (new device tensors), where some rank logged them, for the names
+        this rank logged in the step (with data or not) or earlier in the epoch."""
+        converted: dict[tuple[torch.dtype, torch.device], Tensor] = {}
+        for key in plan.entries:
+            metric = self._metrics.get(key)
+            local = self._own.get(key, self._last.get(key) if key in self._epoch_keys else None)
+            if metric is None or local is None:
+                continue  # never logged here, or not in this epoch
+            if (call := self._calls.get(key)) is not None and call.late and not self._layout[key][1]:
+                continue  # logged again after its reduction started: its own value until the names are agreed
+            on = (local.dtype, local.device)
+            if (vector := converted.get(on)) is None:
+                vector = converted[on] = values.to(dtype=local.dtype, device=local.device)
+            i = plan.position[key]
+            step = torch.where(calls[i].to(local.device) > 0, vector[i], local.reshape(()))
+            self._last[key] = step.reshape(local.shape)
+            _lightning.set_step_value(metric, self._last[key])
+
+    def _check_names(self, where: str) -> bool:
+        """Every rank, at the same step: read the summed slot 0 since the last check (one host read); if a rank
+        logged a name outside the layout, agree on the names anew (True)."""
+        flags, self._flags = self._flags, None
+        if flags is None or not flags.item():
+            return False
+        self._agree(where)
+        return True
+
+    def _agree(self, where: str) -> None:
+        """Every rank: the names logged since the last agreement join the layout; a name reduced differently on
+        different ranks raises :class:`MetricMismatchError`."""
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, self._latest)
+        reductions: dict[str, set[str]] = {}
+        for latest in gathered:
+            for key, (reduction, _, _) in latest.items():
+                reductions.setdefault(key, set()).add(reduction)
+        if conflicts := {key for key, found in reductions.items() if len(found) > 1}:
+            per_rank = [[(k, r, label) for k, (r, _, label) in latest.items() if k in conflicts] for latest in gathered]
+            raise MetricMismatchError(describe_mismatch(per_rank, where))
+        layout = dict(self._layout or {})
+        for latest in gathered:
+            for key, (reduction, late, _) in latest.items():
+                before = layout.get(key)
+                layout[key] = (reduction, late or (before is not None and before == (reduction, True)))
+        self._layout, self._latest, self._unplaced = layout, {}, False
+        self._plans = {
+            phase: _Plan({k: r for k, (r, late) in layout.items() if phase == "all" or late == (phase == "late")},
+                         self._device)
+            for phase in ("early", "late", "all")
+        }  # fmt: skip
+
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._restore is not None:
-            self._check()  # the steps since the last logging step, before the epoch values are logged
-
-    def _reduce(self, where: str) -> None:
-        """Every rank, once per optimizer step: reduce the step in the agreed layout and write the values back."""
-        observed = None if self._without_data and not self._observed.rows else self._observed
-        self._steps += 1
-        if self._layout is None:
-            self._agree(observed, where)
-        assert self._layout is not None
-        differs = observed is not None and observed.signature() != self._layout.signature
-        summed, maxed = self._collect(observed, differs)
-        if observed is None or differs:  # does every rank with data differ? A host read, on a change only
-            with_data, differing = (round(x) for x in summed[:_HEADER].tolist())
-            if differing and differing == with_data:
-                self._agree(observed, where)
-                summed, maxed = self._collect(observed, False)
-            elif differs:
-                self._note_difference(where)
-        self._differ = summed[1] if self._differ is None else self._differ + summed[1]
-        self._write(summed, maxed, observed is None)
-
-    def _collect(self, observed: _Observed | None, differs: bool) -> tuple[Tensor, Tensor | None]:
-        """This rank's buffers reduced over the ranks (on NCCL ``wait`` holds the device's stream, not the host)."""
-        assert self._layout is not None
-        summed, maxed = self._layout.pack(observed, differs)
-        works = [dist.all_reduce(summed, op=dist.ReduceOp.SUM, async_op=True)]
-        works += [] if maxed is None else [dist.all_reduce(maxed, op=dist.ReduceOp.MAX, async_op=True)]
-        for work in works:
-            work.wait()
-        return summed, maxed
-
-    def _entries(self, signature: Signature) -> list[tuple[str, str, str]]:
-        return [(key, reduction, self._labels.get(key, f"`{key}`")) for key, reduction in signature]
-
-    def _agree(self, observed: _Observed | None, where: str) -> None:
-        """Every rank: the names of every rank with data in this step become the layout, if they are the same."""
-        gathered = _gather(None if observed is None else self._entries(observed.signature()))
-        signatures = {tuple((k, r) for k, r, _ in entries) for entries in gathered if entries is not None}
-        if len(signatures) > 1:
-            raise MetricMismatchError(describe_mismatch([entries or [] for entries in gathered], where))
-        self._layout = _Layout(signatures.pop() if signatures else (), self._device)
-
-    def _note_difference(self, where: str) -> None:
-        """This rank's names differ from the layout, not every rank's: remembered for the check that raises."""
-        assert self._layout is not None
-        if self._first_difference is None:
-            self._first_difference = (self._steps, where, self._entries(self._observed.signature()))
-        outside = [k for k, r in self._observed.reductions.items() if self._layout.reductions.get(k) != r]
-        if outside:
-            warnings.warn(
-                f"shardplus: rank {dist.get_rank()} logged {', '.join(self._labels[key] for key in outside)} at "
-                f"{where}, which not every rank logged: this rank's own value(s). The names are checked when the "
-                "loggers next read the values, and at the epoch end (MetricMismatchError).",
-                stacklevel=1,
-            )
-
-    def _check(self) -> None:
-        """Every rank, at the same step: read the summed "differ" flags since the last check (one host read); if a
-        rank differed, raise :class:`MetricMismatchError` naming the first such step and the names on every rank."""
-        if self._differ is None or self._layout is None:
+        if self._restore is None:
             return
-        differ, self._differ = self._differ, None
-        if not differ.item():
-            return
-        gathered = _gather((self._first_difference, self._entries(self._layout.signature)))
-        step, where, _ = min((first for first, _ in gathered if first is not None), key=lambda first: first[0])
-        names = [first[2] if first is not None and first[0] == step else entries for first, entries in gathered]
-        raise MetricMismatchError(describe_mismatch(names, where))
+        self._check_names(f"the end of epoch {trainer.current_epoch}")
+        local = {key: self._metrics[key] for key in sorted(self._epoch_keys) if self._metrics[key].meta.on_epoch}
+        epoch_values.reduce_epoch_values(
+            trainer, pl_module, self._results, local, self._epoch_value, _lightning.synced_by_shardplus
+        )
 
-    def _write(self, summed: Tensor, maxed: Tensor | None, without_data: bool) -> None:
-        """The reduced values as the step values (device tensors) and into the epoch states; a rank without data
-        writes those of its last step with data."""
-        assert self._layout is not None
-        layout, vectors = self._layout, {}
-        values = layout.values(summed, maxed)
-        if self._pending:
-            self._followed = dict(self._pending)
-        for key, (logged, reduction, before) in (self._followed if without_data else self._pending).items():
-            if layout.reductions.get(key) != reduction:
-                continue  # not in the layout: this rank's own value (warned)
-            local = logged.value
-            vector = vectors.get((local.dtype, local.device))
-            if vector is None:
-                vector = vectors[(local.dtype, local.device)] = values.to(dtype=local.dtype, device=local.device)
-            step = vector[layout.position[key]].reshape(local.shape)  # a new tensor: earlier reads keep theirs
-            _lightning.set_step_value(logged.metric, step)
-            self._last[key] = step
-            if before is not None:
-                before = _lightning.epoch_state(logged.metric) if without_data else before  # nothing logged: as it is
-                slot = layout.slots[key]
-                _lightning.set_epoch_state(
-                    logged.metric, *_epoch_state(logged.reduce_fx, before, step, summed[slot : slot + 2])
-                )
-
-    def _clear(self) -> None:
-        self._observed, self._pending, self._without_data, self._weight = _Observed(), {}, False, None
+    def _epoch_value(self, entry: dict[str, Any], values: Tensor, counts: Tensor, present: Tensor) -> Tensor:
+        """A mean over every rank's samples; a ``sync_dist`` sum/max/min over the ranks; any other value (Lightning's
+        epoch aggregation of this rank's calls) averaged over the ranks that logged it."""
+        reduce_fx = entry["reduction"]
+        synced = self._layout is not None and self._layout.get(entry["key"], ("mean",))[0] == reduce_fx
+        if reduce_fx == "mean" or synced:
+            return epoch_values.combine(entry, values, counts, present)
+        return values[present > 0].mean()
 
     def _stop(self, *_: Any, **__: Any) -> None:
         if self._restore is not None:
@@ -332,28 +343,8 @@ class AverageTrainingMetrics(Callback):
     on_train_end = on_exception = teardown = _stop
 
 
-def _epoch_state(reduce_fx: str, before: EpochState, step: Tensor, sums: Tensor) -> EpochState:
-    """The epoch accumulation after a reduced step: a mean adds the global (weighted sum, weight) ``sums``; sum, max
-    and min apply ``reduce_fx`` to the step value."""
-    value, count = before
-    if reduce_fx == "mean":
-        assert count is not None
-        sums = sums.to(device=value.device)
-        return value + sums[0].to(value.dtype), count + sums[1].round().to(count.dtype)
-    step = step.to(value.dtype)
-    if reduce_fx == "sum":
-        return value + step, count
-    return (torch.maximum if reduce_fx == "max" else torch.minimum)(value, step), count
-
-
-def _gather(obj: Any) -> list[Any]:
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, obj)
-    return gathered
-
-
 def describe_mismatch(per_rank: Sequence[Sequence[tuple[str, str, str]]], where: str) -> str:
-    """The error text for ranks that logged different metrics (``per_rank[r]``: rank r's (key, reduction, label))."""
+    """The error text for ranks that reduce a name differently (``per_rank[r]``: rank r's (key, reduction, label))."""
     sets = [set(entries) for entries in per_rank]
     common = set.intersection(*sets) if sets else set()
     lines = []
@@ -363,7 +354,7 @@ def describe_mismatch(per_rank: Sequence[Sequence[tuple[str, str, str]]], where:
         lines.append(f"{label} (reduced as {reduction}): logged on rank(s) {on}, not on rank(s) {off}")
     detail = "; ".join(lines) if lines else "the ranks' metric names differ"
     return (
-        f"shardplus: ranks logged different training metrics at {where}, so they cannot be averaged without mixing "
-        f"unrelated values: {detail}. Log the same names (with the same reduce_fx and sync_dist) on every rank, log "
+        f"shardplus: ranks reduce a training metric differently at {where}, so it cannot be averaged without mixing "
+        f"unrelated values: {detail}. Log a name with the same reduce_fx and sync_dist on every rank, log "
         "rank-specific values with `rank_zero_only=True`, or set `average_training_metrics=False`."
     )

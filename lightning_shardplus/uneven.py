@@ -27,6 +27,10 @@ class NoBatch:
     def __repr__(self) -> str:
         return "NO_BATCH"
 
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        # no samples: Lightning infers a batch size of 0 for what a hook logs on this rank (``self.log``'s epoch means)
+        yield torch.empty(0)
+
 
 NO_BATCH = NoBatch()
 

@@ -48,13 +48,13 @@ def value(rank: int, batch: int, k: int = 0) -> float:
     return (rank + 1) * (k + 1) + batch / 8
 
 
-COUNTS = {"all_reduce": 0, "barrier": 0}
+COUNTS = {"all_reduce": 0, "all_gather": 0, "barrier": 0}
 
 
 @pytest.fixture
 def count_collectives(monkeypatch):
     """Count the Python-level collectives in every process forked from here (DDP's own gradient all-reduce
-    runs in C++ and is not counted)."""
+    runs in C++ and is not counted, nor the all_gather inside ``all_gather_object``)."""
     for name in COUNTS:
         original = getattr(dist, name)
 
@@ -118,6 +118,7 @@ class Recorder(Callback):
             "pbar": dict(trainer.progress_bar_metrics),
             **{name: COUNTS[name] - self.start[name] for name in COUNTS},
         }
+        row["collectives"] = row["all_reduce"] + row["all_gather"]
         write(self.directory / f"batches{trainer.global_rank}.jsonl", row)
 
     def on_train_end(self, trainer, pl_module) -> None:
@@ -229,8 +230,9 @@ def test_logged_values_are_means_over_ranks_weighted_by_batch_size(tmp_path, cou
         assert logged[-1]["metrics"] == pytest.approx(epoch | {"epoch": 0}, rel=1e-6)
 
         rows = read(tmp_path / f"batches{rank}.jsonl")
-        # one SUM all_reduce for every value, one MAX all_reduce for the max/min values (`peak`, `low`)
-        assert [(row["all_reduce"], row["barrier"]) for row in rows] == [(2, 0)] * batches
+        # the first step: the names are agreed and reduced in one collective (an all_gather: max/min values); then
+        # per step one all_gather started when backward begins, and one all_reduce of the value logged after it
+        assert [(row["collectives"], row["barrier"]) for row in rows] == [(1, 0)] + [(2, 0)] * (batches - 1)
         for i, row in enumerate(rows):
             for name, mean in expected(i).items():
                 assert row["callback"][name] == pytest.approx(mean, rel=1e-6), name
@@ -267,7 +269,7 @@ def test_one_collective_per_step_for_any_number_of_metrics(tmp_path, count_colle
     fit(tmp_path, ManyMetrics(count, sync_dist), 2, ShardPlusStrategy(start_method="fork", **settings))
     for rank in range(2):
         rows = read(tmp_path / f"batches{rank}.jsonl")
-        assert [row["all_reduce"] for row in rows] == [1, 1, 1]
+        assert [row["collectives"] for row in rows] == [1, 1, 1]
         assert [row["barrier"] for row in rows] == [0] * 3
         last = count - 1
         for i, row in enumerate(rows if count else []):
@@ -351,29 +353,33 @@ class LateFromBatch(LoggingModule):
 
 
 @pytest.mark.timeout(120)
-def test_values_first_logged_after_backward_are_averaged_in_the_same_step(tmp_path, count_collectives):
-    # the collective runs in `on_train_batch_end`, after the backward and optimizer hooks: a value first logged
-    # in `on_before_optimizer_step` is in the collective of its own step, with no warning; the step where every
-    # rank starts logging it agrees on the new names and reduces again (a second all_reduce, that step only)
+def test_values_first_logged_after_backward_join_a_second_reduction(tmp_path, count_collectives):
+    # the step's collective starts when backward begins: a value first logged in `on_before_optimizer_step` (batch 2)
+    # is announced in the next step's collective, whose logging step agrees on the new names and reduces that step
+    # again; from then on it has its own collective after the optimizer step, in the steps that log it. No warning.
     fit(tmp_path, LateFromBatch(tmp_path, first=2), 2)
     sizes = [2, 3]
     for rank in range(2):
         rows = read(tmp_path / f"batches{rank}.jsonl")
-        assert [row["all_reduce"] for row in rows] == [1, 1, 2, 1, 1]
+        assert [row["collectives"] for row in rows] == [1, 1, 1, 1 + 1, 2]
         for i, row in enumerate(rows):
             assert row["callback"]["loss"] == pytest.approx(weighted_mean([value(0, i), value(1, i)], sizes))
         caught = read(tmp_path / f"warnings{rank}.jsonl")[0]["warnings"]
         assert not any("shardplus" in text for text in caught)
-        for i in (2, 3, 4):
+        assert rows[2]["callback"]["grad_stat"] == value(rank, 2, 1)  # its first step: this rank's own, as ddp
+        for i in (3, 4):
             mean = weighted_mean([value(0, i, 1), value(1, i, 1)], sizes)
             assert rows[i]["callback"]["grad_stat"] == pytest.approx(mean)
 
 
 @pytest.mark.timeout(60)
-def test_a_value_logged_after_backward_on_one_rank_only_raises_the_named_error(tmp_path):
-    # batch 1 reduces `grad_stat` with the other values and finds that rank 0 did not log it
-    with pytest.raises(Exception, match=r"batch 1.*`grad_stat` \(from on_before_optimizer_step\).*rank\(s\) \[1\]"):
-        fit(tmp_path, LateFromBatch(tmp_path, first=1, only=1), 2)
+def test_a_value_logged_after_backward_on_one_rank_only_is_that_ranks_value(tmp_path):
+    # from batch 1 rank 1 alone logs `grad_stat`: the mean over the ranks that logged it is its own; no error
+    fit(tmp_path, LateFromBatch(tmp_path, first=1, only=1), 2)
+    for rank in range(2):
+        rows = read(tmp_path / f"batches{rank}.jsonl")
+        expected = [None] * 5 if rank == 0 else [None] + [value(1, i, 1) for i in range(1, 5)]
+        assert [row["callback"].get("grad_stat") for row in rows] == expected
 
 
 class ExtraOnLastRank(LoggingModule):
@@ -395,30 +401,27 @@ class ExtraOnLastRank(LoggingModule):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize(
-    ("world_size", "change", "message"),
-    [
-        (
-            2,
-            "extra",
-            r"`extra_metric` \(from training_step\) \(reduced as mean\): logged on rank\(s\) \[1\], not",
-        ),
-        (
-            3,
-            "extra",
-            r"at epoch 0, batch 1.*`extra_metric`.*logged on rank\(s\) \[2\], not on rank\(s\) \[0, 1\]",
-        ),
-        (3, "renamed", r"`loss`.*on rank\(s\) \[0, 1\], not on rank\(s\) \[2\].*`renamed_metric`.*\[2\]"),
-        (
-            2,
-            "reduction",
-            r"batch 0.*`loss` \(from training_step\) \(reduced as max\): logged on rank\(s\) \[1\]",
-        ),
-    ],
-)
-def test_ranks_logging_different_metrics_raise_a_named_error(tmp_path, world_size, change, message):
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_name_reduced_differently_on_another_rank_raises_a_named_error(tmp_path, world_size):
+    last = world_size - 1
+    message = rf"batch 0.*`loss` \(from training_step\) \(reduced as max\): logged on rank\(s\) \[{last}\]"
     with pytest.raises(Exception, match=message):
-        fit(tmp_path, ExtraOnLastRank(change), world_size)
+        fit(tmp_path, ExtraOnLastRank("reduction"), world_size)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("world_size", "change"), [(2, "extra"), (3, "extra"), (3, "renamed")])
+def test_names_logged_on_some_ranks_are_averaged_over_those_ranks(tmp_path, world_size, change):
+    # at batch 1 the last rank logs a name the others do not (as ddp trains on): each name's value is the mean over
+    # the ranks that logged it; a rank that never logged a name does not show it
+    fit(tmp_path, ExtraOnLastRank(change), world_size)
+    last, others = world_size - 1, range(world_size - 1)
+    for rank in range(world_size):
+        rows = read(tmp_path / f"batches{rank}.jsonl")
+        name = "extra_metric" if change == "extra" else "renamed_metric"
+        assert rows[1]["callback"].get(name) == (value(last, 1) if rank == last else None)
+        loss_ranks = range(world_size) if change == "extra" else others
+        assert rows[1]["callback"]["loss"] == pytest.approx(sum(value(r, 1) for r in loss_ranks) / len(loss_ranks))
 
 
 class ExtraBetweenLoggingSteps(LoggingModule):
@@ -435,13 +438,15 @@ class ExtraBetweenLoggingSteps(LoggingModule):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("extra", [1, 100])  # 100: rank 1 needs a larger buffer than agreed, rank 0 does not
-def test_a_mismatch_between_logging_steps_raises_at_the_epoch_end_naming_its_step(tmp_path, extra):
-    # no logging step inside the epoch: the summed headers are read on the host at its end; the step where the
-    # names differed is named, and ranks that needed buffers of different sizes neither hang nor mix them
-    message = r"at epoch 0, batch 1.*`extra000` \(from training_step\).*on rank\(s\) \[1\], not on rank\(s\) \[0\]"
-    with pytest.raises(Exception, match=message):
-        fit(tmp_path, ExtraBetweenLoggingSteps(extra), 2, log_every_n_steps=50)
+@pytest.mark.parametrize("extra", [1, 100])  # 100: rank 1 logs more names than agreed, rank 0 does not
+def test_names_new_between_logging_steps_are_own_values_until_the_next_check(tmp_path, extra):
+    # no logging step inside the epoch: the names join at its end (one host read); until then rank 1 shows its own
+    # values for them, and ranks with different names neither hang nor mix them
+    fit(tmp_path, ExtraBetweenLoggingSteps(extra), 2, log_every_n_steps=50)
+    for rank in range(2):
+        rows = read(tmp_path / f"batches{rank}.jsonl")
+        assert rows[1]["callback"].get("extra000") == (value(1, 1, 0) if rank == 1 else None)
+        assert [row["callback"]["loss"] for row in rows] == [(value(0, i) + value(1, i)) / 2 for i in range(4)]
 
 
 class ExtremesInSomeSteps(LoggingModule):
@@ -460,8 +465,9 @@ def test_max_and_min_cost_one_more_collective_only_in_steps_that_log_them(tmp_pa
     fit(tmp_path, ExtremesInSomeSteps(), 2)
     for rank in range(2):
         rows = read(tmp_path / f"batches{rank}.jsonl")
-        # batches 2 and 4 change the names on every rank: the step is reduced again in the new layout
-        assert [row["all_reduce"] for row in rows] == [1, 1, 1 + 2, 2, 2 + 1, 1]
+        # batch 2 brings new names on every rank: that logging step agrees on them and reduces again (an
+        # all_gather from then on, which carries max/min values)
+        assert [row["collectives"] for row in rows] == [1, 1, 1 + 1, 1, 1, 1]
         for i in (2, 3):
             assert rows[i]["callback"]["peak"] == max(value(r, i, 1) for r in range(2))
             assert rows[i]["callback"]["low"] == min(value(r, i, 2) for r in range(2))
@@ -479,12 +485,13 @@ class NaNsAndZeroWeights(LoggingModule):
 
 
 @pytest.mark.timeout(120)
-def test_a_nan_propagates_as_in_torch_and_a_zero_total_weight_gives_nan(tmp_path):
+def test_a_nan_propagates_as_in_torch_and_a_zero_total_weight_gives_the_plain_mean(tmp_path):
     fit(tmp_path, NaNsAndZeroWeights([2, 2], batches=2), 2)
     for rank in range(2):
         for row in read(tmp_path / f"batches{rank}.jsonl"):
             shown = row["callback"]
-            assert math.isnan(shown["peak"]) and math.isnan(shown["loss"]) and math.isnan(shown["unweighted"])
+            assert math.isnan(shown["peak"]) and math.isnan(shown["loss"])
+            assert shown["unweighted"] == 3.0  # no weight on any rank: the plain mean, as ddp's sync_dist
             assert shown["low"] == -math.inf
 
 
@@ -556,13 +563,15 @@ class EveryKindAndAfterBackward(EveryKind):
 def test_training_steps_read_nothing_on_the_host(tmp_path, count_host_reads, count_collectives, module, extremes):
     # map-style data: `EvenSteps` (iterable data only) does not run; no logging step inside the epoch (the
     # names are checked on the host at its end); the first step agrees on the names (`all_gather_object` reads
-    # the host), the others read nothing and run one SUM all_reduce (plus one MAX with max/min values)
+    # the host), the others read nothing and run one collective (a SUM all_reduce, or an all_gather with max/min
+    # values), plus one all_reduce of the value logged after backward
     callbacks = [Recorder(tmp_path), HostReads(tmp_path)]
     fit(tmp_path, module(extremes), 2, log_every_n_steps=50, callbacks=callbacks)
     sizes = [2, 3]
     for rank in range(2):
         assert [row["reads"] for row in read(tmp_path / f"reads{rank}.jsonl")][1:] == [0] * 5
-        assert [row["all_reduce"] for row in read(tmp_path / f"batches{rank}.jsonl")] == [1 + extremes] * 6
+        late = module is EveryKindAndAfterBackward
+        assert [row["collectives"] for row in read(tmp_path / f"batches{rank}.jsonl")] == [1] + [1 + late] * 5
         rows = read(tmp_path / f"batches{rank}.jsonl")
         assert len(rows) == 6
         for i, row in enumerate(rows):
@@ -620,7 +629,7 @@ def test_with_accumulation_values_are_averaged_per_optimizer_step(tmp_path, coun
     everything = weighted_mean([value(r, i) for i in range(batches) for r in range(2)], sizes * batches)
     for rank in range(2):
         rows = read(tmp_path / f"batches{rank}.jsonl")
-        assert [row["all_reduce"] for row in rows] == [0, 0, 1, 0, 0, 1, 1]  # one per optimizer step
+        assert [row["collectives"] for row in rows] == [0, 0, 1, 0, 0, 1, 1]  # one per optimizer step
         shown = [row["callback"].get("acc_step") for row in rows]
         # between optimizer steps callback_metrics keep the previous step's value (none before the first)
         means = [window_mean(w) for w in windows]
@@ -646,7 +655,7 @@ def test_manual_optimization_averages_every_batch(tmp_path, count_collectives):
 
     fit(tmp_path, Manual(), 2)
     rows = read(tmp_path / "batches0.jsonl")
-    assert [row["all_reduce"] for row in rows] == [1, 1, 1]
+    assert [row["collectives"] for row in rows] == [1, 1, 1]
     assert [row["callback"]["acc_step"] for row in rows] == pytest.approx(
         [weighted_mean([value(0, i), value(1, i)], [2, 3]) for i in range(3)], rel=1e-6
     )
@@ -737,3 +746,160 @@ def test_values_stay_averaged_across_the_ddp_rewraps_of_fusion_tuning(tmp_path, 
         assert len(rows) == batches
         for i, row in enumerate(rows):
             assert row["callback"]["m000"] == (value(0, i) + value(1, i)) / 2, i
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The cases an outside tester found: each compared with a hand computation.
+
+
+class RankBatches(torch.utils.data.IterableDataset):
+    """Rank r streams ``lengths[r]`` batches of 2 samples (possibly none)."""
+
+    def __init__(self, lengths: list[int]) -> None:
+        self.lengths = lengths
+
+    def __iter__(self):
+        for i in range(self.lengths[dist.get_rank()]):
+            yield torch.full((2, 2), float(i))
+
+
+HOOKS = {"loss": 0, "batch_start": 1, "after_backward": 2, "before_optimizer_step": 3, "before_zero_grad": 4}
+
+
+class LogsInEveryHook(LoggingModule):
+    """Logs from training_step and from hooks a rank without data still runs (`uneven_inputs="join"`)."""
+
+    def __init__(self, lengths: list[int]) -> None:
+        super().__init__([2] * len(lengths))
+        self.lengths = lengths
+
+    def train_dataloader(self):
+        return DataLoader(RankBatches(self.lengths), batch_size=None)
+
+    def training_step(self, batch, batch_idx):
+        self.log("loss", value(self.global_rank, batch_idx, HOOKS["loss"]))
+        return self.layer(batch).sum()
+
+    def _log_hook(self, name: str, **kwargs) -> None:
+        self.log(name, value(self.global_rank, self.batch_idx, HOOKS[name]), **kwargs)
+
+    def on_train_batch_start(self, batch, batch_idx):
+        self.batch_idx = batch_idx
+        self._log_hook("batch_start")
+
+    def on_after_backward(self):
+        self._log_hook("after_backward", on_epoch=True)
+
+    def on_before_optimizer_step(self, optimizer):
+        self._log_hook("before_optimizer_step")
+
+    def on_before_zero_grad(self, optimizer):
+        self._log_hook("before_zero_grad")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("lengths", "window"), [([3, 0], 1), ([4, 1, 0], 1), ([3, 0], 2), ([5, 2, 0], 2)])
+def test_a_rank_without_data_contributes_to_no_value_whatever_hooks_it_runs(tmp_path, lengths, window):
+    strategy = ShardPlusStrategy(start_method="fork", uneven_inputs="join", aggregation_frequency=window)
+    fit(tmp_path, LogsInEveryHook(lengths), len(lengths), strategy)
+    batches = max(lengths)
+    windows = [list(range(start, min(start + window, batches))) for start in range(0, batches, window)]
+    logged_in = {  # the micro-batches of a window where each name is logged
+        "loss": lambda w: w, "batch_start": lambda w: w, "after_backward": lambda w: w,
+        "before_optimizer_step": lambda w: w[-1:], "before_zero_grad": lambda w: w[:1],
+    }  # fmt: skip
+    for rank in range(len(lengths)):
+        rows = read(tmp_path / f"batches{rank}.jsonl")
+        assert len(rows) == batches
+        for w in windows:
+            shown = rows[w[-1]]["callback"]
+            for name, micro_batches in logged_in.items():
+                ranks = list(range(len(lengths)))
+                with_data = [value(r, i, HOOKS[name]) for i in micro_batches(w) for r in ranks if i < lengths[r]]
+                shown_as = "after_backward_step" if name == "after_backward" else name
+                if name == "loss" and lengths[rank] == 0:  # a rank that never had data never logged it
+                    assert name not in shown
+                else:
+                    assert shown[shown_as] == pytest.approx(sum(with_data) / len(with_data), rel=1e-6), (name, w)
+        end = read(tmp_path / f"end{rank}.jsonl")[0]["callback"]
+        calls = [value(r, i, HOOKS["after_backward"]) for r in range(len(lengths)) for i in range(lengths[r])]
+        assert end["after_backward_epoch"] == pytest.approx(sum(calls) / len(calls), rel=1e-6)
+
+
+class SumsEveryCall(LoggingModule):
+    """Logs a sum-reduced epoch value without sync_dist, and one name twice per step."""
+
+    def log_values(self, r, i):
+        self.log("tokens", value(r, i), reduce_fx="sum", on_epoch=True)
+        self.log("twice", value(r, i, 1), on_epoch=True)
+        self.log("twice", value(r, i, 2), on_epoch=True)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_epoch_values_aggregate_every_call_and_the_last_call_is_the_step_value(tmp_path, world_size):
+    # 7 micro-batches in windows of 3 (the last one short): Lightning's epoch aggregation of every call on each rank
+    # (a sum of sums, a weighted mean of both calls), then over the ranks; the step value is each micro-batch's last
+    sizes, batches = [2, 3, 4][:world_size], 7
+    strategy = ShardPlusStrategy(start_method="fork", aggregation_frequency=3)
+    fit(tmp_path, SumsEveryCall(sizes, batches), world_size, strategy)
+    ranks, windows = range(world_size), [[0, 1, 2], [3, 4, 5], [6]]
+    tokens = sum(sum(value(r, i) for i in range(batches)) for r in ranks) / world_size  # mean over ranks of sums
+    both = [(value(r, i, k), sizes[r]) for r in ranks for i in range(batches) for k in (1, 2)]
+    for rank in ranks:
+        end = read(tmp_path / f"end{rank}.jsonl")[0]["callback"]
+        assert end["tokens_epoch"] == pytest.approx(tokens, rel=1e-6)
+        assert end["twice_epoch"] == pytest.approx(weighted_mean(*zip(*both, strict=True)), rel=1e-6)
+        rows = read(tmp_path / f"batches{rank}.jsonl")
+        for w in windows:
+            last_calls = [(value(r, i, 2), sizes[r]) for i in w for r in ranks]
+            mean = weighted_mean(*zip(*last_calls, strict=True))
+            assert rows[w[-1]]["callback"]["twice_step"] == pytest.approx(mean, rel=1e-6)
+
+
+class TwoOptimizers(LoggingModule):
+    """Manual optimization with two optimizers, each logging its gradient norm under one name."""
+
+    def __init__(self) -> None:
+        super().__init__([2, 3], batches=3)
+        self.other = nn.Linear(2, 1)
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        optimizers = self.optimizers()
+        for optimizer in optimizers:
+            optimizer.zero_grad()
+        self.manual_backward(self.layer(batch[0]).sum() + self.other(batch[0]).sum())
+        for k, optimizer in enumerate(optimizers):
+            self.log("grad_norm", value(self.global_rank, batch_idx, k))
+            optimizer.step()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.layer.parameters(), lr=0.01), torch.optim.SGD(self.other.parameters(), lr=0.01)
+
+
+@pytest.mark.timeout(120)
+def test_two_manual_optimizers_logging_one_name_show_the_last_call(tmp_path, count_collectives):
+    fit(tmp_path, TwoOptimizers(), 2)
+    for rank in range(2):
+        rows = read(tmp_path / f"batches{rank}.jsonl")
+        expected = [weighted_mean([value(0, i, 1), value(1, i, 1)], [2, 3]) for i in range(3)]
+        assert [row["callback"]["grad_norm"] for row in rows] == pytest.approx(expected, rel=1e-6)
+        # logged after `manual_backward`: one collective per step, after the optimizer steps
+        assert [row["collectives"] for row in rows] == [1, 1, 1]
+
+
+class SwitchesSyncDist(LoggingModule):
+    """Logs a max-reduced value, with sync_dist from batch 2 on: the step reduction changes from mean to max."""
+
+    def log_values(self, r, i):
+        self.log("peak", value(r, i), reduce_fx="max", sync_dist=i >= 2)
+
+
+@pytest.mark.timeout(120)
+def test_a_name_that_changes_its_reduction_on_every_rank_is_reduced_the_new_way(tmp_path):
+    fit(tmp_path, SwitchesSyncDist([2, 3], batches=4), 2)
+    for rank in range(2):
+        shown = [row["callback"]["peak"] for row in read(tmp_path / f"batches{rank}.jsonl")]
+        means = [weighted_mean([value(0, i), value(1, i)], [2, 3]) for i in range(2)]
+        assert shown == pytest.approx(means + [value(1, i) for i in (2, 3)], rel=1e-6)
