@@ -6,7 +6,7 @@ running sums, reduced once at the epoch end. docs/training-metrics.md."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -16,104 +16,11 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 
 from lightning_shardplus import _lightning, epoch_values
-
-_F64, _INF = torch.float64, float("inf")
-_SLOTS = {"mean": 4, "sum": 2, "max": 1, "min": 1}  # summed: (w * v, w, v, calls), (v, calls), (calls)
+from lightning_shardplus.reduction_plan import Call, ReductionPlan
 
 
 class MetricMismatchError(RuntimeError):
     """Ranks logged one name with different reductions (``reduce_fx``/``sync_dist``); raised on every rank."""
-
-
-class _Call(NamedTuple):
-    """This rank's last ``self.log`` of a name in a micro-batch."""
-
-    value: Tensor  # as Lightning stored it for the step
-    weight: float
-    reduction: str  # over ranks: the ``reduce_fx`` of a ``sync_dist`` value, else "mean"
-    late: bool  # logged after the step's first reduction started
-
-
-class _Plan:
-    """Where each name of one reduction lives in the packed float64 vector: slot 0 counts the ranks that logged a
-    name outside the layout, then each name's summed slots (:data:`_SLOTS`), then per max/min its (signed value,
-    NaN flag), reduced by MAX. Without max/min names one SUM all_reduce, else one all_gather."""
-
-    def __init__(self, entries: dict[str, str], device: torch.device) -> None:
-        self.entries, self.offset, size = entries, {}, 1  # key -> reduction
-        for key, reduction in entries.items():
-            self.offset[key], size = size, size + _SLOTS[reduction]
-        self.summed, order = size, [[k for k, r in entries.items() if r == kind] for kind in ("mean", "sum")]
-        self.extremes = [key for key, reduction in entries.items() if reduction in ("max", "min")]
-        self.extreme = {key: size + 2 * i for i, key in enumerate(self.extremes)}
-        self.size = size + 2 * len(self.extremes)
-        self.position = {key: i for i, key in enumerate(order[0] + order[1] + self.extremes)}
-
-        def at(keys: list[str], shift: int = 0, where: dict[str, int] = self.offset) -> Tensor:
-            return torch.tensor([where[key] + shift for key in keys], dtype=torch.long, device=device)
-
-        self.means, self.sums, self.extreme_calls = at(order[0]), at(order[1]), at(self.extremes)
-        self.maxima = at(self.extremes, 0, self.extreme)
-        self.signs = _f64([1.0 if entries[key] == "max" else -1.0 for key in self.extremes], device)
-
-    def pack(self, calls: list[tuple[str, _Call]], unplaced: bool, device: torch.device) -> Tensor:
-        """This rank's vector for ``calls`` (each in this plan, with this plan's reduction)."""
-        constants = [float(unplaced)] + [0.0] * (self.size - 1)
-        for slot in self.extreme.values():
-            constants[slot] = -_INF
-        values, added, maxed = [], [], []  # (call, slot, factor)
-        for key, call in calls:
-            slot, reduction = self.offset[key], self.entries[key]
-            if reduction == "mean":
-                constants[slot + 1] += call.weight
-                constants[slot + 3] += 1
-                added += [(len(values), slot, call.weight), (len(values), slot + 2, 1.0)]
-            elif reduction == "sum":
-                constants[slot + 1] += 1
-                added.append((len(values), slot, 1.0))
-            else:
-                constants[slot] += 1
-                maxed.append((len(values), self.extreme[key], 1.0 if reduction == "max" else -1.0))
-            values.append(call.value.detach().reshape(()).to(device, _F64))
-        vector = torch.tensor(constants, dtype=_F64).to(device, non_blocking=True)
-        if added:
-            rows, slots, factors = zip(*added, strict=True)
-            stacked = torch.stack(values)
-            vector.index_add_(0, _long(slots, device), stacked[_long(rows, device)] * _f64(factors, device))
-        if maxed:
-            rows, slots, signs = zip(*maxed, strict=True)
-            signed, where = torch.stack(values)[_long(rows, device)] * _f64(signs, device), _long(slots, device)
-            vector.scatter_reduce_(0, where, signed.nan_to_num(nan=-_INF, posinf=_INF, neginf=-_INF), "amax")
-            vector.scatter_reduce_(0, where + 1, signed.isnan().to(_F64), "amax")
-        return vector
-
-    def start(self, vector: Tensor) -> tuple[Any, list[Tensor]]:
-        """Start this rank's part of the reduction (async)."""
-        if not self.extremes:
-            return dist.all_reduce(vector, async_op=True), [vector]
-        gathered = [torch.empty_like(vector) for _ in range(dist.get_world_size())]
-        return dist.all_gather(gathered, vector, async_op=True), gathered
-
-    def finish(self, work: Any, buffers: list[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
-        """Wait (on NCCL: the device's stream, not the host); the summed header, each name's value over the ranks
-        that logged it (in :attr:`position` order) and how many calls it had."""
-        work.wait()
-        if self.extremes:
-            stacked = torch.stack(buffers)
-            buffers = [torch.cat([stacked[:, : self.summed].sum(0), stacked[:, self.summed :].amax(0)])]
-        v = buffers[0]
-        weighted, weight, plain, calls = (v[self.means + i] for i in range(4))
-        extremes = torch.where(v[self.maxima + 1] > 0, float("nan"), v[self.maxima] * self.signs)
-        values = torch.cat([torch.where(weight > 0, weighted / weight, plain / calls), v[self.sums], extremes])
-        return v[0], values, torch.cat([calls, v[self.sums + 1], v[self.extreme_calls]])
-
-
-def _long(numbers: Sequence[int], device: torch.device) -> Tensor:
-    return torch.tensor(numbers, dtype=torch.long).to(device, non_blocking=True)
-
-
-def _f64(numbers: Sequence[float], device: torch.device) -> Tensor:
-    return torch.tensor(numbers, dtype=_F64).to(device, non_blocking=True)
 
 
 class AverageTrainingMetrics(Callback):
@@ -128,7 +35,7 @@ class AverageTrainingMetrics(Callback):
         self._results: Any = None
         self._device = torch.device("cpu")
         self._layout: dict[str, tuple[str, bool]] | None = None  # key -> (reduction, late); agreed by every rank
-        self._plans: dict[str, _Plan] = {}  # "early", "late" and "all" of the layout
+        self._plans: dict[str, ReductionPlan] = {}  # "early", "late" and "all" of the layout
         self._latest: dict[str, tuple[str, bool, str]] = {}  # since the agreement: (reduction, late, label) per key
         self._unplaced = False  # a call outside the layout, not yet announced in a reduction's slot 0
         self._flags: Tensor | None = None  # the summed slot 0 since the names were last checked, on the device
@@ -140,11 +47,11 @@ class AverageTrainingMetrics(Callback):
 
     def _clear(self) -> None:
         """Forget the step: its calls, per micro-batch of an aggregation window."""
-        self._calls: dict[str, _Call] = {}
+        self._calls: dict[str, Call] = {}
         self._own: dict[str, Tensor] = {}  # key -> this rank's value of its last call in the step
-        self._window: list[dict[str, _Call]] = []  # the window's earlier micro-batches with data
+        self._window: list[dict[str, Call]] = []  # the window's earlier micro-batches with data
         self._before: dict[str, Any] = {}  # key -> epoch state before this micro-batch's first call
-        self._in_flight: list[tuple[_Plan, Any, list[Tensor]]] = []
+        self._in_flight: list[tuple[ReductionPlan, Any, list[Tensor]]] = []
         self._started = self._backward_began = self._without_data = False
 
     def abstain_this_step(self) -> None:
@@ -182,12 +89,8 @@ class AverageTrainingMetrics(Callback):
     def _taken(self, logged: _lightning.LoggedValue) -> None:
         log, late = logged.log, self._backward_began
         reduction = logged.reduce_fx if log.sync_dist and logged.reduce_fx != "mean" else "mean"
-        if log.batch_size is not None:
-            weight = float(log.batch_size)
-        else:
-            size = _lightning.batch_size_of_current_batch(self._results)
-            weight = 1.0 if size is None else float(size)
-        self._calls[log.key] = _Call(logged.value, weight, reduction, late)
+        size = _lightning.batch_size_of_current_batch(self._results) if log.batch_size is None else log.batch_size
+        self._calls[log.key] = Call(logged.value, 1.0 if size is None else float(size), reduction, late)
         self._own[log.key] = logged.value
         self._metrics[log.key] = logged.metric
         if logged.epoch_state_before is not None:
@@ -205,8 +108,7 @@ class AverageTrainingMetrics(Callback):
                 self._start("early")
 
     def _needs_early(self) -> bool:
-        """Whether the step has a reduction when backward begins: for names logged before it, or as the step's one
-        collective (which tells every rank of names outside the layout)."""
+        """Whether a reduction starts when backward begins: for names logged before it, or as the step's one."""
         return bool(self._plans["early"].entries) or not self._plans["late"].entries
 
     def _start(self, phase: str) -> None:
@@ -229,19 +131,17 @@ class AverageTrainingMetrics(Callback):
         if self._without_data:  # its values count nowhere: not in this rank's epoch values either
             for key, before in self._before.items():
                 _lightning.set_epoch_state(self._metrics[key], *before)
+        if not self._without_data:
+            self._epoch_keys.update(self._calls)
         if not _lightning.logs_this_step(trainer):
             # inside an aggregation window: the previous step's values until the window is reduced
             for key in self._calls:
                 _lightning.set_step_value(self._metrics[key], self._last.get(key))
-            if not self._without_data:
-                self._window.append(self._calls)
-                self._epoch_keys.update(self._calls)
+            self._window += [] if self._without_data else [self._calls]
             self._calls, self._before, self._without_data, self._backward_began = {}, {}, False, False
             return
         where = f"epoch {trainer.current_epoch}, batch {batch_idx}"
         try:
-            if not self._without_data:
-                self._epoch_keys.update(self._calls)
             if self._layout is None:  # the first step: the names are agreed, then reduced in one collective
                 self._agree(where)
                 self._start("all")
@@ -265,7 +165,7 @@ class AverageTrainingMetrics(Callback):
             self._flags = flags if self._flags is None else self._flags + flags
             self._write(plan, values, calls)
 
-    def _write(self, plan: _Plan, values: Tensor, calls: Tensor) -> None:
+    def _write(self, plan: ReductionPlan, values: Tensor, calls: Tensor) -> None:
         """The reduced values as the step values (new device tensors), where some rank logged them, for the names
         this rank logged in the step (with data or not) or earlier in the epoch."""
         converted: dict[tuple[torch.dtype, torch.device], Tensor] = {}
@@ -288,34 +188,29 @@ class AverageTrainingMetrics(Callback):
         """Every rank, at the same step: read the summed slot 0 since the last check (one host read); if a rank
         logged a name outside the layout, agree on the names anew (True)."""
         flags, self._flags = self._flags, None
-        if flags is None or not flags.item():
-            return False
-        self._agree(where)
-        return True
+        return flags is not None and bool(flags.item()) and self._agree(where)
 
-    def _agree(self, where: str) -> None:
+    def _agree(self, where: str) -> bool:
         """Every rank: the names logged since the last agreement join the layout; a name reduced differently on
         different ranks raises :class:`MetricMismatchError`."""
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, self._latest)
         reductions: dict[str, set[str]] = {}
-        for latest in gathered:
-            for key, (reduction, _, _) in latest.items():
-                reductions.setdefault(key, set()).add(reduction)
+        for key, (reduction, _, _) in (item for latest in gathered for item in latest.items()):
+            reductions.setdefault(key, set()).add(reduction)
         if conflicts := {key for key, found in reductions.items() if len(found) > 1}:
             per_rank = [[(k, r, label) for k, (r, _, label) in latest.items() if k in conflicts] for latest in gathered]
             raise MetricMismatchError(describe_mismatch(per_rank, where))
         layout = dict(self._layout or {})
-        for latest in gathered:
-            for key, (reduction, late, _) in latest.items():
-                before = layout.get(key)
-                layout[key] = (reduction, late or (before is not None and before == (reduction, True)))
+        for key, (reduction, late, _) in (item for latest in gathered for item in latest.items()):
+            layout[key] = (reduction, late or layout.get(key) == (reduction, True))  # once late, late
         self._layout, self._latest, self._unplaced = layout, {}, False
+        in_phase = {"early": (False,), "late": (True,), "all": (False, True)}
         self._plans = {
-            phase: _Plan({k: r for k, (r, late) in layout.items() if phase == "all" or late == (phase == "late")},
-                         self._device)
-            for phase in ("early", "late", "all")
-        }  # fmt: skip
+            phase: ReductionPlan({k: r for k, (r, late) in layout.items() if late in lates}, self._device)
+            for phase, lates in in_phase.items()
+        }
+        return True
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._restore is None:
