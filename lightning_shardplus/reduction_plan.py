@@ -26,7 +26,7 @@ class Call(NamedTuple):
 class ReductionPlan:
     """Where each name of one reduction lives in the packed float64 vector: slot 0 counts the ranks that logged a
     name outside the layout, then each name's summed slots (:data:`_SLOTS`), then per max/min its (signed value,
-    NaN flag), reduced by MAX. Without max/min names one SUM all_reduce, else one all_gather."""
+    NaN flag), reduced by MAX."""
 
     def __init__(self, entries: dict[str, str], device: torch.device) -> None:
         self.entries, self.offset, size = entries, {}, 1  # key -> reduction
@@ -68,21 +68,20 @@ class ReductionPlan:
             vector.scatter_reduce_(0, where + 1, signed.isnan().to(_F64), "amax")
         return vector
 
-    def start(self, vector: Tensor) -> tuple[Any, list[Tensor]]:
-        """Start this rank's part of the reduction (async)."""
-        if not self.extremes:
-            return dist.all_reduce(vector, async_op=True), [vector]
-        gathered = [torch.empty_like(vector) for _ in range(dist.get_world_size())]
-        return dist.all_gather(gathered, vector, async_op=True), gathered
+    def start(self, vector: Tensor) -> tuple[list[Any], Tensor]:
+        """Start this rank's part of the reduction (async): a SUM all_reduce, and with max/min names a MAX one of
+        their part (both in flight together; an all_gather would grow with the world size)."""
+        summed, maxed = vector.split([self.summed, vector.numel() - self.summed])
+        works = [dist.all_reduce(summed, op=dist.ReduceOp.SUM, async_op=True)]
+        if self.extremes:
+            works.append(dist.all_reduce(maxed, op=dist.ReduceOp.MAX, async_op=True))
+        return works, vector
 
-    def finish(self, work: Any, buffers: list[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+    def finish(self, works: list[Any], v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Wait (on NCCL: the device's stream, not the host); the summed header, each name's value over the ranks
         that logged it (in :attr:`position` order) and how many calls it had."""
-        work.wait()
-        if self.extremes:
-            stacked = torch.stack(buffers)
-            buffers = [torch.cat([stacked[:, : self.summed].sum(0), stacked[:, self.summed :].amax(0)])]
-        v = buffers[0]
+        for work in works:
+            work.wait()
         weighted, weight, plain, calls = (v[self.means + i] for i in range(4))
         extremes = torch.where(v[self.maxima + 1] > 0, float("nan"), v[self.maxima] * self.signs)
         values = torch.cat([torch.where(weight > 0, weighted / weight, plain / calls), v[self.sums], extremes])

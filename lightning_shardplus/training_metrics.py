@@ -51,7 +51,7 @@ class AverageTrainingMetrics(Callback):
         self._own: dict[str, Tensor] = {}  # key -> this rank's value of its last call in the step
         self._window: list[dict[str, Call]] = []  # the window's earlier micro-batches with data
         self._before: dict[str, Any] = {}  # key -> epoch state before this micro-batch's first call
-        self._in_flight: list[tuple[ReductionPlan, Any, list[Tensor]]] = []
+        self._in_flight: list[tuple[ReductionPlan, list[Any], Tensor]] = []
         self._started = self._backward_began = self._without_data = False
 
     def abstain_this_step(self) -> None:
@@ -160,8 +160,8 @@ class AverageTrainingMetrics(Callback):
     def _finish(self) -> None:
         """Wait for the reductions in flight and write their values as the step values."""
         in_flight, self._in_flight = self._in_flight, []
-        for plan, work, buffers in in_flight:
-            flags, values, calls = plan.finish(work, buffers)
+        for plan, works, vector in in_flight:
+            flags, values, calls = plan.finish(works, vector)
             self._flags = flags if self._flags is None else self._flags + flags
             self._write(plan, values, calls)
 

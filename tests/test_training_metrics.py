@@ -230,9 +230,10 @@ def test_logged_values_are_means_over_ranks_weighted_by_batch_size(tmp_path, cou
         assert logged[-1]["metrics"] == pytest.approx(epoch | {"epoch": 0}, rel=1e-6)
 
         rows = read(tmp_path / f"batches{rank}.jsonl")
-        # the first step: the names are agreed and reduced in one collective (an all_gather: max/min values); then
-        # per step one all_gather started when backward begins, and one all_reduce of the value logged after it
-        assert [(row["collectives"], row["barrier"]) for row in rows] == [(1, 0)] + [(2, 0)] * (batches - 1)
+        # the first step: the names are agreed and reduced at once (a SUM all_reduce and a MAX one of the max/min
+        # values, in flight together); then the same two started when backward begins, and one SUM all_reduce of
+        # the value logged after it
+        assert [(row["collectives"], row["barrier"]) for row in rows] == [(2, 0)] + [(3, 0)] * (batches - 1)
         for i, row in enumerate(rows):
             for name, mean in expected(i).items():
                 assert row["callback"][name] == pytest.approx(mean, rel=1e-6), name
@@ -465,9 +466,9 @@ def test_max_and_min_cost_one_more_collective_only_in_steps_that_log_them(tmp_pa
     fit(tmp_path, ExtremesInSomeSteps(), 2)
     for rank in range(2):
         rows = read(tmp_path / f"batches{rank}.jsonl")
-        # batch 2 brings new names on every rank: that logging step agrees on them and reduces again (an
-        # all_gather from then on, which carries max/min values)
-        assert [row["collectives"] for row in rows] == [1, 1, 1 + 1, 1, 1, 1]
+        # batch 2 brings new names on every rank: that logging step agrees on them and reduces again; from then on
+        # a MAX all_reduce beside the SUM one (the layout keeps them)
+        assert [row["collectives"] for row in rows] == [1, 1, 1 + 2, 2, 2, 2]
         for i in (2, 3):
             assert rows[i]["callback"]["peak"] == max(value(r, i, 1) for r in range(2))
             assert rows[i]["callback"]["low"] == min(value(r, i, 2) for r in range(2))
@@ -563,15 +564,16 @@ class EveryKindAndAfterBackward(EveryKind):
 def test_training_steps_read_nothing_on_the_host(tmp_path, count_host_reads, count_collectives, module, extremes):
     # map-style data: `EvenSteps` (iterable data only) does not run; no logging step inside the epoch (the
     # names are checked on the host at its end); the first step agrees on the names (`all_gather_object` reads
-    # the host), the others read nothing and run one collective (a SUM all_reduce, or an all_gather with max/min
-    # values), plus one all_reduce of the value logged after backward
+    # the host), the others read nothing and run one SUM all_reduce (plus a MAX one with max/min values, in flight
+    # together), plus one SUM all_reduce of the value logged after backward
     callbacks = [Recorder(tmp_path), HostReads(tmp_path)]
     fit(tmp_path, module(extremes), 2, log_every_n_steps=50, callbacks=callbacks)
     sizes = [2, 3]
     for rank in range(2):
         assert [row["reads"] for row in read(tmp_path / f"reads{rank}.jsonl")][1:] == [0] * 5
         late = module is EveryKindAndAfterBackward
-        assert [row["collectives"] for row in read(tmp_path / f"batches{rank}.jsonl")] == [1] + [1 + late] * 5
+        expected = [1 + extremes] + [1 + extremes + late] * 5
+        assert [row["collectives"] for row in read(tmp_path / f"batches{rank}.jsonl")] == expected
         rows = read(tmp_path / f"batches{rank}.jsonl")
         assert len(rows) == 6
         for i, row in enumerate(rows):
