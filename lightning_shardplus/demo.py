@@ -71,6 +71,13 @@ class ClassifierModule(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=self.hparams.momentum)
 
 
+class ConfiguredClassifierModule(ClassifierModule):
+    """:class:`ClassifierModule` whose optimizer comes from the LightningCLI's ``optimizer:`` section alone (no SGD of
+    its own for the CLI to override, with a warning): ``configs/large_batch.yaml``."""
+
+    configure_optimizers = pl.LightningModule.configure_optimizers
+
+
 class DigitsDataModule(ShardPlusDataModule):
     """scikit-learn's bundled 8x8 digits (1,797 images, no download): a fixed train/validation split,
     pixels scaled to [0, 1]."""

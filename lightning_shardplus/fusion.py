@@ -254,6 +254,9 @@ class FusionResult:
         default = (f"{1000 * self.default_step_s:.2f} ms/step at {self.reference}" if self.default_step_s
                    else f"{self.reference} not measured")  # fmt: skip
         gain = f", {100 * (self.gain - 1):+.1f}% steps/s while tuning (paired round by round)" if self.gain else ""
+        if self.chosen == self.reference and self.default_step_s and self.complete:  # nothing to compare it with
+            return f"shardplus: tensor fusion tuned: kept {self.chosen}: {chosen}, no candidate more than 2% faster; " \
+                   f"{self.tuning_steps} tuning steps"  # fmt: skip
         status = "" if self.complete else " (training ended before the search did: best so far, not cached)"
         return f"shardplus: tensor fusion tuned: {self.chosen}: {chosen} vs {default}{gain}; {self.tuning_steps} " \
                f"tuning steps{status}"  # fmt: skip
@@ -371,7 +374,8 @@ class TensorFusion:
         if self.log_path is not None and self.trainer.is_global_zero:
             self._write_rows([CSV_COLUMNS], "w")
         bound, total = self.settings.max_tuning_steps, self.trainer.estimated_stepping_batches
-        rank_zero_info(f"shardplus: tuning the tensor-fusion bucket size among {', '.join(s.label for s in self.times)}"
+        labels = ", ".join(DDP_DEFAULT_LABEL if s == DDP_DEFAULT else s.label for s in self.times)
+        rank_zero_info(f"shardplus: tuning the tensor-fusion bucket size among {labels}"
                        f": at most {bound} optimizer steps")  # fmt: skip
         if math.isfinite(total) and total < bound:
             rank_zero_warn(f"shardplus: this run has {int(total)} optimizer steps, tensor-fusion tuning up to {bound}: "

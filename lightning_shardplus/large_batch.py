@@ -131,11 +131,12 @@ class ScaleLearningRate(Callback):
             self._handles.append(optimizer.register_step_pre_hook(self._make_pre_hook(index)))
             self._handles.append(optimizer.register_step_post_hook(self._make_post_hook(index)))
 
-        batch = "unknown" if self.effective_batch_size is None else self.effective_batch_size
-        reference = self.reference_batch_size or "the per-device batch"
+        batch, reference = self.effective_batch_size, self.reference_batch_size or "the per-device batch"
+        per_device = "?" if batch is None else batch // (world_size * aggregation_steps)
         rank_zero_info(
-            f"ScaleLearningRate: effective batch {batch} ({world_size} processes x {aggregation_steps} "
-            f"aggregated micro-batches), reference {reference}: {self.rule} factor {self.factor:g}, warmup "
+            f"ScaleLearningRate: effective batch {batch or 'unknown'} ({world_size} processes x {per_device} per "
+            f"device x {aggregation_steps} aggregated micro-batches), reference {reference}: {self.rule} factor "
+            f"{self.factor:g}, warmup "
             f"{self.resolved_warmup_steps} optimizer steps, starting at step {min(self._steps, default=0)}"
         )
 

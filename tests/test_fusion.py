@@ -5,6 +5,7 @@ from the cache without re-wrapping."""
 
 import csv
 import json
+import logging
 import math
 import os
 import re
@@ -137,6 +138,21 @@ def test_every_round_measures_every_candidate_once_in_alternating_order(tmp_path
 
 @pytest.mark.compat
 @pytest.mark.skipif(not fusion.SUPPORTS_FIRST_BUCKET, reason="DDP without bucket_cap_mb_list (torch < 2.13)")
+def test_a_search_that_keeps_ddps_default_says_so_without_comparing_it_with_itself(caplog):
+    clock = FakeClock({A: 0.9, B: 0.8, UNIFORM_25: 0.7, DDP_DEFAULT: 0.7})
+    tensor_fusion = tuner(AutotuneSettings(candidates_mb=(25, 1, 4), steps_per_sample=2, warmup_steps=1), clock)
+    with caplog.at_level(logging.INFO):
+        drive(tensor_fusion, clock)
+    result = tensor_fusion.result
+    assert result.setting == DDP_DEFAULT and result.complete
+    assert result.summary().startswith(
+        "shardplus: tensor fusion tuned: kept DDP's default (25 MB, first bucket 1 MB): 700.00 ms/step (median), no "
+        "candidate more than 2% faster;"
+    ) and "+0.0%" not in result.summary()
+    among = next(m for m in caplog.messages if "tuning the tensor-fusion bucket size among" in m)
+    assert among.count("25 MB") == 2 and "DDP's default (25 MB, first bucket 1 MB)" in among  # each labelled once
+
+
 def test_the_autotuner_finds_the_fastest_logs_each_sample_and_caches(tmp_path):
     times = {A: 0.9, B: 0.5, UNIFORM_25: 0.7, DDP_DEFAULT: 0.68}
     settings = AutotuneSettings(candidates_mb=(25, 1, 4), steps_per_sample=3, warmup_steps=1)
