@@ -49,7 +49,9 @@ class ShardPlusCLI(LightningCLI):
 
     def __init__(self, *args: Any, trainer_defaults: dict[str, Any] | None = None, **kwargs: Any) -> None:
         defaults = {"strategy": STRATEGY_DEFAULT, **(trainer_defaults or {})}
-        kwargs = {"subclass_mode_model": True, "subclass_mode_data": True, **kwargs}
+        # without a logger the config is saved in the working directory: a second run there overwrites it
+        kwargs = {"subclass_mode_model": True, "subclass_mode_data": True, "save_config_kwargs": {"overwrite": True},
+                  **kwargs}  # fmt: skip
         super().__init__(*args, trainer_defaults=defaults, **kwargs)
 
     def init_parser(self, **kwargs: Any) -> LightningArgumentParser:

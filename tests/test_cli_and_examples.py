@@ -224,3 +224,11 @@ def test_stream_example_takes_the_same_steps_on_every_rank(tmp_path, policy, ste
     own = sorted(int(count) for _, count, _ in reports)
     assert own == ([30, 30, 31] if policy == "join" else [30, 30, 30])  # litdata's uneven streams
     assert "final metrics" in result.stdout
+
+
+@pytest.mark.timeout(300)
+def test_a_second_run_without_a_logger_in_the_same_directory_runs(tmp_path):
+    # without a logger the CLI saves its config.yaml in the working directory; Lightning's default refuses a second run
+    for _ in range(2):
+        shardplus("validate", "--config", str(ROOT / "configs" / "digits.yaml"), "--trainer.logger=false", cwd=tmp_path)
+    assert (tmp_path / "config.yaml").exists()
