@@ -10,6 +10,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_shardplus import _lightning, aggregation, compression, fusion, sharding
 from lightning_shardplus.aggregation import GradientAggregation
@@ -58,6 +59,7 @@ class RunComponents:
         """The components of ``trainer``'s run; the callbacks shardplus needs are added to the Trainer's."""
         exact_across_ranks = config.exact_evaluation and setup.num_replicas > 1
         _add_callbacks(config, trainer, exact_across_ranks)
+        rank_zero_info(features_in_effect(config, setup.num_replicas, trainer.state.fn == TrainerFn.FITTING))
         datamodule = getattr(trainer, "datamodule", None)
         # Lightning marks every training loader as shuffled when it injects its sampler: read the datamodule's
         shuffle = not isinstance(datamodule, ShardPlusDataModule) or datamodule.shuffle
@@ -160,6 +162,21 @@ def _add_callbacks(config: ShardPlusConfig, trainer: pl.Trainer, exact_across_ra
         callbacks.insert(0, ExactEvaluation())
     if config.average_training_metrics and not any(isinstance(cb, AverageTrainingMetrics) for cb in callbacks):
         callbacks.insert(0, AverageTrainingMetrics())
+
+
+def features_in_effect(config: ShardPlusConfig, num_replicas: int, fitting: bool) -> str:
+    """The start-up line naming what shardplus does in this run, as Lightning names the devices it uses (silenced as
+    those are: ``logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)``)."""
+    exact = f"exact evaluation {'on' if config.exact_evaluation else 'off'}"
+    if not fitting:
+        return f"shardplus: {num_replicas} processes, {exact}"
+    features = [
+        f"padded equal training shards (padding {config.shard_padding!r}, reshuffled each epoch)", exact,
+        f"averaged training metrics {'on' if config.average_training_metrics else 'off'}",
+        f"{config.aggregation_frequency} micro-batch(es) per optimizer step",
+        f"gradient compression {config.gradient_compression!r}", f"uneven streams {config.uneven_inputs!r}",
+    ]  # fmt: skip
+    return f"shardplus: {num_replicas} processes: {', '.join(features)}"
 
 
 def _tensor_fusion(config: ShardPlusConfig, trainer: pl.Trainer, setup: DistributedSetup) -> fusion.TensorFusion:

@@ -492,3 +492,31 @@ def test_the_plugins_of_either_lightning_namespace_pass_the_construction_check()
         {"precision_plugin": pl_precision.Precision(), "accelerator": pl_accelerators.CPUAccelerator()},
     ):
         ShardPlusStrategy(**plugins)
+
+
+def test_the_start_up_line_names_the_features_in_effect_through_lightnings_logger(caplog):
+    import logging
+
+    from lightning_shardplus.components import features_in_effect
+    from lightning_shardplus.config import ShardPlusConfig
+
+    config = ShardPlusConfig(aggregation_frequency=4, gradient_compression="fp16", average_training_metrics=False)
+    line = features_in_effect(config, 3, fitting=True)
+    assert line.startswith("shardplus: 3 processes: padded equal training shards (padding 'first'")
+    assert "averaged training metrics off" in line and "4 micro-batch(es)" in line and "'fp16'" in line
+    assert features_in_effect(config, 3, fitting=False) == "shardplus: 3 processes, exact evaluation on"
+    import lightning.pytorch as pl
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    def fit() -> None:
+        trainer = pl.Trainer(strategy=ShardPlusStrategy(), accelerator="cpu", devices=1, max_steps=1, logger=False,
+                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+        trainer.fit(BoringModel())
+
+    with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
+        fit()
+    assert [r.getMessage() for r in caplog.records if r.getMessage().startswith("shardplus: 1 processes: padded")]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="lightning.pytorch"):  # Lightning's switch silences it
+        fit()
+    assert not [r for r in caplog.records if r.getMessage().startswith("shardplus:")]
