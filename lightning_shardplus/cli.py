@@ -11,6 +11,7 @@ from jsonargparse import ActionConfigFile, Namespace
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 import lightning_shardplus  # noqa: F401  (registers the strategy names)
+import lightning_shardplus.large_batch  # noqa: F401  (ScaleLearningRate and LARS among the callbacks and optimizers)
 from lightning_shardplus import _lightning
 from lightning_shardplus.config import closest_option, registered_names
 
@@ -42,6 +43,11 @@ class ShardPlusArgumentParser(LightningArgumentParser):
 
 STRATEGY_CLASS = "lightning_shardplus.ShardPlusStrategy"
 STRATEGY_DEFAULT = {"class_path": STRATEGY_CLASS}
+DESCRIPTION = (
+    "shardplus: Lightning's command line (LightningCLI) with the `shardplus` strategy by default. "
+    "`shardplus fit --config configs/digits.yaml` trains; the strategy's options: "
+    f"`shardplus fit --trainer.strategy.help {STRATEGY_CLASS}`, set as `--trainer.strategy.<option>=...`."
+)
 
 
 class ShardPlusCLI(LightningCLI):
@@ -51,7 +57,7 @@ class ShardPlusCLI(LightningCLI):
         defaults = {"strategy": STRATEGY_DEFAULT, **(trainer_defaults or {})}
         # without a logger the config is saved in the working directory: a second run there overwrites it
         kwargs = {"subclass_mode_model": True, "subclass_mode_data": True, "save_config_kwargs": {"overwrite": True},
-                  **kwargs}  # fmt: skip
+                  "parser_kwargs": {"description": DESCRIPTION}, **kwargs}  # fmt: skip
         super().__init__(*args, trainer_defaults=defaults, **kwargs)
 
     def init_parser(self, **kwargs: Any) -> LightningArgumentParser:
@@ -73,10 +79,13 @@ class ShardPlusCLI(LightningCLI):
             self.parser.error("\n".join(refused))
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
-        """``--help`` states one default for ``trainer.strategy``: Lightning's docstring names ``"auto"``."""
+        """``--help`` states one default for ``trainer.strategy`` (Lightning's docstring names ``"auto"``), and how to
+        list its options."""
         for action in _lightning.parser_actions(parser):
             if action.dest == "trainer.strategy" and action.help:
-                action.help = action.help.replace('Default: ``"auto"``.', "").strip()
+                action.help = action.help.replace('Default: ``"auto"``.', "").strip() + (
+                    f" The default strategy's options: --trainer.strategy.help {STRATEGY_CLASS}."
+                )
 
     def after_fit(self) -> None:
         """Print the final metrics (rank 0): with the progress bar off nothing else says how the fit ended."""

@@ -232,3 +232,16 @@ def test_a_second_run_without_a_logger_in_the_same_directory_runs(tmp_path):
     for _ in range(2):
         shardplus("validate", "--config", str(ROOT / "configs" / "digits.yaml"), "--trainer.logger=false", cwd=tmp_path)
     assert (tmp_path / "config.yaml").exists()
+
+
+@pytest.mark.timeout(300)
+def test_the_help_says_what_the_command_is_and_offers_the_user_facing_callbacks(tmp_path):
+    top = " ".join(shardplus("--help", cwd=tmp_path).stdout.split())
+    assert "`shardplus` strategy by default" in top and "--trainer.strategy.help lightning_shardplus" in top
+    fit = " ".join(shardplus("fit", "--help", cwd=tmp_path).stdout.split())
+    strategy_help = fit[fit.index("--trainer.strategy STRATEGY Supports") :].split("--trainer.devices")[0]
+    assert "--trainer.strategy.help lightning_shardplus.ShardPlusStrategy" in strategy_help
+    callbacks = fit[fit.index("--trainer.callbacks CALLBACKS, --trainer.callbacks+") :].split("--trainer.fast_dev_run")[0]
+    callbacks = callbacks.replace(" ", "")  # the help wraps long class paths
+    assert "lightning_shardplus.large_batch.ScaleLearningRate" in callbacks
+    assert "CommunicationHookWrapper" not in callbacks  # a base class to subclass, not a callback to add

@@ -3,6 +3,7 @@ and the Python API's collectives (:class:`CollectiveCalls`); how, why: docs/comp
 
 from __future__ import annotations
 
+import abc
 import inspect
 import json
 import os
@@ -40,14 +41,15 @@ class ObservedProcessGroup(dist.ProcessGroup):
         return self.group.allgather(output_tensors, input_tensors, opts)
 
 
-class CommunicationHookWrapper(Callback):
+class CommunicationHookWrapper(Callback, abc.ABC):
     """A callback whose :meth:`wrap` ``ShardPlusStrategy`` applies to its gradient communication hook (torch's
-    ``allreduce_hook`` when no hook was chosen, so that there is one to wrap)."""
+    ``allreduce_hook`` when no hook was chosen, so that there is one to wrap). Abstract: a base to subclass, not a
+    callback to add (the CLI lists only concrete callbacks)."""
 
+    @abc.abstractmethod
     def wrap(self, hook: Callable) -> Callable:
         """``hook`` with this callback's instrumentation; it must return the future that ``hook`` returns
         (or one completing with its value)."""
-        raise NotImplementedError
 
 
 def call_with_observed_group(
