@@ -241,7 +241,7 @@ def test_the_help_says_what_the_command_is_and_offers_the_user_facing_callbacks(
     fit = " ".join(shardplus("fit", "--help", cwd=tmp_path).stdout.split())
     strategy_help = fit[fit.index("--trainer.strategy STRATEGY Supports") :].split("--trainer.devices")[0]
     assert "--trainer.strategy.help lightning_shardplus.ShardPlusStrategy" in strategy_help
-    callbacks = fit[fit.index("--trainer.callbacks CALLBACKS, --trainer.callbacks+") :].split("--trainer.fast_dev_run")[0]
+    callbacks = fit[fit.index("--trainer.callbacks CALLBACKS, --trainer.callbacks+") :].split("--trainer.fast_dev")[0]
     callbacks = callbacks.replace(" ", "")  # the help wraps long class paths
     assert "lightning_shardplus.large_batch.ScaleLearningRate" in callbacks
     assert "CommunicationHookWrapper" not in callbacks  # a base class to subclass, not a callback to add
