@@ -211,6 +211,8 @@ def step_time_rows(report: dict[str, Any], rows: list[str] | None = None) -> lis
     """The report's rows drawn in the step-time figure: ``rows`` (in that order), default every row with a
     ``ScalingReport`` breakdown; a named row without one is an error."""
     broken = [name for name, row in report["results"].items() if row.get("breakdown_ms_per_micro_batch")]
+    if not broken:
+        raise SystemExit("no row of this report has a time breakdown (the rows that run a ScalingReport have one)")
     if rows is None:
         return broken
     missing = [name for name in rows if name not in broken]
