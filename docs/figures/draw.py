@@ -158,7 +158,7 @@ def draw_join_drop(path: Path, lengths: tuple[int, ...] = STREAM_LENGTHS) -> Non
     longest, shortest, step_width = max(lengths), min(lengths), 1.8
     figure, axes = plt.subplots(figsize=(8, 6))
     axes.set_xlim(-1.6, longest * step_width + 0.2)
-    axes.set_ylim(-2.8, 7.4)
+    axes.set_ylim(-3.1, 7.4)
     axes.set_aspect("equal")
     axes.axis("off")
     panels = (
@@ -185,10 +185,11 @@ def draw_join_drop(path: Path, lengths: tuple[int, ...] = STREAM_LENGTHS) -> Non
                           sub="not trained", width=step_width)
         bottom = rows[-1] - 0.3
         if mode == "join":
+            axes.text(-0.1, bottom, "gradient: mean over", ha="right", va="center", fontsize=7)
             for step in range(longest):
                 with_data = sum(length > step for length in lengths)
-                axes.text((step + 0.5) * step_width, bottom, f"mean over {with_data}", ha="center", va="center",
-                          fontsize=7)
+                label = f"{with_data} rank{'s' if with_data > 1 else ''}"
+                axes.text((step + 0.5) * step_width, bottom, label, ha="center", va="center", fontsize=7)
         else:
             axes.plot([steps * step_width] * 2, [bottom + 0.15, rows[0] + 0.95], color="#c44e52", linewidth=1.5)
             axes.text(steps * step_width + 0.1, bottom, "epoch ends", ha="left", va="center", fontsize=7,
@@ -203,7 +204,7 @@ def draw_join_drop(path: Path, lengths: tuple[int, ...] = STREAM_LENGTHS) -> Non
         "uneven/dropped_samples.",
     )
     for line, text in enumerate(notes):
-        axes.text(-1.5, -1.2 - 0.35 * line, text, fontsize=8)
+        axes.text(-1.5, -1.5 - 0.35 * line, text, fontsize=8)
     _save(figure, path)
 
 
@@ -236,8 +237,8 @@ def draw_step_time(path: Path, bench: Path, rows: list[str] | None = None) -> No
     machine, settings = report.get("machine", {}), report.get("settings", {})
     device = machine.get("gpu") or f"{machine.get('cpu', '?')} ({machine.get('cpu_cores', '?')} cores)"
     figure.supxlabel(
-        f"{bench.name}: {settings.get('devices', '?')} {settings.get('accelerator', 'cpu').upper()} processes on "
-        f"{device}, "
+        f"{bench.name}: {settings.get('devices', '?')} {settings.get('accelerator', 'cpu').upper()} "
+        f"process{'' if settings.get('devices') == 1 else 'es'} on {device}, "
         f"torch {machine.get('torch', '?')}; an MLP {settings.get('input_dim', '?')} -> {settings.get('layers', '?')}"
         f" x {settings.get('hidden_dim', '?')} -> 10, global batch {settings.get('global_batch_size', '?')}",
         fontsize=8,
