@@ -194,6 +194,7 @@ def test_the_fence_sees_names_reached_by_string_and_overridden_private_methods()
     from types import ModuleType
 
     from lightning.pytorch.strategies import DDPStrategy
+    from lightning.pytorch.strategies import Strategy as LightningStrategy
 
     class Strategy(DDPStrategy):
         def _setup_model(self, model):  # Lightning's
@@ -206,6 +207,6 @@ def test_the_fence_sees_names_reached_by_string_and_overridden_private_methods()
     module.Strategy = Strategy
     ours = f"{__name__}.{Strategy.__qualname__}"
     assert private_overrides([module]) == {
-        f"{ours}._setup_model": "lightning.pytorch.strategies.ddp.DDPStrategy",
-        f"{ours}._accelerator": "lightning.pytorch.strategies.strategy.Strategy",
+        f"{ours}._setup_model": _qualified(DDPStrategy),
+        f"{ours}._accelerator": _qualified(LightningStrategy),  # set in its __init__
     }
