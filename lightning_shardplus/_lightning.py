@@ -424,8 +424,12 @@ def ddp_kwargs(strategy: Any) -> dict[str, Any]:
 
 def attached_trainer(module: Any) -> Any:
     """The Trainer ``module`` is attached to, or None (``LightningModule.trainer`` raises then; a ``Mock(spec=...)``
-    module, as Lightning's launcher tests connect, has no ``_trainer``)."""
-    return getattr(module, "_trainer", None)
+    module, as Lightning's launcher tests connect, gives a Mock)."""
+    try:
+        trainer = module.trainer
+    except (AttributeError, RuntimeError):
+        return None
+    return trainer if isinstance(trainer, pl.Trainer) else None
 
 
 def set_ddp_kwargs(strategy: Any, ddp_kwargs: dict[str, Any]) -> None:
@@ -520,6 +524,8 @@ def _probe_sharding() -> None:
     sampler = SequentialSampler(range(2))
     _attributes(UnrepeatedDistributedSamplerWrapper(sampler, num_replicas=1, rank=0), "dataset._sampler", "shuffle")
     _attributes(_IndexBatchSamplerWrapper(BatchSampler(sampler, 1, drop_last=False)), "_batch_sampler")
+    _takes(_parse_num_batches, "stage", "length", "limit_batches")
+    _takes(_update_dataloader, "dataloader", "sampler", mode="stage")
     fit_loop = _FitLoop(None)
     _attributes(fit_loop, "_combined_loader", "_data_fetcher", "max_batches")
     _attributes(fit_loop.epoch_loop.batch_progress.current, "ready", "processed")
@@ -547,6 +553,7 @@ def _probe_exact_evaluation() -> None:
     _imported("_LoggerConnector")
     _attributes(pl.Trainer, "_results")
     _attributes(_LoggerConnector, "update_eval_epoch_metrics")
+    _takes(_LoggerConnector.update_eval_epoch_metrics, "self")
     _attributes(importlib.import_module(_ResultCollection.__module__), "warning_cache")
     _attributes(MeanMetric(), "_to_sync", "sync_on_compute", "dist_sync_on_step")
 
@@ -554,18 +561,30 @@ def _probe_exact_evaluation() -> None:
 def _probe_training_metrics() -> None:
     _probe_results()
     _attributes(_FitLoop(None), "_should_accumulate", "epoch_loop._results", "epoch_loop._batches_that_stepped")
+    _takes(_FitLoop._should_accumulate, "self")
 
 
 def _probe_fusion_tuning() -> None:
     """Re-wrapping DDP: DDPStrategy's own ``_setup_model`` (the base's does not wrap; ``_ddp_kwargs``: sharding)."""
     if "_setup_model" not in vars(DDPStrategy):
         raise AttributeError("DDPStrategy defines no `_setup_model`")
+    _takes(DDPStrategy._setup_model, "self", "model")
 
 
 def _imported(*names: str) -> None:
     """Raise ImportError where one of ``names`` (imported above with :func:`_private`) was not found."""
     if missing := [name for name in names if globals()[name] is None]:
         raise ImportError(f"cannot import {', '.join(missing)}")
+
+
+def _takes(function: Callable, *arguments: str, **keywords: str) -> None:
+    """Raise TypeError where Lightning's private ``function`` cannot be called as shardplus calls it (with these
+    arguments): a changed signature would fail mid-fit, or mean that Lightning calls it otherwise."""
+    signature = inspect.signature(function)
+    try:
+        signature.bind(*arguments, **keywords)
+    except TypeError as error:
+        raise TypeError(f"`{function.__qualname__}{signature}` changed ({error})") from None
 
 
 def _attributes(owner: Any, *paths: str) -> None:

@@ -9,6 +9,7 @@ import importlib
 import importlib.abc
 import importlib.machinery
 import importlib.util
+import linecache
 import os
 import re
 import sys
@@ -26,8 +27,13 @@ _TO_PYTORCH_LIGHTNING = [
     (re.compile(r"(?<![\w.])lightning\.pytorch\b"), "pytorch_lightning"),
     (re.compile(r"(?<![\w.])lightning\.fabric\b"), "lightning_fabric"),
 ]
-# our own absolute names, but this module (one finder per process) and paths such as ~/.cache/lightning_shardplus/
-_TO_MIRROR = [(re.compile(rf"(?<![\w.]){PACKAGE}\b(?![/\w])(?!\.pytorch_lightning\b)(?!\._namespace\b)"), MIRROR)]
+# our package where code names it (imports, dotted names, "lightning_shardplus.X" strings); not a bare word or a path:
+# both sides share ~/.cache/lightning_shardplus/
+_TO_MIRROR = [(
+    re.compile(rf"(?<![\w./])(?:{PACKAGE}(?=\.(?!pytorch_lightning\b)[A-Za-z_])|(?<=import ){PACKAGE}\b(?![./\w])|"
+               rf"{PACKAGE}(?= import ))"),
+    MIRROR,
+)]  # fmt: skip
 
 
 def _installed(name: str) -> bool:
@@ -62,29 +68,38 @@ def namespace_of(module_name: str) -> str:
 
 
 class _RewritingLoader(importlib.machinery.SourceFileLoader):
-    """Loads one of our source files with its names rewritten; never reads or writes ``__pycache__`` (the
-    bytecode there is the file's unrewritten code)."""
+    """Loads one of our source files with its names rewritten: ``get_source`` gives the rewritten text, ``get_code``
+    compiles it under its own file name (``.../lightning_shardplus/pytorch_lightning/<module>.py``, on no disk), whose
+    lines ``linecache`` serves, so tracebacks, pdb and inspect show the code that ran; ``__file__`` stays the source
+    file's. No ``__pycache__``: the bytecode there is the unrewritten file's."""
 
     def __init__(self, fullname: str, path: str, rules: list[tuple[re.Pattern[str], str]]) -> None:
         super().__init__(fullname, path)
         self.rules = rules
+        self.code_filename = str(_ROOT / "pytorch_lightning" / Path(path).relative_to(_ROOT))
 
-    def path_stats(self, path: str) -> dict[str, Any]:
-        raise OSError("no bytecode cache for rewritten modules")
-
-    def source_to_code(self, data: Any, path: Any, *, _optimize: int = -1) -> Any:  # type: ignore[override]
-        source = importlib.util.decode_source(data)
+    def get_source(self, fullname: str) -> str:
+        source = importlib.util.decode_source(self.get_data(self.path))
         for pattern, replacement in self.rules:
             source = pattern.sub(replacement, source)
-        return compile(source, path, "exec", dont_inherit=True, optimize=_optimize)
+        # no modification time: linecache.checkcache keeps the entry (as for lines a loader gave)
+        linecache.cache[self.code_filename] = (len(source), None, source.splitlines(keepends=True), self.code_filename)
+        return source
+
+    def get_code(self, fullname: str) -> Any:
+        return compile(self.get_source(fullname), self.code_filename, "exec", dont_inherit=True)
 
 
-class _AliasLoader(importlib.abc.Loader):
+class _AliasLoader(importlib.abc.InspectLoader):
     """Gives the module already imported under another name (the mirror where the package is itself for
-    ``pytorch_lightning``): one set of classes, two names."""
+    ``pytorch_lightning``, and our one ``_namespace``): one set of classes, two names; its code and source for
+    ``python -m`` and debuggers are the target's."""
 
     def __init__(self, target: str) -> None:
         self.target = target
+
+    def _loader(self) -> Any:
+        return importlib.util.find_spec(self.target).loader
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> Any:
         module = importlib.import_module(self.target)
@@ -94,6 +109,18 @@ class _AliasLoader(importlib.abc.Loader):
     def exec_module(self, module: Any) -> None:
         module.__spec__ = self.spec  # the import system stamped the alias's spec on it
 
+    def is_package(self, fullname: str) -> bool:
+        return self._loader().is_package(self.target)
+
+    def get_filename(self, fullname: str) -> str:
+        return self._loader().get_filename(self.target)
+
+    def get_source(self, fullname: str) -> str | None:
+        return self._loader().get_source(self.target)
+
+    def get_code(self, fullname: str) -> Any:
+        return self._loader().get_code(self.target)
+
 
 class _Finder(importlib.abc.MetaPathFinder):
     """Serves ``lightning_shardplus.pytorch_lightning[.x]`` and, where the package is for ``pytorch_lightning``,
@@ -102,7 +129,7 @@ class _Finder(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> importlib.machinery.ModuleSpec | None:
         if fullname == MIRROR or fullname.startswith(MIRROR + "."):
             original = PACKAGE + fullname[len(MIRROR) :]
-            if PRIMARY == PYTORCH_LIGHTNING:
+            if PRIMARY == PYTORCH_LIGHTNING or original == __name__:  # this module: one finder per process
                 return importlib.util.spec_from_loader(fullname, _AliasLoader(original))
             return _source_spec(fullname, original, _TO_PYTORCH_LIGHTNING + _TO_MIRROR)
         if PRIMARY == PYTORCH_LIGHTNING and fullname.startswith(PACKAGE + ".") and fullname != __name__:

@@ -20,6 +20,7 @@ from lightning_shardplus.sharding import (
     PaddingMode,
     PlaceholderShardSampler,
     check_checkpoint_entry,
+    check_resumed_epoch,
     checkpoint_entry,
 )
 
@@ -131,6 +132,15 @@ class ShardedLoaders:
         if batch_size is None or state is None:
             rank_zero_warn("shardplus: a training loader has no batch size; its epoch restarts from the beginning.")
             return
+        check_resumed_epoch(state, self.trainer.current_epoch, sampler.dataset_length)
+        saved, now = state.get("global_batch_size"), batch_size * self.num_replicas  # absent in older checkpoints
+        if saved is not None and saved != now:  # the same global batch on another world size: the same steps
+            rank_zero_warn(
+                f"shardplus: the checkpoint was written with a global batch of {saved} samples "
+                f"({state.get('num_replicas')} processes), this run's is {now} ({self.num_replicas} processes): "
+                "the rest of the epoch is resharded, every remaining sample read once, in other optimizer steps "
+                "than the saved run's."
+            )
         if state["seed"] != sampler.seed:
             rank_zero_warn(
                 f"shardplus: the checkpoint's training order has seed {state['seed']}, this run's seed is "

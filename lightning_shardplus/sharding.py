@@ -264,8 +264,24 @@ def check_sampler_state(state: Any, name: str = "state") -> None:
         if key not in state:
             raise ValueError(f"`{name}` has no {key!r}: {expected}.")
         check_int(f"{name}[{key!r}]", state[key], minimum=minimum)
-    if "num_replicas" in state:  # informative
-        check_int(f"{name}[{'num_replicas'!r}]", state["num_replicas"], minimum=1)
+    for key in ("num_replicas", "global_batch_size"):  # informative; absent from older checkpoints
+        if key in state:
+            check_int(f"{name}[{key!r}]", state[key], minimum=1)
+
+
+def check_resumed_epoch(state: dict[str, int], epoch: int, dataset_length: int) -> None:
+    """Refuse a sampler state for another epoch than the one the fit loop resumes (``epoch``), naming both. An error,
+    not a warning: the sampler would start the loop's epoch over while the loop counts the checkpoint's batches as
+    done, so as many samples would be trained twice as are skipped. A state read to its end may be behind the loop
+    (a checkpoint saved at the end of training): that epoch is over either way."""
+    saved, consumed = int(state["epoch"]), int(state["positions_consumed"])
+    if saved == epoch or (saved < epoch and consumed >= dataset_length):
+        return
+    raise ValueError(
+        f"shardplus: the checkpoint's training sampler is in epoch {saved} ({consumed} of {dataset_length} samples "
+        f"read), but the fit loop resumes epoch {epoch}: resumed, the epoch's first samples would be trained twice "
+        f"and its last ones skipped. The checkpoint's {CHECKPOINT_KEY!r} entry was edited or written by another run."
+    )
 
 
 def check_checkpoint_entry(entry: Any) -> None:
@@ -297,10 +313,15 @@ def checkpoint_entry(
     return {
         "batches_done": batches_done,
         "samplers": [
-            None if batch_size is None else sampler.state_dict(batches_done * batch_size)
+            None if batch_size is None else _state_with_batch(sampler, batches_done, batch_size)
             for sampler, batch_size in samplers_and_batch_sizes
         ],
     }
+
+
+def _state_with_batch(sampler: PaddedShardSampler, batches_done: int, batch_size: int) -> dict[str, int]:
+    """The sampler's state after ``batches_done`` batches, with the global batch it was trained with."""
+    return {**sampler.state_dict(batches_done * batch_size), "global_batch_size": batch_size * sampler.num_replicas}
 
 
 class ShardingError(RuntimeError):

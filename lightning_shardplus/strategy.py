@@ -106,9 +106,9 @@ class ShardPlusStrategy(DDPStrategy):
         config, timeout, ddp_kwargs, ddp_defaults = check_arguments(locals())
         super().__init__(  # in DDPStrategy's order; `bucket_cap_mb` by name, hiding it from LightningCLI's kwargs
             accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin, ddp_comm_state,
-            ddp_comm_hook, ddp_comm_wrapper, model_averaging_period, process_group_backend, timeout, start_method,
+            None, None, model_averaging_period, process_group_backend, timeout, start_method,
             bucket_cap_mb=config.tensor_fusion_threshold_mb, **ddp_kwargs,
-        )  # fmt: skip
+        )  # fmt: skip (the hook and its wrapper are registered by `register_communication_hook`, on every device)
         _lightning.set_ddp_kwargs(self, dict.fromkeys(ddp_defaults))  # DDP's defaults left out, as with "ddp"
         self.config = config
         self._user_hook, self._start = (ddp_comm_hook, ddp_comm_state, ddp_comm_wrapper), start_method  # as given
@@ -158,21 +158,20 @@ class ShardPlusStrategy(DDPStrategy):
     def _exact_across_ranks(self) -> bool:
         return self.config.exact_evaluation and self.num_replicas > 1
 
-    @property
-    @override
-    def accelerator(self) -> pl.accelerators.Accelerator | None:
-        return self._accelerator
-
-    @accelerator.setter
+    @DDPStrategy.accelerator.setter
     def accelerator(self, accelerator: pl.accelerators.Accelerator) -> None:
         check_accelerator(accelerator, self.strategy_name, self._start)  # MPS refused, as for the DDP family
-        self._accelerator = accelerator
+        DDPStrategy.accelerator.fset(self, accelerator)
 
+    @property
     @override
-    def _configure_launcher(self) -> None:
-        super()._configure_launcher()
-        # checks in the launching process, before any worker starts (the launcher keeps its type for Lightning)
-        self.launcher.launch = LaunchAfterCheck(partial(check_trainer_call, self), self.launcher.launch)  # type: ignore
+    def launcher(self) -> Any:
+        """Lightning's launcher, whose ``launch`` first checks the Trainer call in the launching process, before any
+        worker starts (it keeps its type for Lightning)."""
+        launcher = super().launcher
+        if launcher is not None and not isinstance(launcher.launch, LaunchAfterCheck):
+            launcher.launch = LaunchAfterCheck(partial(check_trainer_call, self), launcher.launch)
+        return launcher
 
     @override
     def connect(self, model: pl.LightningModule) -> None:
@@ -275,11 +274,8 @@ class ShardPlusStrategy(DDPStrategy):
             module, device = self.lightning_module, self.root_device
             setting = parts.fusion.initial_setting(module, self.world_size, device, parts.backend)
             _lightning.set_ddp_kwargs(self, setting.ddp_kwargs())
-        super().configure_ddp()
-
-    @override
-    def _register_ddp_hooks(self) -> None:
-        self.register_communication_hook()  # DDPStrategy registers hooks on CUDA only; this on every device
+        super().configure_ddp()  # DDPStrategy registers no hook: it has none (it would, on CUDA only)
+        self.register_communication_hook()
 
     def register_communication_hook(self) -> None:
         """Register the gradient communication hook on the current DDP wrapper; again after each re-wrap."""

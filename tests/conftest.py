@@ -17,6 +17,7 @@ if importlib.util.find_spec("lightning") is None:  # only pytorch_lightning inst
 
     _lightning_alias.install()
 
+from _exit_abort import pytest_runtest_makereport  # noqa: E402, F401  (the compat stage's rerun guard)
 from _models import in_process_run  # noqa: E402
 
 # The multi-process tests fork this process. A fork taken after an OpenMP thread pool has started can deadlock

@@ -153,3 +153,66 @@ def test_a_fit_where_both_default_features_fell_back_runs_as_ddp_evaluates(monke
     (fallen_back,) = cpu_trainer(ShardPlusStrategy(start_method="fork"), 2).validate(module, loader)
     assert fallen_back == pytest.approx(ddp)
     assert torch.equal(module.layer.weight, ddp_module.layer.weight)
+
+
+# Lightning's private methods shardplus calls (it overrides none: tests/test_private_fence.py), with the feature each
+# serves. Gone or called otherwise, the feature is refused when the strategy is built, or off with one warning.
+CALLED_PRIVATE_METHODS = [
+    ("lightning.pytorch.strategies.ddp", "DDPStrategy", "_setup_model", ["auto_tune_tensor_fusion"]),
+    ("lightning.pytorch.loops.fit_loop", "_FitLoop", "_should_accumulate", ["average_training_metrics"]),
+    (
+        "lightning.pytorch.trainer.connectors.logger_connector.logger_connector", "_LoggerConnector",
+        "update_eval_epoch_metrics", ["exact_evaluation"],
+    ),
+    (
+        "lightning.pytorch.trainer.connectors.logger_connector.result", "_ResultCollection", "log",
+        ["exact_evaluation", "average_training_metrics"],
+    ),
+]  # fmt: skip
+
+
+def _refusal_or_one_warning_each(features):
+    """Build the strategy with ``features`` on: each is refused (an error naming it) or off with one warning."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            config = ShardPlusStrategy(**dict.fromkeys(features, True)).config
+        except RuntimeError as error:
+            assert set(features) <= {"auto_tune_tensor_fusion"} and "cannot run here" in str(error)
+            return "refused"
+    for feature in features:
+        said = [w for w in caught if f"`{feature}` is off" in str(w.message)]
+        assert len(said) == 1 and getattr(config, feature) is False, [str(w.message) for w in caught]
+    return "off"
+
+
+@pytest.mark.parametrize("change", ["removed", "other-signature"])
+@pytest.mark.parametrize(("module", "owner", "method", "features"), CALLED_PRIVATE_METHODS)
+def test_a_private_method_lightning_removed_or_changed_refuses_or_turns_off_its_feature(
+    monkeypatch, probe_again, module, owner, method, features, change
+):
+    import importlib
+
+    owner = getattr(importlib.import_module(module), owner)
+    if change == "removed":
+        monkeypatch.delattr(owner, method)
+    else:
+
+        def changed(self, first, second):  # the same name, called otherwise
+            return None
+
+        changed.__qualname__ = f"{owner.__name__}.{method}"
+        monkeypatch.setattr(owner, method, changed)
+    outcome = _refusal_or_one_warning_each(features)
+    assert outcome == ("refused" if features == ["auto_tune_tensor_fusion"] else "off")
+    assert set(probe_again()) == set(features)
+
+
+def test_every_private_method_called_on_a_lightning_class_is_in_the_removal_test():
+    tree = ast.parse(Path(_lightning.__file__).read_text())
+    called = {
+        node.func.attr for node in ast.walk(tree)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr.startswith("_")
+        and not node.func.attr.startswith("__")
+    }  # fmt: skip
+    assert called == {method for _, _, method, _ in CALLED_PRIVATE_METHODS if method.startswith("_")}

@@ -209,3 +209,68 @@ def test_the_mirror_cli_fits_a_yaml_naming_the_mirror_classes(tmp_path):
     config = (ROOT / "configs" / "synthetic.yaml").read_text().replace("lightning_shardplus.", f"{_namespace.MIRROR}.")
     config = config.replace("strategy: shardplus", f"strategy:\n    class_path: {_namespace.MIRROR}.ShardPlusStrategy")
     cli_fit(tmp_path, f"{_namespace.MIRROR}.cli", config)
+
+
+# ---------------------------------------------------------------------------------------------- the mirror's loader
+needs_pytorch_lightning = pytest.mark.skipif(not installed("pytorch-lightning"), reason="needs pytorch_lightning")
+
+
+@needs_pytorch_lightning
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("chosen", ["", "pytorch_lightning"])
+def test_python_m_runs_a_module_of_the_pytorch_lightning_side(chosen):
+    result = subprocess.run(
+        [sys.executable, "-m", f"{_namespace.MIRROR}.cli", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=os.environ | {"PYTHONPATH": str(ROOT), "SHARDPLUS_NAMESPACE": chosen},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "fit" in result.stdout and "Runs the full optimization routine" in result.stdout
+
+
+@needs_pytorch_lightning
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("chosen", ["", "pytorch_lightning"])
+def test_both_sides_share_one_finder_and_one_namespace_module(tmp_path, chosen):
+    out = python(
+        "import sys, lightning_shardplus\n"
+        f"import {_namespace.MIRROR}.strategy, {_namespace.MIRROR}.cli\n"
+        "finders = [type(f).__module__ for f in sys.meta_path if type(f).__name__ == '_Finder']\n"
+        "ours = sys.modules['lightning_shardplus._namespace']\n"
+        f"same = sys.modules.get('{_namespace.MIRROR}._namespace', ours) is ours\n"
+        "print(finders, same)",
+        tmp_path,
+        SHARDPLUS_NAMESPACE=chosen,
+    )
+    assert out.split() == ["['lightning_shardplus._namespace']", "True"]
+
+
+@needs_pytorch_lightning
+def test_both_sides_cache_tuned_fusion_in_one_file():
+    mirror, _ = package("pytorch_lightning")
+    path = importlib.import_module(f"{mirror.__name__}.fusion").default_cache_path()
+    assert path == lightning_shardplus.fusion.default_cache_path() and path.parts[-2:] == ("lightning_shardplus",
+                                                                                          "fusion.json")
+
+
+@needs_pytorch_lightning
+def test_a_traceback_from_the_pytorch_lightning_side_shows_the_code_that_ran():
+    import inspect
+    import linecache
+    import traceback
+
+    strategy = importlib.import_module(f"{package('pytorch_lightning')[0].__name__}.strategy")
+    with pytest.raises(ValueError) as raised:
+        strategy.ShardPlusStrategy(aggregation_frequency=0)
+    frames = [f for f in traceback.extract_tb(raised.tb) if f"{os.sep}pytorch_lightning{os.sep}" in f.filename]
+    assert frames and all(f.line and f.line == linecache.getline(f.filename, f.lineno).strip() for f in frames)
+    assert any("ShardPlusStrategy" in f.name or "__init__" == f.name for f in frames)
+    # the text served is the rewritten one (the file on disk names lightning.pytorch)
+    code_file = strategy.ShardPlusStrategy.__init__.__code__.co_filename
+    ran = "".join(linecache.getlines(code_file))
+    assert "from pytorch_lightning.strategies import DDPStrategy" in ran and "lightning.pytorch" not in ran
+    assert "lightning.pytorch" in Path(strategy.__file__).read_text()
+    mirrored = importlib.import_module(f"{package('pytorch_lightning')[0].__name__}._lightning")
+    assert "from pytorch_lightning.callbacks import" in inspect.getsource(mirrored.mark_resumed_step_saved)

@@ -2,6 +2,7 @@
 world size: same indices and bitwise the same weights as an uninterrupted run), or reshards the rest of the epoch
 over another world size so that every sample of the epoch is read exactly once, apart from the final padding."""
 
+import warnings
 from collections import Counter
 
 import pytest
@@ -181,6 +182,52 @@ def test_a_hand_edited_sampler_state_is_refused_on_resume_saying_what_is_wrong(t
     torch.save(checkpoint, tmp_path / "edited.ckpt")
     with pytest.raises(Exception, match=message):  # raised on every rank, at setup: no rank waits for another
         fit(tmp_path / "resumed", 2, ckpt_path=tmp_path / "edited.ckpt")
+
+
+def edited_checkpoint(tmp_path, step, **sampler_edit):
+    """The checkpoint of a 2-rank fit at ``step`` with ``sampler_edit`` written into its sampler state."""
+    fit(tmp_path / "first", 2, every_n_train_steps=step)
+    checkpoint = torch.load(tmp_path / "first" / "checkpoints" / f"step={step}.ckpt", weights_only=False)
+    checkpoint[CHECKPOINT_KEY]["samplers"][0] |= sampler_edit
+    torch.save(checkpoint, tmp_path / "edited.ckpt")
+    return tmp_path / "edited.ckpt"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("step", "epoch"), [(4, 1), (8, 0)], ids=["ahead-of-the-loop", "behind-the-loop"])
+def test_a_sampler_state_of_another_epoch_than_the_fit_loop_is_refused_on_resume_naming_both(tmp_path, step, epoch):
+    # step 4: 16 of 22 samples read in epoch 0; step 8: 8 read in epoch 1. Resumed, the sampler would start the
+    # loop's epoch over while the loop skips the batches it counts as done: samples trained twice, others skipped
+    edited = edited_checkpoint(tmp_path, step, epoch=epoch)
+    consumed = {4: 16, 8: 8}[step]
+    message = (
+        rf"the checkpoint's training sampler is in epoch {epoch} \({consumed} of 22 samples read\), but the fit "
+        rf"loop resumes epoch {1 - epoch}: resumed, the epoch's first samples would be trained twice"
+    )
+    with pytest.raises(Exception, match=message):  # raised on every rank, before the first batch
+        fit(tmp_path / "resumed", 2, ckpt_path=edited)
+    assert not [r for r in read_records(tmp_path / "resumed") if r["stage"] == "train"]  # no batch trained
+
+
+@pytest.mark.timeout(120)
+def test_a_checkpoint_of_another_global_batch_resumes_with_a_warning_naming_both(tmp_path, monkeypatch):
+    fit(tmp_path / "first", 2, every_n_train_steps=3)
+    checkpoint = tmp_path / "first" / "checkpoints" / "step=3.ckpt"
+    assert torch.load(checkpoint, weights_only=False)[CHECKPOINT_KEY]["samplers"][0]["global_batch_size"] == 4
+    shown = tmp_path / "shown.txt"
+    shown.write_text("")
+
+    def showwarning(message, *args, **kwargs):  # the forked ranks inherit it
+        with open(shown, "a") as out:
+            out.write(f"{message}\n")
+
+    monkeypatch.setattr(warnings, "showwarning", showwarning)
+    fit(tmp_path / "resumed", 3, ckpt_path=checkpoint)
+    message = "written with a global batch of 4 samples (2 processes), this run's is 6 (3 processes): the rest"
+    assert shown.read_text().count(message) == 1  # rank 0's
+    shown.write_text("")
+    fit(tmp_path / "same-batch", 1, ckpt_path=checkpoint, batch=4)  # another world size, the same global batch
+    assert "global batch" not in shown.read_text()
 
 
 class SaveAt(Callback):
