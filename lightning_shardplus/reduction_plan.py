@@ -11,7 +11,6 @@ import torch.distributed as dist
 from torch import Tensor
 
 _F64, _INF = torch.float64, float("inf")
-_SLOTS = {"mean": 4, "sum": 2, "max": 1, "min": 1}  # summed: (w * v, w, v, calls), (v, calls), (calls)
 
 
 class Call(NamedTuple):
@@ -24,40 +23,41 @@ class Call(NamedTuple):
 
 
 class ReductionPlan:
-    """Where each name of one reduction lives in the packed float64 vector: slot 0 counts the ranks that logged a
-    name outside the layout, then each name's summed slots (:data:`_SLOTS`), then per max/min its (signed value,
-    NaN flag), reduced by MAX."""
+    """Where each name of one reduction lives in the packed float64 vector, in blocks (so that unpacking is a few
+    operations on views): slot 0 counts the ranks that logged a name outside the layout; for the M means their
+    weight x value, weight, value and calls; for the S sums value and calls; for the E max/min names calls; then,
+    reduced by MAX, the max/min names' signed values and NaN flags. Names are in :attr:`position` order: means,
+    sums, max/min."""
 
     def __init__(self, entries: dict[str, str], device: torch.device) -> None:
-        self.entries, self.offset, size = entries, {}, 1  # key -> reduction
-        for key, reduction in entries.items():
-            self.offset[key], size = size, size + _SLOTS[reduction]
-        self.summed, order = size, [[k for k, r in entries.items() if r == kind] for kind in ("mean", "sum")]
-        self.extremes = [key for key, reduction in entries.items() if reduction in ("max", "min")]
-        self.extreme = {key: size + 2 * i for i, key in enumerate(self.extremes)}
-        self.position = {key: i for i, key in enumerate(order[0] + order[1] + self.extremes)}
-        self.means, self.sums = (_on([self.offset[k] for k in keys], torch.long, device) for keys in order)
-        self.extreme_calls = _on([self.offset[key] for key in self.extremes], torch.long, device)
-        self.maxima = _on(list(self.extreme.values()), torch.long, device)
-        self.signs = _on([1.0 if entries[key] == "max" else -1.0 for key in self.extremes], _F64, device)
+        self.entries = entries  # key -> reduction
+        order = [[key for key, reduction in entries.items() if reduction in kinds] for kinds in _KINDS]
+        self.means, self.sums, self.extremes = (len(keys) for keys in order)
+        self.position = {key: i for i, key in enumerate(order[0] + order[1] + order[2])}
+        self.summed = 1 + 4 * self.means + 2 * self.sums + self.extremes
+        self._signs = [1.0 if entries[key] == "max" else -1.0 for key in order[2]]
+        self.signs = _on(self._signs, _F64, device)
 
     def pack(self, calls: list[tuple[str, Call]], unplaced: bool, device: torch.device) -> Tensor:
         """This rank's vector for ``calls`` (each in this plan, with this plan's reduction)."""
-        constants = [float(unplaced)] + [0.0] * (self.summed - 1) + [-_INF, 0.0] * len(self.extremes)
+        m, s, e = self.means, self.sums, self.extremes
+        constants = [float(unplaced)] + [0.0] * (self.summed - 1) + [-_INF] * e + [0.0] * e
         added, maxed = [], []  # (call, slot, factor)
         for i, (key, call) in enumerate(calls):
-            slot, reduction = self.offset[key], self.entries[key]
-            constants[slot + _SLOTS[reduction] - 1] += 1  # its calls
-            if reduction == "mean":
-                constants[slot + 1] += call.weight
-                added += [(i, slot, call.weight), (i, slot + 2, 1.0)]
-            elif reduction == "sum":
-                added.append((i, slot, 1.0))
+            p = self.position[key]
+            if p < m:
+                constants[1 + m + p] += call.weight
+                constants[1 + 3 * m + p] += 1  # its calls
+                added += [(i, 1 + p, call.weight), (i, 1 + 2 * m + p, 1.0)]
             else:
-                maxed.append((i, self.extreme[key], 1.0 if reduction == "max" else -1.0))
+                constants[1 + 3 * m + s + p] += 1  # its calls
+                if p < m + s:
+                    added.append((i, 1 + 3 * m + p, 1.0))
+                else:
+                    maxed.append((i, self.summed + p - m - s, self._signs[p - m - s]))
         vector = _on(constants, _F64, device)
         if calls:
-            stacked = torch.stack([call.value.detach().reshape(()).to(device, _F64) for _, call in calls])
+            stacked = torch.stack([call.value.detach().reshape(()).to(device) for _, call in calls]).to(_F64)
         if added:
             rows, slots, factors = zip(*added, strict=True)
             vector.index_add_(0, _on(slots, torch.long, device), stacked[list(rows)] * _on(factors, _F64, device))
@@ -65,7 +65,7 @@ class ReductionPlan:
             rows, slots, signs = zip(*maxed, strict=True)
             signed, where = stacked[list(rows)] * _on(signs, _F64, device), _on(slots, torch.long, device)
             vector.scatter_reduce_(0, where, signed.nan_to_num(nan=-_INF, posinf=_INF, neginf=-_INF), "amax")
-            vector.scatter_reduce_(0, where + 1, signed.isnan().to(_F64), "amax")
+            vector.scatter_reduce_(0, where + e, signed.isnan().to(_F64), "amax")
         return vector
 
     def start(self, vector: Tensor) -> tuple[list[Any], Tensor]:
@@ -78,14 +78,25 @@ class ReductionPlan:
         return works, vector
 
     def finish(self, works: list[Any], v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Wait (on NCCL: the device's stream, not the host); the summed header, each name's value over the ranks
+        """Wait (on NCCL: the device's stream, not the host); the summed slot 0, each name's value over the ranks
         that logged it (in :attr:`position` order) and how many calls it had."""
         for work in works:
             work.wait()
-        weighted, weight, plain, calls = (v[self.means + i] for i in range(4))
-        extremes = torch.where(v[self.maxima + 1] > 0, float("nan"), v[self.maxima] * self.signs)
-        values = torch.cat([torch.where(weight > 0, weighted / weight, plain / calls), v[self.sums], extremes])
-        return v[0], values, torch.cat([calls, v[self.sums + 1], v[self.extreme_calls]])
+        m, s, e, end = self.means, self.sums, self.extremes, self.summed
+        parts, calls = [], v[1 + 3 * m : 1 + 4 * m]
+        if m:
+            weighted, weight, plain = v[1 : 1 + m], v[1 + m : 1 + 2 * m], v[1 + 2 * m : 1 + 3 * m]
+            parts.append(torch.where(weight > 0, weighted / weight, plain / calls))
+        if s:
+            parts.append(v[1 + 4 * m : 1 + 4 * m + s])
+        if e:
+            parts.append(torch.where(v[end + e :] > 0, float("nan"), v[end : end + e] * self.signs))
+        if s or e:
+            calls = torch.cat([calls, v[1 + 4 * m + s : end]])
+        return v[0], parts[0] if len(parts) == 1 else torch.cat(parts) if parts else v[:0], calls
+
+
+_KINDS = (("mean",), ("sum",), ("max", "min"))
 
 
 def _on(numbers: Sequence[float], dtype: torch.dtype, device: torch.device) -> Tensor:

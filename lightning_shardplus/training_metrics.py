@@ -180,7 +180,10 @@ class AverageTrainingMetrics(Callback):
             if (vector := converted.get(on)) is None:
                 vector = converted[on] = values.to(dtype=local.dtype, device=local.device)
             i = plan.position[key]
-            step = torch.where(calls[i].to(local.device) > 0, vector[i], local.reshape(()))
+            if call is not None and not self._without_data:  # its own value is in it
+                step = vector[i]
+            else:  # where some rank logged it
+                step = torch.where(calls[i].to(local.device) > 0, vector[i], local.reshape(()))
             self._last[key] = step.reshape(local.shape)
             _lightning.set_step_value(metric, self._last[key])
 
