@@ -173,7 +173,7 @@ def features_in_effect(config: ShardPlusConfig, num_replicas: int, fitting: bool
     features = [
         f"padded equal training shards (padding {config.shard_padding!r}, reshuffled each epoch)", exact,
         f"averaged training metrics {'on' if config.average_training_metrics else 'off'}",
-        f"{config.aggregation_frequency} micro-batch(es) per optimizer step",
+        f"{(n := config.aggregation_frequency)} micro-batch{'es' if n > 1 else ''} per optimizer step",
         f"gradient compression {config.gradient_compression!r}", f"uneven streams {config.uneven_inputs!r}",
     ]  # fmt: skip
     return f"shardplus: {num_replicas} processes: {', '.join(features)}"

@@ -503,7 +503,7 @@ def test_the_start_up_line_names_the_features_in_effect_through_lightnings_logge
     config = ShardPlusConfig(aggregation_frequency=4, gradient_compression="fp16", average_training_metrics=False)
     line = features_in_effect(config, 3, fitting=True)
     assert line.startswith("shardplus: 3 processes: padded equal training shards (padding 'first'")
-    assert "averaged training metrics off" in line and "4 micro-batch(es)" in line and "'fp16'" in line
+    assert "averaged training metrics off" in line and "4 micro-batches per optimizer step" in line and "'fp16'" in line
     assert features_in_effect(config, 3, fitting=False) == "shardplus: 3 processes, exact evaluation on"
     import lightning.pytorch as pl
     from lightning.pytorch.demos.boring_classes import BoringModel
