@@ -113,14 +113,14 @@ from lightning_shardplus import _namespace
 
 def main():
     # one string per print: both ranks write to one pipe, and print writes its arguments one by one
-    print(f"mirror imported before the Trainer: {_namespace.MIRROR in sys.modules}")
+    print(f"mirror imported before the Trainer: {{_namespace.MIRROR in sys.modules}}")
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="{name}", max_epochs=1, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     ours = sys.modules[type(trainer.strategy).__module__.rpartition(".")[0]]
     model = __import__(ours.__name__ + ".demo", fromlist=["x"]).ClassifierModule(input_dim=8, hidden_dims=(16,))
     data = ours.SyntheticDataModule(global_batch_size=16, num_samples=64, val_samples=16, input_shape=(8,))
     trainer.fit(model, datamodule=data)
-    print(f"strategy: {type(trainer.strategy).__module__} {trainer.global_step}")
+    print(f"strategy: {{type(trainer.strategy).__module__}} {{trainer.global_step}}")
 
 
 if __name__ == "__main__":
