@@ -27,7 +27,7 @@ def _exactly_reduced(results: Any) -> dict[str, Any]:
     return {k: rm for k, rm in metrics if rm.meta.fx.split(".")[0] in _PER_BATCH_FX and not rm.meta.sync.rank_zero_only}
 
 
-class ExactEvaluation(Callback):
+class _ExactEvaluation(Callback):
     """Exact evaluation in Lightning (added by the strategy on more than one process): while :attr:`deferring` (an
     evaluation run) neither ``reduce`` nor torchmetrics sync; at the epoch end every rank joins one reduction, then
     each Metric's sync in key order (the same collectives whatever its shard). Details: docs/exact-evaluation.md."""
@@ -86,6 +86,11 @@ class ExactEvaluation(Callback):
         # reduction; those of a loader without a batch here never): publish them again, on every rank.
         for dataloader_idx in {entry["dataloader_idx"] for entry in entries.values()} - {results.dataloader_idx}:
             _lightning.publish_loader_values(trainer, dataloader_idx)
+
+
+# The name to import. The class's own name is private so that the `shardplus` command (jsonargparse) does not
+# offer it among the callbacks to add: the strategy adds it where it applies.
+ExactEvaluation = _ExactEvaluation
 
 
 def share_rank_zero_buffers(module: torch.nn.Module, ddp_kwargs: dict[str, Any]) -> None:
