@@ -387,7 +387,9 @@ def loggers_read_this_step(trainer: pl.Trainer, logs: bool | None = None) -> boo
     every = trainer.log_every_n_steps
     if not every:
         return False
-    return (trainer.fit_loop.epoch_loop._batches_that_stepped + 1) % every == 0 or trainer.should_stop  # private
+    # not `or trainer.should_stop`, which Lightning adds: a rank may set it alone (it trains on to `min_epochs`), and
+    # what is decided here must be the same on every rank (the names are checked at the epoch end anyway)
+    return (trainer.fit_loop.epoch_loop._batches_that_stepped + 1) % every == 0  # private
 
 
 # ---------------------------------------------------------------- scaling report (`diagnostics.ScalingReport`)

@@ -98,8 +98,8 @@ def reduce_epoch_values(
     tensor_keys = [key for key, entry in entries.items() if entry["reduction"] != "metric"]
     if tensor_keys:
         local_values = torch.stack(
-            [torch.stack([rm.value.double(), getattr(rm, "cumulated_batch_size", torch.tensor(0)).double(),
-                          torch.tensor(float(key in local), dtype=torch.float64)])
+            [torch.stack([rm.value.double(), getattr(rm, "cumulated_batch_size", rm.value.new_zeros(())).double(),
+                          torch.tensor(float(key in local), dtype=torch.float64, device=rm.value.device)])
              for key, rm in zip(tensor_keys, map(result_metrics.get, tensor_keys), strict=True)]
         ).to(trainer.strategy.root_device)  # fmt: skip
         everyone = [torch.empty_like(local_values) for _ in range(dist.get_world_size())]

@@ -138,7 +138,7 @@ class _AverageTrainingMetrics(Callback):
             for key in self._calls:
                 _lightning.set_step_value(self._metrics[key], self._last.get(key))
             self._window += [] if self._without_data else [self._calls]
-            self._calls, self._before, self._without_data, self._backward_began = {}, {}, False, False
+            self._calls, self._before, self._without_data = {}, {}, False
             return
         where = f"epoch {trainer.current_epoch}, batch {batch_idx}"
         try:
@@ -174,8 +174,10 @@ class _AverageTrainingMetrics(Callback):
             local = self._own.get(key, self._last.get(key) if key in self._epoch_keys else None)
             if metric is None or local is None:
                 continue  # never logged here, or not in this epoch
-            if (call := self._calls.get(key)) is not None and call.late and not self._layout[key][1]:
-                continue  # logged again after its reduction started: its own value until the names are agreed
+            call = self._calls.get(key)
+            if call is not None and (call.reduction != plan.entries[key] or call.late and not self._layout[key][1]):
+                continue  # reduced another way, or logged again after its reduction started: its own value until the
+                # names are agreed
             on = (local.dtype, local.device)
             if (vector := converted.get(on)) is None:
                 vector = converted[on] = values.to(dtype=local.dtype, device=local.device)

@@ -160,10 +160,9 @@ def fit(tmp_path, module, world_size, strategy=None, **trainer_kwargs):
     trainer = cpu_trainer(
         strategy or ShardPlusStrategy(start_method="fork"),
         world_size,
-        max_epochs=1,
         use_distributed_sampler=False,
         logger=FileLogger(tmp_path),
-        **({"callbacks": [Recorder(tmp_path)], "log_every_n_steps": 1} | trainer_kwargs),
+        **({"callbacks": [Recorder(tmp_path)], "log_every_n_steps": 1, "max_epochs": 1} | trainer_kwargs),
     )
     trainer.fit(module)
     return trainer
@@ -905,3 +904,32 @@ def test_a_name_that_changes_its_reduction_on_every_rank_is_reduced_the_new_way(
         shown = [row["callback"]["peak"] for row in read(tmp_path / f"batches{rank}.jsonl")]
         means = [weighted_mean([value(0, i), value(1, i)], [2, 3]) for i in range(2)]
         assert shown == pytest.approx(means + [value(1, i) for i in (2, 3)], rel=1e-6)
+
+
+class StopsOnOneRank(LoggingModule):
+    """Rank 0 asks to stop at batch 0 (Lightning trains on to `min_epochs`); both ranks log a new name from batch 1."""
+
+    def log_values(self, r, i):
+        self.log("loss", value(r, i))
+        if i >= 1:
+            self.log("extra", value(r, i, 1))
+        if r == 0 and i == 0:
+            self.trainer.should_stop = True
+
+
+@pytest.mark.timeout(60)
+def test_a_stop_asked_on_one_rank_does_not_desynchronize_the_ranks(tmp_path):
+    # the names are checked where every rank decides the same: not where one rank's `should_stop` is set
+    fit(tmp_path, StopsOnOneRank([2, 2], batches=3), 2, min_epochs=2, max_epochs=2, log_every_n_steps=50)
+    for rank in range(2):
+        end = read(tmp_path / f"end{rank}.jsonl")[0]["callback"]
+        assert end["extra"] == (value(0, 2, 1) + value(1, 2, 1)) / 2
+
+
+@pytest.mark.timeout(60)
+def test_a_name_whose_reduction_changes_between_checks_shows_its_own_value_not_nan(tmp_path):
+    fit(tmp_path, SwitchesSyncDist([2, 3], batches=4), 2, log_every_n_steps=50)
+    for rank in range(2):
+        shown = [row["callback"]["peak"] for row in read(tmp_path / f"batches{rank}.jsonl")]
+        means = [weighted_mean([value(0, i), value(1, i)], [2, 3]) for i in range(2)]
+        assert shown == pytest.approx(means + [value(rank, i) for i in (2, 3)], rel=1e-6)  # own until the check
