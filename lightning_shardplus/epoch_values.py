@@ -78,13 +78,16 @@ def reduce_epoch_values(
     local: dict[str, Any],
     how: Combine = combine,
     sync_dist_fn: Callable | None = None,
+    notes: dict[str, dict[str, Any]] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Every rank: agree on the keys of ``local`` (key -> this rank's ``_ResultMetric``) over all ranks, register
     those this rank lacks in ``results``, then reduce the tensors' running values in one all_gather (``how``) and
     each torchmetrics Metric with its own sync, in key order; the epoch values Lightning reports are set. Keys are
-    registered with ``sync_dist_fn`` (default: the strategy's ``reduce``). Returns the agreed entries by key."""
+    registered with ``sync_dist_fn`` (default: the strategy's ``reduce``); ``notes[key]`` joins this rank's entry of
+    ``key`` (what ``how`` needs to know of it on every rank). Returns the agreed entries by key."""
     gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, {key: describe(key, rm) for key, rm in local.items()})
+    notes = notes or {}
+    dist.all_gather_object(gathered, {key: describe(key, rm) | notes.get(key, {}) for key, rm in local.items()})
     entries = dict(sorted({k: v for rank_entries in gathered for k, v in rank_entries.items()}.items()))
     if not entries:
         return entries

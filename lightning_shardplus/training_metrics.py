@@ -222,16 +222,19 @@ class _AverageTrainingMetrics(Callback):
             return
         self._check_names(f"the end of epoch {trainer.current_epoch}")
         local = {key: self._metrics[key] for key in sorted(self._epoch_keys) if self._metrics[key].meta.on_epoch}
+        # each name's reduction over the ranks as this rank last logged it (a name not yet agreed included)
+        reductions = {key: reduction for key, (reduction, _) in (self._layout or {}).items()}
+        reductions |= {key: reduction for key, (reduction, _, _) in self._latest.items()}
+        notes = {key: {"over_ranks": reductions.get(key, "mean")} for key in local}
         epoch_values.reduce_epoch_values(
-            trainer, pl_module, self._results, local, self._epoch_value, _lightning.synced_by_shardplus
+            trainer, pl_module, self._results, local, self._epoch_value, _lightning.synced_by_shardplus, notes
         )
 
-    def _epoch_value(self, entry: dict[str, Any], values: Tensor, counts: Tensor, present: Tensor) -> Tensor:
+    @staticmethod
+    def _epoch_value(entry: dict[str, Any], values: Tensor, counts: Tensor, present: Tensor) -> Tensor:
         """A mean over every rank's samples; a ``sync_dist`` sum/max/min over the ranks; any other value (Lightning's
         epoch aggregation of this rank's calls) averaged over the ranks that logged it."""
-        reduce_fx = entry["reduction"]
-        synced = self._layout is not None and self._layout.get(entry["key"], ("mean",))[0] == reduce_fx
-        if reduce_fx == "mean" or synced:
+        if entry["reduction"] == "mean" or entry.get("over_ranks") == entry["reduction"]:
             return epoch_values.combine(entry, values, counts, present)
         return values[present > 0].mean()
 

@@ -933,3 +933,21 @@ def test_a_name_whose_reduction_changes_between_checks_shows_its_own_value_not_n
         shown = [row["callback"]["peak"] for row in read(tmp_path / f"batches{rank}.jsonl")]
         means = [weighted_mean([value(0, i), value(1, i)], [2, 3]) for i in range(2)]
         assert shown == pytest.approx(means + [value(rank, i) for i in (2, 3)], rel=1e-6)  # own until the check
+
+
+class CountsInTheLastStep(LoggingModule):
+    """Logs a sync_dist sum only in the epoch's last step, after backward: it is not yet agreed at the epoch end."""
+
+    def log_values(self, r, i):
+        self.log("loss", value(r, i))
+
+    def on_before_optimizer_step(self, optimizer):
+        if self.batch_idx == self.batches - 1:
+            self.log("count", float(self.global_rank + 1), sync_dist=True, reduce_fx="sum", on_epoch=True)
+
+
+@pytest.mark.timeout(60)
+def test_a_sync_dist_sum_first_logged_in_the_last_step_is_summed_over_the_ranks_at_the_epoch_end(tmp_path):
+    fit(tmp_path, CountsInTheLastStep([2, 2], batches=3), 2, log_every_n_steps=50)
+    for rank in range(2):
+        assert read(tmp_path / f"end{rank}.jsonl")[0]["callback"]["count_epoch"] == 3.0
