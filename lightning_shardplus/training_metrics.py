@@ -131,7 +131,7 @@ class _AverageTrainingMetrics(Callback):
         if self._without_data:  # its values count nowhere: not in this rank's epoch values either
             for key, before in self._before.items():
                 _lightning.set_epoch_state(self._metrics[key], *before)
-        if not self._without_data:
+        else:
             self._epoch_keys.update(self._calls)
         if not _lightning.logs_this_step(trainer):
             # inside an aggregation window: the previous step's values until the window is reduced
