@@ -420,8 +420,8 @@ _ABSENT = object()
 
 
 def ddp_kwargs(strategy: Any) -> dict[str, Any]:
-    """The keyword arguments the strategy gives ``DistributedDataParallel`` (read only)."""
-    return strategy._ddp_kwargs
+    """The keyword arguments the strategy gives ``DistributedDataParallel`` (read only; none under model parallel)."""
+    return getattr(strategy, "_ddp_kwargs", {})
 
 
 def attached_trainer(module: Any) -> Any:

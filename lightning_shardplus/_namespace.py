@@ -5,6 +5,7 @@ in each namespace's registry, ``pytorch_lightning``'s when it is imported. The s
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.abc
 import importlib.machinery
@@ -163,19 +164,20 @@ def register(strategy_class: type, names: dict[str, tuple[str, dict[str, Any]]])
     namespace = namespace_of(strategy_class.__module__)
     strategy_class.register_strategies(importlib.import_module(f"{namespace}.strategies").StrategyRegistry)
     if namespace == LIGHTNING and _installed(PYTORCH_LIGHTNING):
-        _after_import(PYTORCH_LIGHTNING, lambda: _register_mirror(names))
+        _after_import(PYTORCH_LIGHTNING, lambda: _register_mirror(strategy_class.__name__, names))
 
 
-def _register_mirror(names: dict[str, tuple[str, dict[str, Any]]]) -> None:
+def _register_mirror(class_name: str, names: dict[str, tuple[str, dict[str, Any]]]) -> None:
     registry = importlib.import_module(f"{PYTORCH_LIGHTNING}.strategies").StrategyRegistry
     for name, (description, init_params) in names.items():
         if name not in registry:  # importing the mirror registers its class in its place
-            registry.register(name, _mirror_strategy, description=description, **init_params)
+            factory = functools.partial(_mirror_strategy, class_name)
+            registry.register(name, factory, description=description, **init_params)
 
 
-def _mirror_strategy(**init_params: Any) -> Any:
+def _mirror_strategy(class_name: str, **init_params: Any) -> Any:
     """``pytorch_lightning``'s registry entry until the mirror is imported: imports it, builds its strategy."""
-    return importlib.import_module(MIRROR).ShardPlusStrategy(**init_params)
+    return getattr(importlib.import_module(MIRROR), class_name)(**init_params)
 
 
 def _after_import(name: str, callback: Callable[[], None]) -> None:

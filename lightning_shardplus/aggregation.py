@@ -15,6 +15,7 @@ from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
 from lightning_shardplus import _lightning
+from lightning_shardplus.data_parallel import data_parallel_size
 
 
 def window_length(micro_batches_done: int, frequency: int) -> int:
@@ -103,9 +104,10 @@ class GradientAggregation:
             return
         self._announced = True
         per_device = micro_batch_size(trainer, loader)
-        batch = "unknown" if per_device is None else per_device * trainer.world_size * micro_batches
+        replicas = data_parallel_size(trainer)
+        batch = "unknown" if per_device is None else per_device * replicas * micro_batches
         rank_zero_info(
-            f"shardplus: effective batch {batch} = {per_device or '?'} per device x {trainer.world_size} processes x "
+            f"shardplus: effective batch {batch} = {per_device or '?'} per device x {replicas} processes x "
             f"{micro_batches} micro-batches per optimizer step ({'mean' if self.average else 'sum'} of aggregated "
             "gradients)"
         )
@@ -293,4 +295,4 @@ def effective_batch_size(trainer: Any) -> int | None:
     """Samples per optimizer step over all processes: ``micro-batch size x world size x micro-batches per
     step``; None when the micro-batch size is unknown."""
     per_device = micro_batch_size(trainer)
-    return None if per_device is None else per_device * trainer.world_size * micro_batches_per_step(trainer)
+    return None if per_device is None else per_device * data_parallel_size(trainer) * micro_batches_per_step(trainer)

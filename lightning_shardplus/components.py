@@ -16,6 +16,7 @@ from lightning_shardplus import _lightning, aggregation, compression, fusion, sh
 from lightning_shardplus.aggregation import GradientAggregation
 from lightning_shardplus.compression import CommunicationHook
 from lightning_shardplus.config import ShardPlusConfig
+from lightning_shardplus.data_parallel import DataParallel
 from lightning_shardplus.datamodule import ShardPlusDataModule
 from lightning_shardplus.diagnostics import CommunicationHookWrapper, VerifySharding
 from lightning_shardplus.exact_evaluation import ExactEvaluation
@@ -29,16 +30,21 @@ CHECKPOINT_KEYS = tuple(module.CHECKPOINT_KEY for module in (sharding, compressi
 
 @dataclass
 class DistributedSetup:
-    """What the components need to know of the strategy's processes and DDP."""
+    """What the components need to know of the strategy's processes and DDP (``ddp``: False under model parallel,
+    where the gradient side is FSDP2's: no communication hook, no tensor fusion)."""
 
-    num_replicas: int
-    rank: int
+    data_parallel: DataParallel
     backend: str
     device: torch.device
     ddp_comm_hook: Callable | None = None
     ddp_comm_state: object | None = None
     ddp_comm_wrapper: Callable | None = None
     ddp_kwargs: dict[str, Any] | None = None
+    ddp: bool = True
+
+    @property
+    def num_replicas(self) -> int:
+        return self.data_parallel.size
 
 
 @dataclass
@@ -59,24 +65,29 @@ class RunComponents:
         """The components of ``trainer``'s run; the callbacks shardplus needs are added to the Trainer's."""
         exact_across_ranks = config.exact_evaluation and setup.num_replicas > 1
         _add_callbacks(config, trainer, exact_across_ranks)
-        rank_zero_info(features_in_effect(config, setup.num_replicas, trainer.state.fn == TrainerFn.FITTING))
+        rank_zero_info(features_in_effect(config, setup.num_replicas, trainer.state.fn == TrainerFn.FITTING, setup.ddp))
         datamodule = getattr(trainer, "datamodule", None)
         # Lightning marks every training loader as shuffled when it injects its sampler: read the datamodule's
         shuffle = not isinstance(datamodule, ShardPlusDataModule) or datamodule.shuffle
         loaders = ShardedLoaders(
-            trainer, setup.num_replicas, setup.rank, padding=config.shard_padding, seed=config.epoch_seed,
+            trainer, setup.num_replicas, setup.data_parallel.rank, padding=config.shard_padding, seed=config.epoch_seed,
             shuffle=shuffle, exact_evaluation=config.exact_evaluation, record_indices=config.verify_sharding,
+            equal_batches=not setup.ddp,
         )  # fmt: skip
         exact = next((cb for cb in trainer.callbacks if isinstance(cb, ExactEvaluation)), None)
         metrics = next((cb for cb in trainer.callbacks if isinstance(cb, AverageTrainingMetrics)), None)
         parts = cls(loaders, exact=exact if exact_across_ranks else None, metrics=metrics, backend=setup.backend)
         if trainer.state.fn == TrainerFn.FITTING:
             abstain = metrics.abstain_this_step if metrics is not None else None
-            parts.even = EvenSteps(config.uneven_inputs, setup.num_replicas, setup.backend, trainer, abstain)
+            parts.even = EvenSteps(
+                config.uneven_inputs, setup.data_parallel, setup.backend, trainer, abstain, keeps_stand_in=not setup.ddp
+            )
             parts.aggregation = GradientAggregation(
                 trainer, config.aggregation_frequency, config.average_aggregated_gradients,
                 ranks_correction=parts.even.gradient_correction,
             )  # fmt: skip
+            if not setup.ddp:
+                return parts
             parts.hook = CommunicationHook(
                 config.gradient_compression, backend=setup.backend, device=setup.device, user_hook=setup.ddp_comm_hook,
                 user_state=setup.ddp_comm_state, user_wrapper=setup.ddp_comm_wrapper,
@@ -101,22 +112,19 @@ class RunComponents:
         return dataloader
 
     def on_train_start(self, trainer: pl.Trainer) -> None:
-        assert self.aggregation is not None and self.fusion is not None
+        assert self.aggregation is not None and self.even is not None
         self.loaders.training_loaders_built()
-        if self.even is not None:
-            self.even.check_combination(*_lightning.training_loaders_combination(trainer))
+        self.even.check_combination(*_lightning.training_loaders_combination(trainer))
         self.aggregation.on_train_start()
-        self.fusion.on_train_start()
+        if self.fusion is not None:
+            self.fusion.on_train_start()
 
-    def on_train_batch_start(self, trainer: pl.Trainer, batch_idx: int) -> fusion.BucketSetting | None:
-        """The bucket setting to re-wrap DDP with before this batch (fusion tuning), or None."""
-        assert self.fusion is not None
+    def on_train_batch_start(self, trainer: pl.Trainer, batch_idx: int) -> None:
+        assert self.even is not None
         if batch_idx == 0:
             # Lightning reads the loaders' lengths once per fit: a resharded resumed epoch has another length
             _lightning.refresh_training_batch_count(trainer)
-        if self.even is not None:
-            self.even.batch_taken()
-        return self.fusion.at_batch_start(batch_idx)
+        self.even.batch_taken()
 
     def stateful(self) -> dict[str, Any]:
         """The components with checkpoint state (``state_dict`` / ``load_state_dict``), by checkpoint key."""
@@ -164,19 +172,21 @@ def _add_callbacks(config: ShardPlusConfig, trainer: pl.Trainer, exact_across_ra
         callbacks.insert(0, AverageTrainingMetrics())
 
 
-def features_in_effect(config: ShardPlusConfig, num_replicas: int, fitting: bool) -> str:
+def features_in_effect(config: ShardPlusConfig, num_replicas: int, fitting: bool, ddp: bool = True) -> str:
     """The start-up line naming what shardplus does in this run, as Lightning names the devices it uses (silenced as
     those are: ``logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)``)."""
     exact = f"exact evaluation {'on' if config.exact_evaluation else 'off'}"
+    ranks = f"{num_replicas} {'processes' if ddp else 'data-parallel ranks (model parallel)'}"
     if not fitting:
-        return f"shardplus: {num_replicas} processes, {exact}"
+        return f"shardplus: {ranks}, {exact}"
     features = [
         f"padded equal training shards (padding {config.shard_padding!r}, reshuffled each epoch)", exact,
         f"averaged training metrics {'on' if config.average_training_metrics else 'off'}",
         f"{(n := config.aggregation_frequency)} micro-batch{'es' if n > 1 else ''} per optimizer step",
-        f"gradient compression {config.gradient_compression!r}", f"uneven streams {config.uneven_inputs!r}",
+        *([f"gradient compression {config.gradient_compression!r}"] if ddp else []),
+        f"uneven streams {config.uneven_inputs!r}",
     ]  # fmt: skip
-    return f"shardplus: {num_replicas} processes: {', '.join(features)}"
+    return f"shardplus: {ranks}: {', '.join(features)}"
 
 
 def _tensor_fusion(config: ShardPlusConfig, trainer: pl.Trainer, setup: DistributedSetup) -> fusion.TensorFusion:

@@ -11,6 +11,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 
 from lightning_shardplus._validation import check_bool, check_int
+from lightning_shardplus.data_parallel import data_parallel_size
 
 _STAGE_SPLITS = {"fit": ("train", "val"), "validate": ("val",), "test": ("test",), "predict": ("predict",)}
 
@@ -87,7 +88,7 @@ class ShardPlusDataModule(pl.LightningDataModule):
     def trainer(self, trainer: pl.Trainer | None) -> None:
         self._trainer = trainer
         if trainer is not None:
-            self.world_size = trainer.num_devices * trainer.num_nodes
+            self.world_size = data_parallel_size(trainer)  # tensor-parallel peers read the same batch
             per_device_batch_size(self.global_batch_size, self.world_size)  # raises on a bad combination
             uneven = (self.global_batch_size, self.world_size)
             # once: with the fork launcher each worker attaches the copy of a datamodule that warned already

@@ -78,6 +78,26 @@ class ConfiguredClassifierModule(ClassifierModule):
     configure_optimizers = pl.LightningModule.configure_optimizers
 
 
+class ModelParallelClassifierModule(ClassifierModule):
+    """:class:`ClassifierModule` sharded in ``configure_model`` for ``ShardPlusModelParallelStrategy``: its linear
+    layers in column/row-parallel pairs over the mesh's ``tensor_parallel`` dimension, then FSDP2 over
+    ``data_parallel`` (``configs/model_parallel.yaml``; torch 2.6 or newer, where ``fully_shard`` is public)."""
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        mesh = self.device_mesh
+        linears = [name for name, module in self.named_modules() if isinstance(module, nn.Linear)]
+        if mesh["tensor_parallel"].size() > 1:
+            pairs = linears[: len(linears) // 2 * 2]
+            plan = {name: ColwiseParallel() if i % 2 == 0 else RowwiseParallel() for i, name in enumerate(pairs)}
+            parallelize_module(self, mesh["tensor_parallel"], plan)
+        for name in linears:
+            fully_shard(self.get_submodule(name), mesh=mesh["data_parallel"])
+        fully_shard(self, mesh=mesh["data_parallel"])
+
+
 class DigitsDataModule(ShardPlusDataModule):
     """scikit-learn's bundled 8x8 digits (1,797 images, no download): a fixed train/validation split,
     pixels scaled to [0, 1]."""

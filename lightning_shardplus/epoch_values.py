@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torchmetrics import Metric
 
 from lightning_shardplus import _lightning
+from lightning_shardplus.data_parallel import data_parallel
 
 _IDENTITY = {"mean": 0.0, "sum": 0.0, "max": float("-inf"), "min": float("inf")}
 # The epoch value of one key from every rank's (running value, sample count, whether it logged the key this epoch).
@@ -80,14 +81,15 @@ def reduce_epoch_values(
     sync_dist_fn: Callable | None = None,
     notes: dict[str, dict[str, Any]] | None = None,
 ) -> dict[str, dict[str, Any]]:
-    """Every rank: agree on the keys of ``local`` (key -> this rank's ``_ResultMetric``) over all ranks, register
-    those this rank lacks in ``results``, then reduce the tensors' running values in one all_gather (``how``) and
-    each torchmetrics Metric with its own sync, in key order; the epoch values Lightning reports are set. Keys are
-    registered with ``sync_dist_fn`` (default: the strategy's ``reduce``); ``notes[key]`` joins this rank's entry of
-    ``key`` (what ``how`` needs to know of it on every rank). Returns the agreed entries by key."""
-    gathered: list[Any] = [None] * dist.get_world_size()
-    notes = notes or {}
-    dist.all_gather_object(gathered, {key: describe(key, rm) | notes.get(key, {}) for key, rm in local.items()})
+    """Every rank: agree on the keys of ``local`` (key -> this rank's ``_ResultMetric``) over the data-parallel ranks,
+    register those this rank lacks in ``results``, then reduce the tensors' running values in one all_gather
+    (``how``) and each torchmetrics Metric with its own sync, in key order; the epoch values Lightning reports are
+    set. Keys are registered with ``sync_dist_fn`` (default: the strategy's ``reduce``); ``notes[key]`` joins this
+    rank's entry of ``key`` (what ``how`` needs to know of it on every rank). Returns the agreed entries by key."""
+    dp, notes = data_parallel(trainer.strategy), notes or {}
+    gathered: list[Any] = [None] * dp.size
+    own = {key: describe(key, rm) | notes.get(key, {}) for key, rm in local.items()}
+    dist.all_gather_object(gathered, own, group=dp.group)
     entries = dict(sorted({k: v for rank_entries in gathered for k, v in rank_entries.items()}.items()))
     if not entries:
         return entries
@@ -105,8 +107,8 @@ def reduce_epoch_values(
                           torch.tensor(float(key in local), dtype=torch.float64, device=rm.value.device)])
              for key, rm in zip(tensor_keys, map(result_metrics.get, tensor_keys), strict=True)]
         ).to(trainer.strategy.root_device)  # fmt: skip
-        everyone = [torch.empty_like(local_values) for _ in range(dist.get_world_size())]
-        dist.all_gather(everyone, local_values)
+        everyone = [torch.empty_like(local_values) for _ in range(dp.size)]
+        dist.all_gather(everyone, local_values, group=dp.group)
         stacked = torch.stack(everyone).cpu()  # ranks x keys x (value, count, present)
         for i, key in enumerate(tensor_keys):
             value = how(entries[key], stacked[:, i, 0], stacked[:, i, 1], stacked[:, i, 2])
@@ -116,7 +118,7 @@ def reduce_epoch_values(
         if entry["reduction"] == "metric":
             metric = result_metrics[key].value
             fill_empty_list_states(metric, entry["list_states"])
-            with metric.sync_context(should_sync=True, should_unsync=True):
+            with metric.sync_context(process_group=dp.group, should_sync=True, should_unsync=True):
                 value = type(metric).compute(metric)
             _lightning.set_computed(result_metrics[key], torch.as_tensor(value))
     return entries

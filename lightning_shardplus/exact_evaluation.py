@@ -3,7 +3,8 @@ rank's running sums and counts, as a single-process run would compute them (docs
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import lightning.pytorch as pl
@@ -91,6 +92,22 @@ class _ExactEvaluation(Callback):
 # The name to import. The class's own name is private so that the `shardplus` command (jsonargparse) does not
 # offer it among the callbacks to add: the strategy adds it where it applies.
 ExactEvaluation = _ExactEvaluation
+
+
+@contextmanager
+def counted_nowhere(module: pl.LightningModule) -> Iterator[None]:
+    """A step run only for its collectives (model parallel: a stand-in batch): what ``module`` logs is dropped, and its
+    torchmetrics Metrics keep the states they had (list states by a copy of the list, tensors by a clone)."""
+    metrics = [m for m in module.modules() if isinstance(m, Metric)]
+    saved = [{k: list(v) if isinstance(v, list) else v.clone() for k, v in m.metric_state.items()} for m in metrics]
+    module.log = lambda *args, **kwargs: None  # type: ignore[method-assign]  (`log_dict` calls it too)
+    try:
+        yield
+    finally:
+        del module.log
+        for metric, state in zip(metrics, saved, strict=True):
+            for name, value in state.items():
+                setattr(metric, name, value)
 
 
 def share_rank_zero_buffers(module: torch.nn.Module, ddp_kwargs: dict[str, Any]) -> None:

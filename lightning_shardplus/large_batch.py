@@ -16,6 +16,7 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_shardplus._validation import check_bool, check_choice, check_int
 from lightning_shardplus.aggregation import effective_batch_size, micro_batches_per_step
+from lightning_shardplus.data_parallel import data_parallel_size
 from lightning_shardplus.optim import LARS
 
 __all__ = ["LARS", "SCALING_RULES", "ScaleLearningRate", "scaling_factor", "warmup_factor"]
@@ -104,7 +105,7 @@ class ScaleLearningRate(Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         aggregation_steps = micro_batches_per_step(trainer)
-        world_size = trainer.world_size
+        world_size = data_parallel_size(trainer)  # the ranks that read different samples
         self.effective_batch_size = effective_batch_size(trainer)
         if self.reference_batch_size is None:
             ratio = float(world_size * aggregation_steps)

@@ -4,7 +4,7 @@ resumed run reads exactly the samples that were next. Loaders the user sharded, 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import lightning.pytorch as pl
@@ -14,6 +14,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, Sampler
 
 from lightning_shardplus import _lightning, aggregation, false_warnings
+from lightning_shardplus.data_parallel import DataParallel
 from lightning_shardplus.sharding import (
     ExactShardSampler,
     PaddedShardSampler,
@@ -23,6 +24,7 @@ from lightning_shardplus.sharding import (
     check_resumed_epoch,
     checkpoint_entry,
 )
+from lightning_shardplus.uneven import NoBatch
 
 EVALUATION_STAGES = (
     RunningStage.VALIDATING, RunningStage.SANITY_CHECKING, RunningStage.TESTING, RunningStage.PREDICTING
@@ -30,14 +32,15 @@ EVALUATION_STAGES = (
 
 
 class ShardedLoaders:
-    """Samplers for one Trainer run on ``num_replicas`` processes (``shuffle=False``: a
-    ``ShardPlusDataModule(shuffle=False)``); built by the strategy's ``setup``, dropped at its teardown."""
+    """Samplers for one Trainer run on ``num_replicas`` data-parallel ranks (``shuffle=False``: a
+    ``ShardPlusDataModule(shuffle=False)``; ``equal_batches``: exact evaluation shards padded with stand-in batches
+    to the longest one's batches, :class:`EqualBatches`); built by the strategy's ``setup``, dropped at teardown."""
 
     def __init__(
         self, trainer: pl.Trainer, num_replicas: int, rank: int, *, padding: PaddingMode, seed: int, shuffle: bool,
-        exact_evaluation: bool, record_indices: bool,
+        exact_evaluation: bool, record_indices: bool, equal_batches: bool = False,
     ) -> None:  # fmt: skip
-        self.trainer, self.num_replicas, self.rank = trainer, num_replicas, rank
+        self.trainer, self.num_replicas, self.rank, self.equal_batches = trainer, num_replicas, rank, equal_batches
         self.padding, self.seed, self.shuffle = padding, seed, shuffle
         self.exact_evaluation, self.record_indices = exact_evaluation, record_indices
         self._resumed: dict[str, Any] | None = None  # a checkpoint's sampler progress, until the loaders are built
@@ -74,8 +77,12 @@ class ShardedLoaders:
                     "shardplus: a DataLoader already has a DistributedSampler; it is left alone, so padded equal "
                     "shards and exact evaluation do not apply to it. Pass a plain DataLoader to get them."
                 )
-            elif (self.exact_evaluation and self.num_replicas > 1 and self.trainer.state.stage in EVALUATION_STAGES
-                  and not isinstance(dataloader.dataset, IterableDataset)):  # fmt: skip (streams shard themselves)
+            elif (
+                self.exact_evaluation
+                and self.num_replicas > 1
+                and self.trainer.state.stage in EVALUATION_STAGES
+                and not isinstance(dataloader.dataset, IterableDataset)
+            ):  # fmt: skip (streams shard themselves)
                 rank_zero_warn(
                     "shardplus: an evaluation DataLoader is not sharded (`Trainer(use_distributed_sampler=False)`): "
                     "exact evaluation still sums its logged values over the ranks and gathers its predictions, which "
@@ -98,6 +105,9 @@ class ShardedLoaders:
             return _lightning.replace_sampler(dataloader, self._training_sampler(dataloader, sampler), stage)
         if stage in EVALUATION_STAGES and self.exact_evaluation:
             exact: Sampler = ExactShardSampler(dataloader.dataset, self.num_replicas, self.rank)
+            if self.equal_batches:
+                batches = _batches(len(ExactShardSampler(dataloader.dataset, self.num_replicas, 0)), dataloader)
+                return EqualBatches(_lightning.replace_sampler(dataloader, exact, stage), batches)
             if len(exact) == 0 and len(dataloader.dataset) > 0:
                 exact = PlaceholderShardSampler()
             return _lightning.replace_sampler(dataloader, exact, stage)
@@ -187,13 +197,50 @@ def _warn_if_mostly_padding(sampler: PaddedShardSampler) -> None:
         )
 
 
-def gather_predictions(loop: Any, num_replicas: int) -> None:
-    """Where the predict ``loop`` returns predictions, on rank 0, replace each loader's list of prediction batches by
-    every rank's, in dataset order (exact shards are contiguous blocks in rank order); the other ranks keep theirs."""
+def gather_predictions(loop: Any, dp: DataParallel) -> None:
+    """Where the predict ``loop`` returns predictions, on data-parallel rank 0 (rank 0 among them), replace each
+    loader's list of prediction batches by every data-parallel rank's, in dataset order (exact shards are contiguous
+    blocks in rank order); the other ranks keep theirs."""
     if not loop.return_predictions:
         return
     for predictions in [loop.predictions] if loop.num_dataloaders == 1 else loop.predictions:
-        gathered: list[Any] | None = [None] * num_replicas if torch.distributed.get_rank() == 0 else None
-        torch.distributed.gather_object(predictions, gathered, dst=0)
+        predictions[:] = [batch for batch in predictions if not isinstance(batch, NoBatch)]  # stand-ins' steps
+        gathered: list[Any] | None = [None] * dp.size if dp.rank == 0 else None
+        torch.distributed.gather_object(predictions, gathered, dst=dp.global_rank(0), group=dp.group)
         if gathered is not None:
             predictions[:] = [batch for rank_batches in gathered for batch in rank_batches]
+
+
+class EqualBatches:
+    """An exact evaluation loader under model parallel: this rank's batches, then stand-ins (:class:`NoBatch` holding
+    the dataset's first sample) up to ``batches``, the longest shard's: every data-parallel rank runs as many forward
+    passes, which FSDP needs (its forward is a collective); the strategy counts the stand-ins' steps nowhere."""
+
+    def __init__(self, loader: DataLoader, batches: int) -> None:
+        self.loader, self.batches = loader, batches
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "loader":
+            raise AttributeError(name)
+        return getattr(self.loader, name)
+
+    def __len__(self) -> int:
+        return self.batches
+
+    def __iter__(self) -> Iterator[Any]:
+        yielded = 0
+        for yielded, batch in enumerate(self.loader, start=1):  # noqa: B007  (counted after the loop)
+            yield batch
+        if yielded < self.batches:
+            loader, first = self.loader, self.loader.dataset[0]
+            stand_in = NoBatch(loader.collate_fn([first] if loader.batch_sampler is not None else first))
+            for _ in range(self.batches - yielded):
+                yield stand_in
+
+
+def _batches(samples: int, loader: DataLoader) -> int:
+    """The batches ``loader`` makes of ``samples`` samples."""
+    size = aggregation.loader_batch_size(loader)
+    if size is None:
+        return samples
+    return samples // size if loader.drop_last else -(-samples // size)

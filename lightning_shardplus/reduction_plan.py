@@ -68,13 +68,13 @@ class ReductionPlan:
             vector.scatter_reduce_(0, where + e, signed.isnan().to(_F64), "amax")
         return vector
 
-    def start(self, vector: Tensor) -> tuple[list[Any], Tensor]:
-        """Start this rank's part of the reduction (async): a SUM all_reduce, and with max/min names a MAX one of
-        their part (both in flight together; an all_gather would grow with the world size)."""
+    def start(self, vector: Tensor, group: Any = None) -> tuple[list[Any], Tensor]:
+        """Start this rank's part of the reduction over ``group`` (async): a SUM all_reduce, and with max/min names a
+        MAX one of their part (both in flight together; an all_gather would grow with the world size)."""
         summed, maxed = vector.split([self.summed, vector.numel() - self.summed])
-        works = [dist.all_reduce(summed, op=dist.ReduceOp.SUM, async_op=True)]
+        works = [dist.all_reduce(summed, op=dist.ReduceOp.SUM, group=group, async_op=True)]
         if self.extremes:
-            works.append(dist.all_reduce(maxed, op=dist.ReduceOp.MAX, async_op=True))
+            works.append(dist.all_reduce(maxed, op=dist.ReduceOp.MAX, group=group, async_op=True))
         return works, vector
 
     def finish(self, works: list[Any], v: Tensor) -> tuple[Tensor, Tensor, Tensor]:

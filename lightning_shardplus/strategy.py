@@ -1,43 +1,37 @@
-"""``ShardPlusStrategy``: DDP whose overrides delegate to one frozen config and one run's components."""
+"""``ShardPlusStrategy``: DDP with shardplus's data side (``data_side``) and its gradient side: communication
+hooks, tensor fusion and its tuning, evaluation without DDP's forward."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from datetime import timedelta
-from functools import partial, partialmethod
+from functools import partialmethod
 from typing import Any, Literal
 
 import lightning.pytorch as pl
-import torch
-import torch.distributed
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from torch.nn.parallel import DistributedDataParallel
-from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_shardplus import _lightning
-from lightning_shardplus.aggregation import effective_batch_size
-from lightning_shardplus.components import DistributedSetup, RunComponents, checkpointed_states, process_group_backend
+from lightning_shardplus.components import DistributedSetup
 from lightning_shardplus.compression import GradientCompression, remove_rank_states
 from lightning_shardplus.config import check_arguments, registered_names
+from lightning_shardplus.data_side import ShardPlusDataSide
 from lightning_shardplus.exact_evaluation import share_rank_zero_buffers
 from lightning_shardplus.fusion import BucketSetting, FusionResult
 from lightning_shardplus.launch import (
-    LaunchAfterCheck,
     check_accelerator,
-    check_fit,
-    check_trainer_call,
-    export_rank_variables,
 )
-from lightning_shardplus.loaders import gather_predictions
 from lightning_shardplus.sharding import PaddingMode
-from lightning_shardplus.uneven import NO_BATCH, UnevenInputs, silence_litdata_drop_last_warning
+from lightning_shardplus.uneven import NO_BATCH, UnevenInputs
 
 
-class ShardPlusStrategy(DDPStrategy):
+class ShardPlusStrategy(ShardPlusDataSide, DDPStrategy):
     """DDP with the training optimizations of Horovod, Determined and NVIDIA Clara Train, for Lightning.
 
     Args:
@@ -105,16 +99,24 @@ class ShardPlusStrategy(DDPStrategy):
     ) -> None:
         config, timeout, ddp_kwargs, ddp_defaults = check_arguments(locals())
         super().__init__(  # in DDPStrategy's order; `bucket_cap_mb` by name, hiding it from LightningCLI's kwargs
-            accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin, ddp_comm_state,
-            None, None, model_averaging_period, process_group_backend, timeout, start_method,
-            bucket_cap_mb=config.tensor_fusion_threshold_mb, **ddp_kwargs,
+            accelerator,
+            parallel_devices,
+            cluster_environment,
+            checkpoint_io,
+            precision_plugin,
+            ddp_comm_state,
+            None,
+            None,
+            model_averaging_period,
+            process_group_backend,
+            timeout,
+            start_method,
+            bucket_cap_mb=config.tensor_fusion_threshold_mb,
+            **ddp_kwargs,
         )  # fmt: skip (the hook and its wrapper are registered by `register_communication_hook`, on every device)
         _lightning.set_ddp_kwargs(self, dict.fromkeys(ddp_defaults))  # DDP's defaults left out, as with "ddp"
-        self.config = config
+        self._init_data_side(config)
         self._user_hook, self._start = (ddp_comm_hook, ddp_comm_state, ddp_comm_wrapper), start_method  # as given
-        self._components: RunComponents | None = None  # this Trainer run's, from `setup` to `teardown`
-        self._checkpointed: dict[str, Any] = {}  # component states of a checkpoint loaded before `setup`
-        self._undo_at_teardown: list[Callable[[], None]] = []  # what `setup_environment` changed for the run
 
     @classmethod
     @override
@@ -127,18 +129,6 @@ class ShardPlusStrategy(DDPStrategy):
         return self.num_nodes * self.num_processes
 
     @property
-    def micro_batches_per_step(self) -> int:
-        """``aggregation_frequency`` (or, left at 1, the Trainer's ``accumulate_grad_batches``)."""
-        aggregation = self._components and self._components.aggregation
-        return aggregation.micro_batches_per_step if aggregation else self.config.aggregation_frequency
-
-    @property
-    def effective_batch_size(self) -> int | None:
-        """Samples per optimizer step over all processes once the training data is known; None before."""
-        trainer = _lightning.attached_trainer(self.lightning_module)
-        return None if trainer is None else effective_batch_size(trainer)
-
-    @property
     def fusion_result(self) -> FusionResult | None:
         """What tensor-fusion tuning decided in this fit (rank 0 holds the timings); None without tuning."""
         return fusion.result if (fusion := self._components and self._components.fusion) else None
@@ -148,79 +138,17 @@ class ShardPlusStrategy(DDPStrategy):
         """Whether tensor-fusion autotuning is still measuring (DDP may be re-wrapped at the next step)."""
         return bool((fusion := self._components and self._components.fusion) and fusion.tuning)
 
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        kwargs = {**super().distributed_sampler_kwargs, "seed": _lightning.InjectedSeed(self.config.epoch_seed)}
-        return self._components.loaders.injection_kwargs(kwargs) if self._components is not None else kwargs
-
-    @property
-    def _exact_across_ranks(self) -> bool:
-        return self.config.exact_evaluation and self.num_replicas > 1
-
     @DDPStrategy.accelerator.setter
     def accelerator(self, accelerator: pl.accelerators.Accelerator) -> None:
         check_accelerator(accelerator, self.strategy_name, self._start)  # MPS refused, as for the DDP family
         DDPStrategy.accelerator.fset(self, accelerator)
 
-    @property
     @override
-    def launcher(self) -> Any:
-        """Lightning's launcher, whose ``launch`` first checks the Trainer call in the launching process, before any
-        worker starts (it keeps its type for Lightning)."""
-        launcher = super().launcher
-        if launcher is not None and not isinstance(launcher.launch, LaunchAfterCheck):
-            launcher.launch = LaunchAfterCheck(partial(check_trainer_call, self), launcher.launch)
-        return launcher
-
-    @override
-    def connect(self, model: pl.LightningModule) -> None:
-        super().connect(model)
-        if self.config.exact_evaluation:  # its shards are empty on some ranks when the dataset is that small
-            model.allow_zero_length_dataloader_with_multiple_devices = True
-        check_fit(self, _lightning.attached_trainer(model), model)
-
-    @override
-    def setup_environment(self) -> None:
-        super().setup_environment()  # then the rank variables stream libraries read (Mosaic), as under torchrun
-        self._undo_at_teardown.append(export_rank_variables(self.cluster_environment, self.num_processes))
-        if self._exact_across_ranks:  # uneven evaluation streams are safe then, uneven training streams always
-            self._undo_at_teardown.append(silence_litdata_drop_last_warning())
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            _lightning.destroy_process_group_at_exit()
-
-    @override
-    def setup(self, trainer: pl.Trainer) -> None:
-        setup = DistributedSetup(
-            self.num_replicas, self.global_rank, process_group_backend(self.process_group_backend, self.root_device),
-            self.root_device, *self._user_hook, _lightning.ddp_kwargs(self),
+    def _distributed_setup(self) -> DistributedSetup:
+        return dataclasses.replace(
+            super()._distributed_setup(), ddp_comm_hook=self._user_hook[0], ddp_comm_state=self._user_hook[1],
+            ddp_comm_wrapper=self._user_hook[2], ddp_kwargs=_lightning.ddp_kwargs(self),
         )  # fmt: skip
-        self._components = RunComponents.build(self.config, trainer, setup)
-        self._components.load_states(self._checkpointed)
-        super().setup(trainer)
-
-    @override
-    def teardown(self) -> None:
-        if self._components is not None:
-            self._components.close()
-        self._components, self._checkpointed = None, {}
-        while self._undo_at_teardown:
-            self._undo_at_teardown.pop()()
-        super().teardown()
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        """Add each component's state under its own key (training checkpoints only); every rank writes its files."""
-        if self._components is not None and "loops" in checkpoint:
-            checkpoint.update(self._components.checkpoint_states(filepath))
-        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-
-    @override
-    def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        # what this Lightning gives (2.6 added `weights_only`); restored before `setup` builds the components
-        checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
-        self._checkpointed = checkpointed_states(checkpoint, checkpoint_path)
-        return checkpoint
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
@@ -228,24 +156,9 @@ class ShardPlusStrategy(DDPStrategy):
         remove_rank_states(filepath, self.global_rank)  # every rank: its files beside the checkpoint
 
     @override
-    def process_dataloader(self, dataloader: object) -> object:
-        """Put shardplus samplers into the loaders Lightning prepared; training streams go in even steps."""
-        dataloader = super().process_dataloader(dataloader)
-        if (parts := self._components) is not None:
-            training = parts.aggregation is not None and self.lightning_module.trainer.training
-            dataloader = parts.process_dataloader(dataloader, training)
-        return dataloader
-
-    @override
-    def on_train_start(self) -> None:
-        super().on_train_start()
-        self._components.on_train_start(self.lightning_module.trainer)  # type: ignore[union-attr]
-
-    @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
-        setting = self._components.on_train_batch_start(self.lightning_module.trainer, batch_idx)  # type: ignore
-        if setting is not None:
+        if (fusion := self._components and self._components.fusion) and (setting := fusion.at_batch_start(batch_idx)):
             self.rewrap_ddp(setting)
 
     @override
@@ -254,12 +167,6 @@ class ShardPlusStrategy(DDPStrategy):
             with self.precision_plugin.train_step_context():
                 return self._components.even.train_without_data(self.model, self.lightning_module)  # type: ignore
         return super().training_step(*args, **kwargs)
-
-    @override
-    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
-        if aggregation := self._components and self._components.aggregation:
-            closure = aggregation.wrap_closure(optimizer, closure)
-        return super().optimizer_step(optimizer, closure, model, **kwargs)
 
     @override
     def on_train_end(self) -> None:
@@ -297,12 +204,6 @@ class ShardPlusStrategy(DDPStrategy):
         if self._exact_across_ranks and isinstance(self.model, DistributedDataParallel):
             share_rank_zero_buffers(self.lightning_module, _lightning.ddp_kwargs(self))
 
-    @override
-    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
-        if (exact := self._components and self._components.exact) and exact.deferring:
-            return tensor  # no per-batch collective (uneven shards): `ExactEvaluation` reduces at the epoch end
-        return super().reduce(tensor, group=group, reduce_op=reduce_op)
-
     def _evaluation_step(self, step: str, *args: Any, **kwargs: Any) -> Any:
         """Exact evaluation runs ``step`` without DDP's forward (no gradients; no buffer broadcast per batch)."""
         if not self._exact_across_ranks:
@@ -314,10 +215,3 @@ class ShardPlusStrategy(DDPStrategy):
     validation_step = partialmethod(_evaluation_step, "validation_step")
     test_step = partialmethod(_evaluation_step, "test_step")
     predict_step = partialmethod(_evaluation_step, "predict_step")
-
-    @override
-    def on_predict_end(self) -> None:
-        """Rank 0 returns every rank's predictions, in dataset order; the others their own."""
-        super().on_predict_end()
-        if self._exact_across_ranks:
-            gather_predictions(self.lightning_module.trainer.predict_loop, self.num_replicas)

@@ -16,6 +16,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 
 from lightning_shardplus import _lightning, epoch_values
+from lightning_shardplus.data_parallel import DataParallel, data_parallel
 from lightning_shardplus.reduction_plan import Call, ReductionPlan
 
 
@@ -34,6 +35,7 @@ class _AverageTrainingMetrics(Callback):
         self._restore: Callable[[], None] | None = None  # puts Lightning's logging back
         self._results: Any = None
         self._device = torch.device("cpu")
+        self._data_parallel = DataParallel(1, 0)
         self._layout: dict[str, tuple[str, bool]] | None = None  # key -> (reduction, late); agreed by every rank
         self._plans: dict[str, ReductionPlan] = {}  # "early", "late" and "all" of the layout
         self._latest: dict[str, tuple[str, bool, str]] = {}  # since the agreement: (reduction, late, label) per key
@@ -60,7 +62,8 @@ class _AverageTrainingMetrics(Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._stop()
-        if trainer.world_size < 2 or not (dist.is_available() and dist.is_initialized()):
+        self._data_parallel = data_parallel(trainer.strategy)  # its ranks read different samples
+        if self._data_parallel.size < 2:
             return
         self._device = trainer.strategy.root_device
         self._results = _lightning.training_results(trainer)
@@ -121,7 +124,7 @@ class _AverageTrainingMetrics(Callback):
         ]  # fmt: skip
         vector = plan.pack(placed, self._unplaced, self._device)
         self._unplaced = False
-        self._in_flight.append((plan, *plan.start(vector)))
+        self._in_flight.append((plan, *plan.start(vector, self._data_parallel.group)))
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -198,8 +201,8 @@ class _AverageTrainingMetrics(Callback):
     def _agree(self, where: str) -> bool:
         """Every rank: the names logged since the last agreement join the layout; a name reduced differently on
         different ranks raises :class:`MetricMismatchError`."""
-        gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, self._latest)
+        gathered: list[Any] = [None] * self._data_parallel.size
+        dist.all_gather_object(gathered, self._latest, group=self._data_parallel.group)
         reductions: dict[str, set[str]] = {}
         for key, (reduction, _, _) in (item for latest in gathered for item in latest.items()):
             reductions.setdefault(key, set()).add(reduction)

@@ -17,12 +17,19 @@ from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader, IterableDataset
 
+from lightning_shardplus.data_parallel import DataParallel
+
 UnevenInputs = Literal["join", "drop"]
 UNEVEN_INPUTS: tuple[str, ...] = ("join", "drop")
 
 
 class NoBatch:
-    """What a rank whose stream ran out gets in place of a batch (``"join"``): the strategy trains on nothing."""
+    """What a rank without data gets in place of a batch (``"join"``): under DDP the strategy trains on nothing; under
+    model parallel, where the forward is itself a collective (FSDP's parameter all-gather), it runs the step on
+    ``stand_in`` (a copy of a real batch) and counts what it gives nowhere (zero loss, no logged value)."""
+
+    def __init__(self, stand_in: Any = None) -> None:
+        self.stand_in = stand_in
 
     def __repr__(self) -> str:
         return "NO_BATCH"
@@ -119,7 +126,7 @@ class ResumableAgreedLoader(AgreedLoader):
                 f"{self._owner.world_size}: the streams start again from the beginning of their epoch."
             )
             return
-        own = states[dist.get_rank()]
+        own = states[self._owner.data_parallel.rank]
         self.loader.load_state_dict(own["state"])
         self._resume_exhausted, self._restored = own["ran_out"], copy.deepcopy(own["state"])
 
@@ -137,14 +144,18 @@ class _Agreement(NamedTuple):
 
 
 class EvenSteps:
-    """The ``uneven_inputs`` component of one fit (``policy`` ``"join"`` or ``"drop"``); the agreement runs on a
-    gloo group beside any other ``backend``; ``on_step_without_data`` is called where this rank has no batch."""
+    """The ``uneven_inputs`` component of one fit (``policy`` ``"join"`` or ``"drop"``) over the ranks of
+    ``data_parallel``; the agreement runs on a gloo group beside any other ``backend``; ``on_step_without_data`` is
+    called where this rank has no batch. ``keeps_stand_in`` (model parallel): a rank without data gets a
+    :class:`NoBatch` holding a batch to run the step on (its last one, or another rank's if its stream was empty)."""
 
     def __init__(
-        self, policy: UnevenInputs, world_size: int, backend: str = "gloo", trainer: Any = None,
-        on_step_without_data: Callable[[], None] | None = None,
+        self, policy: UnevenInputs, data_parallel: DataParallel, backend: str = "gloo", trainer: Any = None,
+        on_step_without_data: Callable[[], None] | None = None, keeps_stand_in: bool = False,
     ) -> None:  # fmt: skip
-        self.policy, self.world_size, self.backend, self.trainer = policy, world_size, backend, trainer
+        self.policy, self.data_parallel, self.backend, self.trainer = policy, data_parallel, backend, trainer
+        self.world_size = data_parallel.size  # the ranks that read different samples
+        self.keeps_stand_in, self.stand_in = keeps_stand_in, None  # model parallel: the batch a rank without data runs
         self.on_step_without_data = on_step_without_data
         self.group: Any = None  # of the agreement: made when the first stream is wrapped
         self.ranks_with_data: list[int] = []  # per micro-batch of this pass over the stream, in yield order
@@ -162,8 +173,8 @@ class EvenSteps:
                 f"{type(self.trainer.lightning_module).__name__} sets `automatic_optimization = False`. Give each "
                 "rank the same number of batches yourself, or use a map-style dataset."
             )
-        if self.streams == 0 and self.backend != "gloo":  # every rank wraps the same loaders: a collective
-            self.group = dist.new_group(backend="gloo")
+        if self.streams == 0:  # every rank wraps the same loaders: a collective (on another backend)
+            self.group = self.data_parallel.gloo_group(self.backend)
         self.streams += 1
         if hasattr(loader, "state_dict") and hasattr(loader, "load_state_dict"):
             return ResumableAgreedLoader(loader, self)
@@ -196,7 +207,8 @@ class EvenSteps:
                 batch = next(iterator)
             except StopIteration:
                 exhausted = True
-        count = torch.tensor([int(not exhausted)], dtype=torch.int32)
+        lacks = self.keeps_stand_in and exhausted and self.stand_in is None  # an empty stream, model parallel
+        count = torch.tensor([int(not exhausted), int(lacks)], dtype=torch.int32)
         return _Agreement(batch, exhausted, count, dist.all_reduce(count, group=self.group, async_op=True))
 
     def agreed_batches(self, iterator: Iterator[Any]) -> Iterator[Any]:
@@ -206,16 +218,29 @@ class EvenSteps:
         agreement = self._fetch_and_agree(iterator, exhausted=False)
         while True:
             agreement.work.wait()
-            with_data = int(agreement.count.item())  # a host tensor (gloo): no device is synchronized
+            with_data, lacking = agreement.count.tolist()  # a host tensor (gloo): no device is synchronized
             if self.policy == "drop" and with_data < self.world_size:
                 left = 0 if agreement.exhausted else _samples(agreement.batch) + sum(_samples(b) for b in iterator)
                 self._report_dropped(left)
                 return
             if with_data == 0:
                 return
+            if self.keeps_stand_in and not agreement.exhausted:
+                self.stand_in = agreement.batch
+            if lacking:
+                self._share_stand_in()
             self.ranks_with_data.append(with_data)
             current, agreement = agreement, self._fetch_and_agree(iterator, agreement.exhausted)
-            yield NO_BATCH if current.exhausted else current.batch
+            yield (NoBatch(self.stand_in) if self.keeps_stand_in else NO_BATCH) if current.exhausted else current.batch
+
+    def _share_stand_in(self) -> None:
+        """Every rank, where a rank without data has no batch to stand in (its stream was empty): the first rank with
+        one sends it (two collectives, once per such pass)."""
+        has: list[Any] = [None] * self.world_size
+        dist.all_gather_object(has, self.stand_in is not None, group=self.group)
+        sent, source = [self.stand_in], has.index(True)
+        dist.broadcast_object_list(sent, src=self.data_parallel.global_rank(source), group=self.group)
+        self.stand_in = sent[0]
 
     def _report_dropped(self, local: int) -> None:
         """``"drop"``: the samples this rank had left, summed over ranks and logged once for the epoch."""
@@ -231,10 +256,14 @@ class EvenSteps:
             for logger in self.trainer.loggers:
                 logger.log_metrics({"uneven/dropped_samples": self.dropped_samples}, step=self.trainer.global_step)
 
-    def train_without_data(self, ddp: torch.nn.Module, module: torch.nn.Module) -> torch.Tensor:
-        """The training step of a rank whose stream ran out (``"join"``): see :func:`forward_without_data`."""
+    def step_without_data(self) -> None:
+        """This rank trains on no data in this micro-batch (``"join"``): what it logs counts nowhere."""
         if self.on_step_without_data is not None:
             self.on_step_without_data()
+
+    def train_without_data(self, ddp: torch.nn.Module, module: torch.nn.Module) -> torch.Tensor:
+        """The training step of a rank whose stream ran out (``"join"``): see :func:`forward_without_data`."""
+        self.step_without_data()
         return forward_without_data(ddp, module)
 
     def gradient_correction(self, aggregated: int, average: bool) -> float:
@@ -290,4 +319,3 @@ def silence_litdata_drop_last_warning() -> Callable[[], None]:
 
     litdata_logger.addFilter(keep)
     return lambda: litdata_logger.removeFilter(keep)
-

@@ -21,6 +21,7 @@ from torch import nn
 from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_shardplus import ShardPlusStrategy
+from lightning_shardplus.data_parallel import DataParallel
 from lightning_shardplus.uneven import NO_BATCH, EvenSteps, zero_loss
 
 DIM = 4
@@ -327,7 +328,7 @@ def test_the_agreement_takes_one_all_reduce_per_micro_batch_and_the_metrics_one_
 def test_the_agreement_counts_the_ranks_with_data_of_every_micro_batch(tmp_path):
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
-        even = EvenSteps("join", world_size=1)
+        even = EvenSteps("join", DataParallel(1, 0))
         assert list(even.agreed_batches(iter(range(5)))) == [0, 1, 2, 3, 4]
         assert even.ranks_with_data == [1] * 5
     finally:
@@ -341,9 +342,9 @@ def test_a_bad_policy_is_refused_with_the_valid_ones():
 
 
 def test_map_style_loaders_and_single_processes_are_not_wrapped():
-    even = EvenSteps("join", world_size=2)
+    even = EvenSteps("join", DataParallel(2, 0))
     assert even.wrap(DataLoader(list(range(8)))) is not None and even.streams == 0
-    assert EvenSteps("join", world_size=1).wrap(DataLoader(RankStream([3]))).__class__ is DataLoader
+    assert EvenSteps("join", DataParallel(1, 0)).wrap(DataLoader(RankStream([3]))).__class__ is DataLoader
 
 
 def test_the_loss_of_a_rank_without_data_has_a_zero_gradient_for_every_parameter():

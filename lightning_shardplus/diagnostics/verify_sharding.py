@@ -12,6 +12,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_shardplus.aggregation import dataloaders
+from lightning_shardplus.data_parallel import DataParallel, data_parallel
 from lightning_shardplus.sharding import (
     DIGEST_WIDTH,
     PaddedShardSampler,
@@ -43,18 +44,18 @@ class VerifySharding(Callback):
         samplers = [dl.sampler for dl in loaders if isinstance(dl.sampler, PaddedShardSampler)]
         if not samplers:
             return
-        distributed = dist.is_available() and dist.is_initialized()
-        # the process group's rank: the one a rank should have read for, whatever its sampler was told
-        rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
-        own = [shard_digest(sampler, rank, world) for sampler in samplers]
+        # the data-parallel rank: the one a rank should have read for, whatever its sampler was told
+        dp = data_parallel(trainer.strategy)
+        world = dp.size
+        own = [shard_digest(sampler, dp.rank, world) for sampler in samplers]
         total = torch.tensor([value for digest in own for value in digest], dtype=torch.int64, device=pl_module.device)
-        if distributed:
-            dist.all_reduce(total)
+        if world > 1:
+            dist.all_reduce(total, group=dp.group)
         totals = total.tolist()
         sums = [totals[i * DIGEST_WIDTH : (i + 1) * DIGEST_WIDTH] for i in range(len(samplers))]
         for i, sampler in enumerate(samplers):
             if (problem := digest_problem(sums[i], own[i], sampler, world)) is not None:
-                _name_the_ranks(trainer.current_epoch, sampler, world, distributed, problem)
+                _name_the_ranks(trainer.current_epoch, sampler, dp, problem)
         self.epochs_checked += 1
         self.epochs_complete += all(summed[1] == world for summed in sums)  # every rank ran the epoch to its end
 
@@ -69,14 +70,14 @@ def _outcome(checked: int, complete: int) -> str:
     return f"{epochs}: shards disjoint; complete in {complete} (the others ended early: their coverage is not checked)"
 
 
-def _name_the_ranks(epoch: int, sampler: PaddedShardSampler, world: int, distributed: bool, problem: str) -> None:
+def _name_the_ranks(epoch: int, sampler: PaddedShardSampler, dp: DataParallel, problem: str) -> None:
     """After the digests disagreed (on every rank): gather the index lists to name the ranks and a sample, else
     raise the digest's finding."""
     local = (sampler.yielded_indices[: sampler.num_real_samples], sampler.completed_epoch)
     gathered: list[Any] = [local]
-    if distributed:
-        gathered = [None] * world
-        dist.all_gather_object(gathered, local)
+    if dp.size > 1:
+        gathered = [None] * dp.size
+        dist.all_gather_object(gathered, local, group=dp.group)
     # a resumed epoch read only what the checkpoint had left
     whole = all(done for _, done in gathered) and not sampler.drop_last and sampler.start_position == 0
     check_epoch_shards(epoch, [indices for indices, _ in gathered], sampler.dataset_length, expect_full_coverage=whole)

@@ -1,0 +1,163 @@
+"""``ShardPlusDataSide``: what both shardplus strategies do with the data (padded training shards, exact evaluation,
+averaged training metrics, uneven streams, aggregation windows, resume), over the data-parallel ranks. Each
+strategy adds its gradient side: DDP's (``ShardPlusStrategy``) or FSDP2 and tensor parallel's
+(``ShardPlusModelParallelStrategy``). Every override delegates to one run's ``RunComponents``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import lightning.pytorch as pl
+import torch.distributed
+from lightning.pytorch.strategies import ParallelStrategy
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_shardplus import _lightning
+from lightning_shardplus.aggregation import effective_batch_size
+from lightning_shardplus.components import DistributedSetup, RunComponents, checkpointed_states, process_group_backend
+from lightning_shardplus.config import ShardPlusConfig
+from lightning_shardplus.data_parallel import data_parallel
+from lightning_shardplus.launch import LaunchAfterCheck, check_fit, check_trainer_call, export_rank_variables
+from lightning_shardplus.loaders import gather_predictions
+from lightning_shardplus.uneven import silence_litdata_drop_last_warning
+
+
+class ShardPlusDataSide(ParallelStrategy):
+    """The data side, put before a Lightning strategy (``class S(ShardPlusDataSide, DDPStrategy)``: its ``super()`` is
+    that strategy); ``S`` calls :meth:`_init_data_side` in its ``__init__`` and defines ``num_replicas``, its
+    data-parallel size."""
+
+    config: ShardPlusConfig
+    num_replicas: int
+
+    def _init_data_side(self, config: ShardPlusConfig) -> None:
+        self.config = config
+        self._components: RunComponents | None = None  # this Trainer run's, from `setup` to `teardown`
+        self._checkpointed: dict[str, Any] = {}  # component states of a checkpoint loaded before `setup`
+        self._undo_at_teardown: list[Callable[[], None]] = []  # what `setup_environment` changed for the run
+
+    def _distributed_setup(self) -> DistributedSetup:
+        """What this strategy's components need to know of its processes (after they started)."""
+        backend = process_group_backend(self.process_group_backend, self.root_device)
+        return DistributedSetup(data_parallel(self), backend, self.root_device)
+
+    @property
+    def micro_batches_per_step(self) -> int:
+        """``aggregation_frequency`` (or, left at 1, the Trainer's ``accumulate_grad_batches``)."""
+        aggregation = self._components and self._components.aggregation
+        return aggregation.micro_batches_per_step if aggregation else self.config.aggregation_frequency
+
+    @property
+    def effective_batch_size(self) -> int | None:
+        """Samples per optimizer step over the data-parallel ranks once the training data is known; None before."""
+        trainer = _lightning.attached_trainer(self.lightning_module)
+        return None if trainer is None else effective_batch_size(trainer)
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        kwargs = {**super().distributed_sampler_kwargs, "seed": _lightning.InjectedSeed(self.config.epoch_seed)}
+        return self._components.loaders.injection_kwargs(kwargs) if self._components is not None else kwargs
+
+    @property
+    def _exact_across_ranks(self) -> bool:
+        return self.config.exact_evaluation and self.num_replicas > 1
+
+    @property
+    @override
+    def launcher(self) -> Any:
+        """Lightning's launcher, whose ``launch`` first checks the Trainer call in the launching process, before any
+        worker starts (it keeps its type for Lightning)."""
+        launcher = super().launcher
+        if launcher is not None and not isinstance(launcher.launch, LaunchAfterCheck):
+            launcher.launch = LaunchAfterCheck(partial(check_trainer_call, self), launcher.launch)
+        return launcher
+
+    @override
+    def connect(self, model: pl.LightningModule) -> None:
+        super().connect(model)
+        if self.config.exact_evaluation:  # its shards are empty on some ranks when the dataset is that small
+            model.allow_zero_length_dataloader_with_multiple_devices = True
+        check_fit(self, _lightning.attached_trainer(model), model)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()  # then the variables stream libraries read (Mosaic)
+        self._undo_at_teardown.append(export_rank_variables(self.cluster_environment, self.num_processes))
+        if self._exact_across_ranks:  # uneven evaluation streams are safe then, uneven training streams always
+            self._undo_at_teardown.append(silence_litdata_drop_last_warning())
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            _lightning.destroy_process_group_at_exit()
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        self._components = RunComponents.build(self.config, trainer, self._distributed_setup())
+        self._components.load_states(self._checkpointed)
+        super().setup(trainer)
+
+    @override
+    def teardown(self) -> None:
+        if self._components is not None:
+            self._components.close()
+        self._components, self._checkpointed = None, {}
+        while self._undo_at_teardown:
+            self._undo_at_teardown.pop()()
+        super().teardown()
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        """Add each component's state under its own key (training checkpoints only); every rank writes its files."""
+        if self._components is not None and "loops" in checkpoint:
+            checkpoint.update(self._components.checkpoint_states(filepath))
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        # what this Lightning gives (2.6 added `weights_only`); restored before `setup` builds the components, or
+        # after it (model parallel restores after setup)
+        checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
+        self._checkpointed = checkpointed_states(checkpoint, checkpoint_path)
+        if self._components is not None:
+            self._components.load_states(self._checkpointed)
+        return checkpoint
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        """Put shardplus samplers into the loaders Lightning prepared; training streams go in even steps."""
+        dataloader = super().process_dataloader(dataloader)
+        if (parts := self._components) is not None:
+            training = parts.aggregation is not None and self.lightning_module.trainer.training
+            dataloader = parts.process_dataloader(dataloader, training)
+        return dataloader
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        self._components.on_train_start(self.lightning_module.trainer)
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        self._components.on_train_batch_start(self.lightning_module.trainer, batch_idx)
+
+    @override
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        if aggregation := self._components and self._components.aggregation:
+            closure = aggregation.wrap_closure(optimizer, closure)
+        return super().optimizer_step(optimizer, closure, model, **kwargs)
+
+    @override
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
+        if (exact := self._components and self._components.exact) and exact.deferring:
+            return tensor  # no per-batch collective (uneven shards): `ExactEvaluation` reduces at the epoch end
+        return super().reduce(tensor, group=group, reduce_op=reduce_op)
+
+    @override
+    def on_predict_end(self) -> None:
+        """Data-parallel rank 0 returns every data-parallel rank's predictions, in dataset order; the others theirs."""
+        super().on_predict_end()
+        if self._exact_across_ranks:
+            gather_predictions(self.lightning_module.trainer.predict_loop, data_parallel(self))

@@ -1,0 +1,202 @@
+"""``ShardPlusModelParallelStrategy``: Lightning's ``ModelParallelStrategy`` (FSDP2 over the device mesh's
+``data_parallel`` dimension, tensor parallel over ``tensor_parallel``) with shardplus's data side, over the
+data-parallel ranks. FSDP's forward is itself a collective (the parameter all-gather), so a data-parallel rank without
+data still runs one: on a stand-in batch whose loss, logged values, metric updates and predictions count nowhere.
+docs/model-parallel.md."""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from contextlib import contextmanager
+from datetime import timedelta
+from functools import partialmethod
+from typing import Any, Literal
+
+import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.pytorch.strategies import ModelParallelStrategy
+from typing_extensions import override
+
+from lightning_shardplus._validation import check_int, check_process_group_backend, process_group_timeout
+from lightning_shardplus.components import DistributedSetup
+from lightning_shardplus.config import ShardPlusConfig, closest_option, fit_to_lightning
+from lightning_shardplus.data_parallel import data_parallel
+from lightning_shardplus.data_side import ShardPlusDataSide
+from lightning_shardplus.exact_evaluation import counted_nowhere
+from lightning_shardplus.sharding import PaddingMode
+from lightning_shardplus.uneven import NoBatch, UnevenInputs
+
+# DDP's arguments, with why each has no place here (FSDP2 reduces the gradients itself, by reduce-scatter).
+DDP_ONLY = {
+    "gradient_compression": "a DDP communication hook; FSDP2 has none",
+    "tensor_fusion_threshold_mb": "DDP's bucket size; FSDP2 communicates per `fully_shard` unit",
+    "auto_tune_tensor_fusion": "it measures DDP's bucket sizes; FSDP2 communicates per `fully_shard` unit",
+    **dict.fromkeys(
+        (
+            "autotune_log",
+            "autotune_candidates_mb",
+            "autotune_first_bucket_candidates_mb",
+            "autotune_steps_per_sample",
+            "autotune_warmup_steps",
+            "autotune_cache",
+        ),
+        "an option of DDP's bucket-size tuning",
+    ),  # fmt: skip
+    **dict.fromkeys(
+        (
+            "ddp_comm_hook",
+            "ddp_comm_state",
+            "ddp_comm_wrapper",
+            "model_averaging_period",
+            "find_unused_parameters",
+            "static_graph",
+            "gradient_as_bucket_view",
+            "broadcast_buffers",
+            "start_method",
+        ),
+        "an argument of DistributedDataParallel or DDPStrategy",
+    ),  # fmt: skip
+}
+OPTIONS = (
+    "data_parallel_size", "tensor_parallel_size", "save_distributed_checkpoint", "process_group_backend", "timeout",
+    "aggregation_frequency", "average_aggregated_gradients", "shard_padding", "shuffle_seed", "exact_evaluation",
+    "verify_sharding", "average_training_metrics", "uneven_inputs",
+)  # fmt: skip
+
+
+class ShardPlusModelParallelStrategy(ShardPlusDataSide, ModelParallelStrategy):
+    """Lightning's ``ModelParallelStrategy`` with shardplus's data side over the data-parallel ranks.
+
+    Args:
+        data_parallel_size, tensor_parallel_size, save_distributed_checkpoint, process_group_backend, timeout:
+            ``ModelParallelStrategy``'s.
+        aggregation_frequency: micro-batches per optimizer step; FSDP2 reduces the gradients once, at the last.
+        The others: as ``ShardPlusStrategy``'s, counted over the data-parallel ranks (docs/model-parallel.md).
+
+    Example::
+
+        trainer = Trainer(devices=4, strategy=ShardPlusModelParallelStrategy(data_parallel_size=2,
+                                                                              tensor_parallel_size=2))
+    """
+
+    strategy_name = "shardplus_model_parallel"
+
+    def __init__(
+        self,
+        data_parallel_size: Literal["auto"] | int = "auto",
+        tensor_parallel_size: Literal["auto"] | int = "auto",
+        save_distributed_checkpoint: bool = True,
+        process_group_backend: str | None = None,
+        timeout: timedelta | float | None = default_pg_timeout,
+        *,
+        aggregation_frequency: int = 1,
+        average_aggregated_gradients: bool = True,
+        shard_padding: PaddingMode = "first",
+        shuffle_seed: int | None = None,
+        exact_evaluation: bool = True,
+        verify_sharding: bool = False,
+        average_training_metrics: bool = True,
+        uneven_inputs: UnevenInputs = "join",
+        **ddp_only: Any,
+    ) -> None:
+        refuse_ddp_only(ddp_only)
+        for name, size in (("data_parallel_size", data_parallel_size), ("tensor_parallel_size", tensor_parallel_size)):
+            if size != "auto":
+                check_int(name, size, minimum=1)
+        check_process_group_backend(process_group_backend)
+        config = fit_to_lightning(ShardPlusConfig(
+            aggregation_frequency=aggregation_frequency, average_aggregated_gradients=average_aggregated_gradients,
+            shard_padding=shard_padding, shuffle_seed=shuffle_seed, exact_evaluation=exact_evaluation,
+            verify_sharding=verify_sharding, average_training_metrics=average_training_metrics,
+            uneven_inputs=uneven_inputs,
+        ))  # fmt: skip
+        super().__init__(
+            data_parallel_size, tensor_parallel_size, bool(save_distributed_checkpoint), process_group_backend,
+            process_group_timeout(timeout),
+        )  # fmt: skip
+        self._data_parallel_given = data_parallel_size
+        self._init_data_side(config)
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        description, init_params = MODEL_PARALLEL_NAMES[cls.strategy_name]
+        strategy_registry.register(cls.strategy_name, cls, description=description, override=True, **init_params)
+
+    @property
+    def num_replicas(self) -> int:
+        """The data-parallel size (``"auto"``: the number of nodes, as ``ModelParallelStrategy``)."""
+        given = self._data_parallel_given
+        return self.num_nodes if given == "auto" else int(given)
+
+    @override
+    def _distributed_setup(self) -> DistributedSetup:
+        setup = super()._distributed_setup()
+        setup.ddp = False
+        return setup
+
+    @override
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
+        """``self.log(sync_dist=True)`` and every reduction without a group: over the data-parallel ranks only
+        (over the world, each tensor-parallel copy would count again)."""
+        return super().reduce(tensor, group=data_parallel(self).group if group is None else group, reduce_op=reduce_op)
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Inside an aggregation window (Lightning's accumulation) FSDP2 reduces no gradient: one reduce-scatter at
+        the window's last micro-batch."""
+        sharded = [m for m in self.model.modules() if hasattr(m, "set_requires_gradient_sync")]  # FSDP2 units
+        for module in sharded:
+            module.set_requires_gradient_sync(False, recurse=False)
+        try:
+            yield
+        finally:
+            for module in sharded:
+                module.set_requires_gradient_sync(True, recurse=False)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if not (args and isinstance(args[0], NoBatch)):
+            return super().training_step(*args, **kwargs)
+        # this rank's stream ran out ("join"): the step on a stand-in batch, for FSDP's collectives, with a zero loss
+        self._components.even.step_without_data()  # type: ignore[union-attr]
+        output = super().training_step(self.batch_to_device(args[0].stand_in), *args[1:], **kwargs)
+        if isinstance(output, dict) and isinstance(output.get("loss"), torch.Tensor):
+            return {**output, "loss": output["loss"] * 0.0}
+        return output * 0.0 if isinstance(output, torch.Tensor) else output
+
+    def _evaluation_step(self, step: str, *args: Any, **kwargs: Any) -> Any:
+        """A stand-in batch (a data-parallel rank whose shard has fewer batches) runs the step for FSDP's collectives;
+        what it logs, updates or predicts counts nowhere."""
+        if not (args and isinstance(args[0], NoBatch)):
+            return getattr(super(), step)(*args, **kwargs)
+        stand_in = self.batch_to_device(args[0].stand_in, dataloader_idx=args[2] if len(args) > 2 else 0)
+        with counted_nowhere(self.lightning_module):
+            getattr(super(), step)(stand_in, *args[1:], **kwargs)
+        return args[0]  # (a prediction that `gather_predictions` leaves out)
+
+    validation_step = partialmethod(_evaluation_step, "validation_step")
+    test_step = partialmethod(_evaluation_step, "test_step")
+    predict_step = partialmethod(_evaluation_step, "predict_step")
+
+
+MODEL_PARALLEL_NAMES = {
+    ShardPlusModelParallelStrategy.strategy_name: ("ShardPlus data side on ModelParallelStrategy (FSDP2, TP)", {})
+}
+
+
+def refuse_ddp_only(given: dict[str, Any]) -> None:
+    """Refuse DDP's arguments, saying why, and unknown ones with the closest option."""
+    for name, value in given.items():
+        if name in DDP_ONLY:
+            raise TypeError(
+                f"`{name}`={value!r} is not a ShardPlusModelParallelStrategy option: {DDP_ONLY[name]}. Use "
+                "ShardPlusStrategy (strategy='shardplus') for DDP; the data-side options are the same."
+            )
+        close = closest_option(name)
+        hint = f" (did you mean `{close}`?)" if close in OPTIONS else ""
+        raise TypeError(
+            f"ShardPlusModelParallelStrategy got an unknown option `{name}`={value!r}{hint}: valid are "
+            f"{', '.join(OPTIONS)}."
+        )

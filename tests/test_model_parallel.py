@@ -1,0 +1,122 @@
+"""``ShardPlusModelParallelStrategy``: shardplus's data side under Lightning's ``ModelParallelStrategy`` (FSDP2 over the
+data-parallel ranks, tensor parallel over the others), on CPU processes started by Lightning's own launcher
+(``tests/_model_parallel_probe.py``), each result against a hand computation or a one-process run."""
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import lightning_shardplus
+from lightning_shardplus import ShardPlusModelParallelStrategy
+from lightning_shardplus._lightning import release
+
+PROBE = Path(__file__).parent / "_model_parallel_probe.py"
+needs_torch_2_4 = pytest.mark.skipif(
+    release(torch.__version__) < (2, 4), reason="ModelParallelStrategy needs torch 2.4"
+)
+
+
+def _run(tmp_path: Path, dp: int, tp: int) -> list[dict]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(PROBE.parent), os.environ.get("PYTHONPATH", "")])}
+    env.pop("LOCAL_RANK", None)
+    done = subprocess.run(
+        [sys.executable, str(PROBE), str(dp), str(tp), str(tmp_path / "found")], env=env, cwd=tmp_path,
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    return [json.loads((tmp_path / f"found.{rank}.json").read_text()) for rank in range(dp * tp)]
+
+
+def _close(weights: list[list[float]], reference: list[list[float]]) -> bool:
+    return all(
+        torch.allclose(torch.tensor(w), torch.tensor(r), atol=1e-6) for w, r in zip(weights, reference, strict=True)
+    )
+
+
+@needs_torch_2_4
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize(("dp", "tp"), [(2, 2), (3, 1)], ids=["2x2-tensor-parallel", "3-data-parallel"])
+def test_the_data_side_holds_over_the_data_parallel_ranks(tmp_path, dp, tp):
+    found = _run(tmp_path, dp, tp)
+    by_dp = [found[r * tp] for r in range(dp)]
+    for rank, result in enumerate(found):  # tensor-parallel peers read and see the same as their data-parallel rank
+        assert result["fit"]["seen"] == by_dp[rank // tp]["fit"]["seen"]
+    # padded equal training shards over the data-parallel ranks: every sample of 10 once (plus padding)
+    seen = [i for result in by_dp for i in result["fit"]["seen"]]
+    assert set(seen) == set(range(10)) and len(seen) == -(-10 // dp) * dp
+    # a sync_dist sum is the global batch, never counted again per tensor-parallel copy
+    shard = len(by_dp[0]["fit"]["seen"])  # 5 or 4, in batches of 2
+    assert found[0]["fit"]["samples"] == [float(dp * min(2, shard - 2 * b)) for b in range(-(-shard // 2))]
+    for result in found:
+        # one reduce-scatter per aggregation window gives one process's step on the whole batch
+        assert _close(result["aggregation"]["weights"], result["aggregation"]["reference"])
+        assert not _close(result["aggregation"]["reference"], result["initial"])
+        # join: the empty rank runs stand-in steps (no hang), its zero gradient is corrected away; drop: stops at
+        # the shortest stream (one step)
+        assert result["join"]["samples"] == [2.0 * (dp - 1), 2.0, 2.0] if dp > 2 else [2.0, 2.0, 2.0]
+        assert _close(result["join"]["weights"], result["join"]["reference"])
+        assert result["drop"]["samples"] == [2.0 * dp]
+        assert _close(result["drop"]["weights"], result["drop"]["reference"])
+        assert not _close(result["drop"]["reference"], result["initial"])
+        # exact evaluation with shards of unequal batches, an empty shard, and none: one process's values
+        n = 2 * dp - 1
+        assert result[f"validate{n}"] == [
+            {
+                "index_sum": n * (n - 1) / 2,
+                "index_mean": (n - 1) / 2,
+                "index_max": n - 1.0,
+                "metric_sum": n * (n - 1) / 2,
+            }
+        ]
+        assert result["validate1"] == [{"index_sum": 0.0, "index_mean": 0.0, "index_max": 0.0, "metric_sum": 0.0}]
+        assert result["validate0"] == []
+    assert found[0]["predict"] == [[0, 1], [2], [3, 4]] if dp == 2 else found[0]["predict"][0] == [0, 1]
+    assert sorted(i for batch in found[0]["predict"] for i in batch) == list(range(5))
+
+
+def test_ddp_only_arguments_are_refused_saying_why():
+    with pytest.raises(
+        TypeError,
+        match=r"`gradient_compression`='fp16' is not a ShardPlusModelParallelStrategy option: "
+        r"a DDP communication hook; FSDP2 has none",
+    ):
+        ShardPlusModelParallelStrategy(gradient_compression="fp16")
+    with pytest.raises(TypeError, match=r"`auto_tune_tensor_fusion`=True .* FSDP2 communicates per `fully_shard` unit"):
+        ShardPlusModelParallelStrategy(auto_tune_tensor_fusion=True)
+    with pytest.raises(TypeError, match=r"unknown option `unevn_inputs`='join' \(did you mean `uneven_inputs`\?\)"):
+        ShardPlusModelParallelStrategy(unevn_inputs="join")
+    with pytest.raises(ValueError, match=r"`data_parallel_size`=0 is not valid: expected an integer >= 1"):
+        ShardPlusModelParallelStrategy(data_parallel_size=0)
+    with pytest.raises(ValueError, match=r"`uneven_inputs`='wait' is not valid"):
+        ShardPlusModelParallelStrategy(uneven_inputs="wait")
+    assert not torch.distributed.is_initialized()
+
+
+def test_the_strategy_is_registered_and_counts_data_parallel_ranks():
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    assert StrategyRegistry["shardplus_model_parallel"]["strategy"] is ShardPlusModelParallelStrategy
+    assert ShardPlusModelParallelStrategy(data_parallel_size=3, tensor_parallel_size=2).num_replicas == 3
+    assert ShardPlusModelParallelStrategy().num_replicas == 1  # "auto": one per node, as ModelParallelStrategy
+    assert "ShardPlusModelParallelStrategy" in lightning_shardplus.__all__
+
+
+@pytest.mark.skipif(release(torch.__version__) < (2, 6), reason="the demo model's fully_shard is public from torch 2.6")
+@pytest.mark.timeout(400)
+def test_the_shipped_config_fits_two_by_two_through_the_shardplus_command(tmp_path):
+    config = Path(__file__).parents[1] / "configs" / "model_parallel.yaml"
+    done = subprocess.run(
+        [sys.executable, "-m", "lightning_shardplus.cli", "fit", "--config", str(config), "--trainer.max_epochs=2"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=380,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "shardplus: 2 data-parallel ranks (model parallel)" in done.stderr + done.stdout
+    (metrics,) = tmp_path.glob("lightning_logs/model_parallel/version_0/metrics.csv")
+    accuracy = [float(row["val_acc"]) for row in csv.DictReader(metrics.open()) if row["val_acc"]]
+    assert len(accuracy) == 2 and accuracy[-1] > 0.85
