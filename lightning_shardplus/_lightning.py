@@ -41,7 +41,6 @@ _parse_num_batches = _private("lightning.pytorch.trainer.connectors.data_connect
 _LoggerConnector = _private("lightning.pytorch.trainer.connectors.logger_connector", "_LoggerConnector")
 _ResultCollection = _private("lightning.pytorch.trainer.connectors.logger_connector.result", "_ResultCollection")
 _ResultMetric = _private("lightning.pytorch.trainer.connectors.logger_connector.result", "_ResultMetric")
-_SUPPORTED_MODES = _private("lightning.pytorch.utilities.combined_loader", "_SUPPORTED_MODES")
 _update_dataloader = _private("lightning.pytorch.utilities.data", "_update_dataloader")
 
 
@@ -106,8 +105,9 @@ def refresh_training_batch_count(trainer: Any) -> bool:
     ]
     if limits == combined.limits:
         return False
-    combined.limits = limits
-    fit_loop.max_batches = len(_SUPPORTED_MODES[combined._mode]["iterator"](combined.flattened, limits))
+    # in place: the epoch's running iterator holds this list, so the loader's own length counts with the new limits
+    combined.limits[:] = limits
+    fit_loop.max_batches = len(combined)
     interval = trainer.val_check_interval
     if isinstance(interval, float) and trainer.val_check_batch not in (None, float("inf")):
         # a fraction of the epoch, as `setup_data` sets it (ints and time-based intervals do not depend on it)
@@ -521,7 +521,7 @@ def warn_if_untested() -> None:
 
 def _probe_sharding() -> None:
     """The samplers' glue (loader rebuilds, prediction wrappers, the fit loop's loaders), DDP's kwargs."""
-    _imported("_FitLoop", "_PrefetchDataFetcher", "_IndexBatchSamplerWrapper", "_parse_num_batches", "_SUPPORTED_MODES")
+    _imported("_FitLoop", "_PrefetchDataFetcher", "_IndexBatchSamplerWrapper", "_parse_num_batches")
     _imported("UnrepeatedDistributedSamplerWrapper", "_update_dataloader")
     sampler = SequentialSampler(range(2))
     _attributes(UnrepeatedDistributedSamplerWrapper(sampler, num_replicas=1, rank=0), "dataset._sampler", "shuffle")

@@ -254,7 +254,7 @@ def test_training_batch_count_and_progress_are_where_resume_reads_them():
     from lightning.pytorch.loops.fit_loop import _FitLoop
     from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
     from lightning.pytorch.trainer.connectors.data_connector import _parse_num_batches
-    from lightning.pytorch.utilities.combined_loader import _SUPPORTED_MODES
+    from lightning.pytorch.utilities import CombinedLoader
 
     # setup_data reads the loader lengths into `combined_loader.limits`, `max_batches` and `val_check_batch`
     source = inspect.getsource(_FitLoop.setup_data)
@@ -263,7 +263,13 @@ def test_training_batch_count_and_progress_are_where_resume_reads_them():
     assert "max_batches = sized_len(combined_loader)" in source
     assert "trainer.val_check_batch = int(self.max_batches * trainer.val_check_interval)" in source
     assert _parse_num_batches(RunningStage.TRAINING, 10, 0.5) == 5
-    assert len(_SUPPORTED_MODES["max_size_cycle"]["iterator"]([range(5), range(7)], [3, 6])) == 6
+    # the running iterator holds the loader's `limits` list: updated in place, the loader's length follows it
+    combined = CombinedLoader([range(5), range(7)], "max_size_cycle")
+    combined.limits = [5, 7]
+    iter(combined)
+    assert len(combined) == 7
+    combined.limits[:] = [3, 6]
+    assert len(combined) == 6 and next(combined)[0] == [0, 0]
     # the batch just trained counts as processed, not yet completed, when on_train_batch_end saves a checkpoint
     source = inspect.getsource(_TrainingEpochLoop.advance)
     processed = source.index("self.batch_progress.increment_processed()")
