@@ -40,7 +40,9 @@ _IndexBatchSamplerWrapper = _private("lightning.pytorch.overrides.distributed", 
 _parse_num_batches = _private("lightning.pytorch.trainer.connectors.data_connector", "_parse_num_batches")
 _LoggerConnector = _private("lightning.pytorch.trainer.connectors.logger_connector", "_LoggerConnector")
 _ResultCollection = _private("lightning.pytorch.trainer.connectors.logger_connector.result", "_ResultCollection")
-_ResultMetric = _private("lightning.pytorch.trainer.connectors.logger_connector.result", "_ResultMetric")
+# One logged key in a `_ResultCollection` (Lightning's `_ResultMetric`, not imported): read and written through the
+# attributes `_probe_results` checks on one Lightning filled.
+ResultMetric = Any
 _update_dataloader = _private("lightning.pytorch.utilities.data", "_update_dataloader")
 
 
@@ -233,7 +235,7 @@ class LoggedValue(NamedTuple):
     it."""
 
     log: TrainingLog
-    metric: _ResultMetric
+    metric: ResultMetric
     value: torch.Tensor  # this rank's value, as Lightning stored it for the step (floating point, not in a graph)
     reduce_fx: str  # "mean", "sum", "max" or "min": the epoch reduction (and Lightning's cross-rank op)
     # The metric's epoch accumulation (value, cumulated batch size or None) before this call; None unless
@@ -305,7 +307,7 @@ def intercept_training_logs(
     return restore
 
 
-def _reduce_name(metric: _ResultMetric) -> str:
+def _reduce_name(metric: ResultMetric) -> str:
     meta = metric.meta  # private: `_Metadata`
     if meta.is_mean_reduction:
         return "mean"
@@ -316,14 +318,14 @@ def _reduce_name(metric: _ResultMetric) -> str:
     return "min"
 
 
-def epoch_state(metric: _ResultMetric) -> tuple[torch.Tensor, torch.Tensor | None]:
+def epoch_state(metric: ResultMetric) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A copy of the epoch accumulation of ``metric``: ``value`` (the running sum of value * batch size for
     ``reduce_fx="mean"``, else the running sum/max/min) and ``cumulated_batch_size`` (mean only)."""
     count = metric.cumulated_batch_size.clone() if metric.meta.is_mean_reduction else None
     return metric.value.clone(), count
 
 
-def _default_epoch_state(metric: _ResultMetric) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _default_epoch_state(metric: ResultMetric) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The epoch state of a fresh ``_ResultMetric``: 0, or -inf/+inf for max/min."""
     name = _reduce_name(metric)
     fill = {"max": float("-inf"), "min": float("inf")}.get(name, 0.0)
@@ -331,7 +333,7 @@ def _default_epoch_state(metric: _ResultMetric) -> tuple[torch.Tensor, torch.Ten
     return torch.full_like(metric.value, fill), count
 
 
-def set_step_value(metric: _ResultMetric, value: torch.Tensor | None) -> None:
+def set_step_value(metric: ResultMetric, value: torch.Tensor | None) -> None:
     """Make ``value`` the step value the loggers read (None: no step value yet, left out of them)."""
     metric._forward_cache = value  # private: read by `_ResultCollection._get_cache(on_step=True)`
     if value is not None:
@@ -340,7 +342,7 @@ def set_step_value(metric: _ResultMetric, value: torch.Tensor | None) -> None:
             metric.value = value  # what `update` stores for on_step-only values
 
 
-def set_epoch_state(metric: _ResultMetric, value: torch.Tensor, cumulated_batch_size: torch.Tensor | None) -> None:
+def set_epoch_state(metric: ResultMetric, value: torch.Tensor, cumulated_batch_size: torch.Tensor | None) -> None:
     """Replace the epoch accumulation of ``metric`` (see :func:`epoch_state`)."""
     metric.value = value
     if cumulated_batch_size is not None:
@@ -537,7 +539,7 @@ def _probe_sharding() -> None:
 
 def _probe_results() -> None:
     """A result collection Lightning filled (``self.log`` ends there, with these keywords), and its values."""
-    _imported("_ResultCollection", "_ResultMetric")
+    _imported("_ResultCollection")
     results = _ResultCollection(training=True)
     results.log(
         "training_step", "probe", torch.tensor(1.0), prog_bar=False, logger=True, on_step=True, on_epoch=True,
