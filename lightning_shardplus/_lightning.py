@@ -468,17 +468,30 @@ def forget_given_warnings(pattern: str) -> None:
     cache.difference_update([message for message in cache if re.match(pattern, message)])
 
 
+def destroy_process_group() -> None:
+    """Destroy the default process group if there is one, Ctrl+C ignored meanwhile: what Lightning registers at exit
+    for NCCL (``lightning.fabric.utilities.distributed``), with torch's public calls."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def destroy_process_group_at_exit() -> None:
-    """Lightning's process-group teardown at exit on every backend (Lightning: NCCL only; a gloo group alive at exit
-    aborts now and then), not on torch < 2.13 (its gloo destructor can deadlock over the GIL)."""
+    """The process-group teardown at exit on every backend (Lightning registers its own for NCCL only; a gloo group
+    alive at exit aborts now and then), not on torch < 2.13 (its gloo destructor can deadlock over the GIL). Registered
+    after Lightning's, it runs first (atexit runs the last registered first): Lightning's then finds no group."""
     import atexit
 
-    _destroy_dist_connection = _private("lightning.fabric.utilities.distributed", "_destroy_dist_connection")
-    if _destroy_dist_connection is None or release(torch.__version__) < (2, 13):
+    if release(torch.__version__) < (2, 13):
         return  # Lightning's behaviour
 
-    atexit.unregister(_destroy_dist_connection)  # no duplicate when Lightning registered it (NCCL)
-    atexit.register(_destroy_dist_connection)
+    atexit.unregister(destroy_process_group)  # once, however often it is called
+    atexit.register(destroy_process_group)
 
 
 # ==========================================================================================================
