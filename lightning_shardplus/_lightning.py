@@ -20,7 +20,6 @@ from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Sampler, SequentialSampler
-from torchmetrics import MeanMetric
 
 
 def _private(module: str, name: str) -> Any:
@@ -201,13 +200,6 @@ def publish_loader_values(trainer: Any, dataloader_idx: int | None) -> None:
         trainer._logger_connector.update_eval_epoch_metrics()
     finally:
         results.dataloader_idx = current
-
-
-def set_metric_sync(metric: Any, sync_on_compute: bool, dist_sync_on_step: bool) -> None:
-    """Set a torchmetrics ``Metric``'s sync switches, and the private ``_to_sync`` its ``compute()`` reads (copied
-    from ``sync_on_compute`` only at construction and after ``forward``)."""
-    metric.sync_on_compute, metric.dist_sync_on_step = sync_on_compute, dist_sync_on_step
-    metric._to_sync = sync_on_compute
 
 
 # ---------------------------------------------------------------- training metrics (`training_metrics`)
@@ -572,7 +564,6 @@ def _probe_exact_evaluation() -> None:
     _attributes(_LoggerConnector, "update_eval_epoch_metrics")
     _takes(_LoggerConnector.update_eval_epoch_metrics, "self")
     _attributes(importlib.import_module(_ResultCollection.__module__), "warning_cache")
-    _attributes(MeanMetric(), "_to_sync", "sync_on_compute", "dist_sync_on_step")
 
 
 def _probe_training_metrics() -> None:

@@ -414,31 +414,6 @@ def test_lightnings_epoch_sync_advice_still_reads_as_shardplus_silences_it():
         result.warning_cache.difference_update({text.format(name) for name in ("val_loss", "other")})
 
 
-def test_a_metric_fed_by_update_syncs_in_compute_until_shardplus_switches_its_sync_off():
-    # torchmetrics' compute reads `_to_sync`, set from `sync_on_compute` at construction and after `forward` only
-    from torchmetrics import MeanMetric
-
-    gathered = []
-
-    def gather(tensor, group=None):
-        gathered.append(tensor)
-        return [tensor]
-
-    metric = MeanMetric(dist_sync_fn=gather, distributed_available_fn=lambda: True)
-    metric.update(torch.tensor([1.0, 3.0]))
-    metric.sync_on_compute = False  # the public switch alone: `update` does not copy it
-    metric.compute()
-    assert gathered  # it synced
-    gathered.clear()
-    _lightning.set_metric_sync(metric, sync_on_compute=False, dist_sync_on_step=False)
-    metric.update(torch.tensor([5.0]))
-    assert float(metric.compute()) == 3.0 and not gathered
-    _lightning.set_metric_sync(metric, sync_on_compute=True, dist_sync_on_step=False)
-    metric.update(torch.tensor([5.0]))
-    metric.compute()
-    assert gathered
-
-
 def test_the_evaluation_values_of_a_loader_are_published_by_update_eval_epoch_metrics():
     from types import SimpleNamespace
 
