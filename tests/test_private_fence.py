@@ -20,9 +20,9 @@ import lightning_shardplus
 PACKAGE = Path(__file__).resolve().parents[1] / "lightning_shardplus"
 FENCE = {"_lightning.py", "_torch.py"}
 ALLOWED = {"_getframe"}  # sys._getframe: CPython's documented frame access, not another package's internals
-# Issue 39 asked for 24 at most. Counted as above, 33 were used; 28 are left, each needed by a feature (what each
+# Issue 39 asked for 24 at most. Counted as above, 33 were used; 24 are left, each needed by a feature (what each
 # reads: docs/architecture.md, "Private names"). A new one fails this test until one goes.
-MAX_PRIVATE_NAMES = 28
+MAX_PRIVATE_NAMES = 24
 # Calls whose string arguments name an attribute or a module: the arguments read, by function name.
 BY_STRING = {"getattr": slice(1, 2), "hasattr": slice(1, 2), "setattr": slice(1, 2), "delattr": slice(1, 2),
              "_private": slice(1, 2), "import_module": slice(0, 1)}  # fmt: skip
