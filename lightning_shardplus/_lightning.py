@@ -20,7 +20,6 @@ from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Sampler, SequentialSampler
-from torchmetrics import MeanMetric
 
 
 def _private(module: str, name: str) -> Any:
@@ -40,8 +39,9 @@ _IndexBatchSamplerWrapper = _private("lightning.pytorch.overrides.distributed", 
 _parse_num_batches = _private("lightning.pytorch.trainer.connectors.data_connector", "_parse_num_batches")
 _LoggerConnector = _private("lightning.pytorch.trainer.connectors.logger_connector", "_LoggerConnector")
 _ResultCollection = _private("lightning.pytorch.trainer.connectors.logger_connector.result", "_ResultCollection")
-_ResultMetric = _private("lightning.pytorch.trainer.connectors.logger_connector.result", "_ResultMetric")
-_SUPPORTED_MODES = _private("lightning.pytorch.utilities.combined_loader", "_SUPPORTED_MODES")
+# One logged key in a `_ResultCollection` (Lightning's `_ResultMetric`, not imported): read and written through the
+# attributes `_probe_results` checks on one Lightning filled.
+ResultMetric = Any
 _update_dataloader = _private("lightning.pytorch.utilities.data", "_update_dataloader")
 
 
@@ -106,8 +106,9 @@ def refresh_training_batch_count(trainer: Any) -> bool:
     ]
     if limits == combined.limits:
         return False
-    combined.limits = limits
-    fit_loop.max_batches = len(_SUPPORTED_MODES[combined._mode]["iterator"](combined.flattened, limits))
+    # in place: the epoch's running iterator holds this list, so the loader's own length counts with the new limits
+    combined.limits[:] = limits
+    fit_loop.max_batches = len(combined)
     interval = trainer.val_check_interval
     if isinstance(interval, float) and trainer.val_check_batch not in (None, float("inf")):
         # a fraction of the epoch, as `setup_data` sets it (ints and time-based intervals do not depend on it)
@@ -201,13 +202,6 @@ def publish_loader_values(trainer: Any, dataloader_idx: int | None) -> None:
         results.dataloader_idx = current
 
 
-def set_metric_sync(metric: Any, sync_on_compute: bool, dist_sync_on_step: bool) -> None:
-    """Set a torchmetrics ``Metric``'s sync switches, and the private ``_to_sync`` its ``compute()`` reads (copied
-    from ``sync_on_compute`` only at construction and after ``forward``)."""
-    metric.sync_on_compute, metric.dist_sync_on_step = sync_on_compute, dist_sync_on_step
-    metric._to_sync = sync_on_compute
-
-
 # ---------------------------------------------------------------- training metrics (`training_metrics`)
 # No public hook sits between "a value was logged" and "it is read"; `sync_dist` runs in `_ResultCollection.log`.
 
@@ -233,7 +227,7 @@ class LoggedValue(NamedTuple):
     it."""
 
     log: TrainingLog
-    metric: _ResultMetric
+    metric: ResultMetric
     value: torch.Tensor  # this rank's value, as Lightning stored it for the step (floating point, not in a graph)
     reduce_fx: str  # "mean", "sum", "max" or "min": the epoch reduction (and Lightning's cross-rank op)
     # The metric's epoch accumulation (value, cumulated batch size or None) before this call; None unless
@@ -305,7 +299,7 @@ def intercept_training_logs(
     return restore
 
 
-def _reduce_name(metric: _ResultMetric) -> str:
+def _reduce_name(metric: ResultMetric) -> str:
     meta = metric.meta  # private: `_Metadata`
     if meta.is_mean_reduction:
         return "mean"
@@ -316,14 +310,14 @@ def _reduce_name(metric: _ResultMetric) -> str:
     return "min"
 
 
-def epoch_state(metric: _ResultMetric) -> tuple[torch.Tensor, torch.Tensor | None]:
+def epoch_state(metric: ResultMetric) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A copy of the epoch accumulation of ``metric``: ``value`` (the running sum of value * batch size for
     ``reduce_fx="mean"``, else the running sum/max/min) and ``cumulated_batch_size`` (mean only)."""
     count = metric.cumulated_batch_size.clone() if metric.meta.is_mean_reduction else None
     return metric.value.clone(), count
 
 
-def _default_epoch_state(metric: _ResultMetric) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _default_epoch_state(metric: ResultMetric) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The epoch state of a fresh ``_ResultMetric``: 0, or -inf/+inf for max/min."""
     name = _reduce_name(metric)
     fill = {"max": float("-inf"), "min": float("inf")}.get(name, 0.0)
@@ -331,7 +325,7 @@ def _default_epoch_state(metric: _ResultMetric) -> tuple[torch.Tensor, torch.Ten
     return torch.full_like(metric.value, fill), count
 
 
-def set_step_value(metric: _ResultMetric, value: torch.Tensor | None) -> None:
+def set_step_value(metric: ResultMetric, value: torch.Tensor | None) -> None:
     """Make ``value`` the step value the loggers read (None: no step value yet, left out of them)."""
     metric._forward_cache = value  # private: read by `_ResultCollection._get_cache(on_step=True)`
     if value is not None:
@@ -340,7 +334,7 @@ def set_step_value(metric: _ResultMetric, value: torch.Tensor | None) -> None:
             metric.value = value  # what `update` stores for on_step-only values
 
 
-def set_epoch_state(metric: _ResultMetric, value: torch.Tensor, cumulated_batch_size: torch.Tensor | None) -> None:
+def set_epoch_state(metric: ResultMetric, value: torch.Tensor, cumulated_batch_size: torch.Tensor | None) -> None:
     """Replace the epoch accumulation of ``metric`` (see :func:`epoch_state`)."""
     metric.value = value
     if cumulated_batch_size is not None:
@@ -466,17 +460,30 @@ def forget_given_warnings(pattern: str) -> None:
     cache.difference_update([message for message in cache if re.match(pattern, message)])
 
 
+def destroy_process_group() -> None:
+    """Destroy the default process group if there is one, Ctrl+C ignored meanwhile: what Lightning registers at exit
+    for NCCL (``lightning.fabric.utilities.distributed``), with torch's public calls."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def destroy_process_group_at_exit() -> None:
-    """Lightning's process-group teardown at exit on every backend (Lightning: NCCL only; a gloo group alive at exit
-    aborts now and then), not on torch < 2.13 (its gloo destructor can deadlock over the GIL)."""
+    """The process-group teardown at exit on every backend (Lightning registers its own for NCCL only; a gloo group
+    alive at exit aborts now and then), not on torch < 2.13 (its gloo destructor can deadlock over the GIL). Registered
+    after Lightning's, it runs first (atexit runs the last registered first): Lightning's then finds no group."""
     import atexit
 
-    _destroy_dist_connection = _private("lightning.fabric.utilities.distributed", "_destroy_dist_connection")
-    if _destroy_dist_connection is None or release(torch.__version__) < (2, 13):
+    if release(torch.__version__) < (2, 13):
         return  # Lightning's behaviour
 
-    atexit.unregister(_destroy_dist_connection)  # no duplicate when Lightning registered it (NCCL)
-    atexit.register(_destroy_dist_connection)
+    atexit.unregister(destroy_process_group)  # once, however often it is called
+    atexit.register(destroy_process_group)
 
 
 # ==========================================================================================================
@@ -521,7 +528,7 @@ def warn_if_untested() -> None:
 
 def _probe_sharding() -> None:
     """The samplers' glue (loader rebuilds, prediction wrappers, the fit loop's loaders), DDP's kwargs."""
-    _imported("_FitLoop", "_PrefetchDataFetcher", "_IndexBatchSamplerWrapper", "_parse_num_batches", "_SUPPORTED_MODES")
+    _imported("_FitLoop", "_PrefetchDataFetcher", "_IndexBatchSamplerWrapper", "_parse_num_batches")
     _imported("UnrepeatedDistributedSamplerWrapper", "_update_dataloader")
     sampler = SequentialSampler(range(2))
     _attributes(UnrepeatedDistributedSamplerWrapper(sampler, num_replicas=1, rank=0), "dataset._sampler", "shuffle")
@@ -537,7 +544,7 @@ def _probe_sharding() -> None:
 
 def _probe_results() -> None:
     """A result collection Lightning filled (``self.log`` ends there, with these keywords), and its values."""
-    _imported("_ResultCollection", "_ResultMetric")
+    _imported("_ResultCollection")
     results = _ResultCollection(training=True)
     results.log(
         "training_step", "probe", torch.tensor(1.0), prog_bar=False, logger=True, on_step=True, on_epoch=True,
@@ -557,7 +564,6 @@ def _probe_exact_evaluation() -> None:
     _attributes(_LoggerConnector, "update_eval_epoch_metrics")
     _takes(_LoggerConnector.update_eval_epoch_metrics, "self")
     _attributes(importlib.import_module(_ResultCollection.__module__), "warning_cache")
-    _attributes(MeanMetric(), "_to_sync", "sync_on_compute", "dist_sync_on_step")
 
 
 def _probe_training_metrics() -> None:

@@ -80,12 +80,15 @@ def reduce_epoch_values(
     how: Combine = combine,
     sync_dist_fn: Callable | None = None,
     notes: dict[str, dict[str, Any]] | None = None,
+    distributed_available: dict[int, Callable[[], bool] | None] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Every rank: agree on the keys of ``local`` (key -> this rank's ``_ResultMetric``) over the data-parallel ranks,
     register those this rank lacks in ``results``, then reduce the tensors' running values in one all_gather
     (``how``) and each torchmetrics Metric with its own sync, in key order; the epoch values Lightning reports are
     set. Keys are registered with ``sync_dist_fn`` (default: the strategy's ``reduce``); ``notes[key]`` joins this
-    rank's entry of ``key`` (what ``how`` needs to know of it on every rank). Returns the agreed entries by key."""
+    rank's entry of ``key`` (what ``how`` needs to know of it on every rank); ``distributed_available[id(metric)]``,
+    where given, is what a Metric's sync asks in place of its own ``distributed_available_fn`` (exact evaluation
+    switched that off). Returns the agreed entries by key."""
     dp, notes = data_parallel(trainer.strategy), notes or {}
     gathered: list[Any] = [None] * dp.size
     own = {key: describe(key, rm) | notes.get(key, {}) for key, rm in local.items()}
@@ -118,7 +121,10 @@ def reduce_epoch_values(
         if entry["reduction"] == "metric":
             metric = result_metrics[key].value
             fill_empty_list_states(metric, entry["list_states"])
-            with metric.sync_context(process_group=dp.group, should_sync=True, should_unsync=True):
+            available = (distributed_available or {}).get(id(metric))  # None: the metric's own
+            with metric.sync_context(
+                process_group=dp.group, should_sync=True, should_unsync=True, distributed_available=available
+            ):
                 value = type(metric).compute(metric)
             _lightning.set_computed(result_metrics[key], torch.as_tensor(value))
     return entries

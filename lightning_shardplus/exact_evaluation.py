@@ -22,6 +22,31 @@ _PER_BATCH_FX = frozenset(
 )  # fmt: skip
 
 
+# A Metric's sync settings: `sync_on_compute`, `dist_sync_on_step`, `distributed_available_fn`.
+MetricSync = tuple[bool, bool, Callable[[], bool] | None]
+
+
+def _not_distributed() -> bool:
+    """The ``distributed_available_fn`` of a Metric whose sync exact evaluation defers: its syncs stay local."""
+    return False
+
+
+def defer_metric_sync(metric: Metric) -> MetricSync:
+    """Switch ``metric``'s syncs off (in ``compute()``, and in ``forward`` with ``dist_sync_on_step``); returns its
+    settings for :func:`restore_metric_sync`. ``sync_on_compute`` alone does not do it: torchmetrics copies it into
+    what ``compute()`` reads at construction and after each ``forward`` only (a metric fed by ``update`` would still
+    sync), while ``compute()`` asks ``distributed_available_fn`` at every sync."""
+    settings = (metric.sync_on_compute, metric.dist_sync_on_step, metric.distributed_available_fn)
+    metric.sync_on_compute = metric.dist_sync_on_step = False
+    metric.distributed_available_fn = _not_distributed
+    return settings
+
+
+def restore_metric_sync(metric: Metric, settings: MetricSync) -> None:
+    """Put back the sync settings :func:`defer_metric_sync` returned."""
+    metric.sync_on_compute, metric.dist_sync_on_step, metric.distributed_available_fn = settings
+
+
 def _exactly_reduced(results: Any) -> dict[str, Any]:
     """The epoch values of ``results`` that exact evaluation reduces, by key: those logged per batch, for all ranks."""
     metrics = _lightning.epoch_result_metrics(results).items()
@@ -35,7 +60,8 @@ class _ExactEvaluation(Callback):
 
     def __init__(self) -> None:
         self.deferring = False
-        self._metric_flags: dict[Metric, tuple[bool, bool]] = {}
+        # id -> a Metric deferred for this run and its own settings (by id: a Metric's hash follows its state)
+        self._deferred: dict[int, tuple[Metric, MetricSync]] = {}
         self._silenced: set[str] = set()  # names whose sync_dist advice is ignored until `_close`
         self._restore_warnings: list[Callable[[], None]] = []
 
@@ -45,16 +71,15 @@ class _ExactEvaluation(Callback):
             restore()
         self._restore_warnings.clear()
         self._silenced.clear()
-        for metric, (sync_on_compute, dist_sync_on_step) in self._metric_flags.items():
-            _lightning.set_metric_sync(metric, sync_on_compute, dist_sync_on_step)
-        self._metric_flags.clear()
+        for metric, settings in self._deferred.values():
+            restore_metric_sync(metric, settings)
+        self._deferred.clear()
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.deferring = True
         for metric in pl_module.modules():
             if isinstance(metric, Metric):
-                self._metric_flags[metric] = (metric.sync_on_compute, metric.dist_sync_on_step)
-                _lightning.set_metric_sync(metric, sync_on_compute=False, dist_sync_on_step=False)
+                self._deferred[id(metric)] = (metric, defer_metric_sync(metric))
 
     on_test_start = on_validation_start
 
@@ -82,7 +107,11 @@ class _ExactEvaluation(Callback):
         """Every rank: the epoch values over all ranks (:func:`epoch_values.reduce_epoch_values`), then those of each
         loader but the last published again."""
         results = _lightning.active_results(trainer)
-        entries = epoch_values.reduce_epoch_values(trainer, pl_module, results, _exactly_reduced(results))
+        # each deferred Metric syncs here as its own `distributed_available_fn` says
+        available = {key: settings[2] for key, (_, settings) in self._deferred.items()}
+        entries = epoch_values.reduce_epoch_values(
+            trainer, pl_module, results, _exactly_reduced(results), distributed_available=available
+        )
         # Lightning published the values of each loader but the last when its loop moved on (before this
         # reduction; those of a loader without a batch here never): publish them again, on every rank.
         for dataloader_idx in {entry["dataloader_idx"] for entry in entries.values()} - {results.dataloader_idx}:

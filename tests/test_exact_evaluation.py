@@ -114,6 +114,36 @@ def test_ranks_without_any_evaluation_sample_join_the_reduction(tmp_path):
     assert not [r for r in rows if r["stage"] == "val" and r["rank"] == 2]
 
 
+def test_a_metric_fed_by_update_syncs_in_compute_until_exact_evaluation_defers_its_sync():
+    # torchmetrics copies `sync_on_compute` into what `compute` reads at construction and after `forward` only
+    from lightning_shardplus.exact_evaluation import defer_metric_sync, restore_metric_sync
+
+    gathered = []
+
+    def gather(tensor, group=None):
+        gathered.append(tensor)
+        return [tensor]
+
+    def available():
+        return True
+
+    metric = MeanMetric(dist_sync_fn=gather, distributed_available_fn=available)
+    metric.update(torch.tensor([1.0, 3.0]))
+    metric.sync_on_compute = False  # the public switch alone: `update` does not copy it
+    metric.compute()
+    assert gathered  # it synced
+    gathered.clear()
+    metric.sync_on_compute = True
+    settings = defer_metric_sync(metric)
+    metric.update(torch.tensor([5.0]))
+    assert float(metric.compute()) == 3.0 and not gathered
+    restore_metric_sync(metric, settings)
+    assert metric.sync_on_compute and not metric.dist_sync_on_step and metric.distributed_available_fn is available
+    metric.update(torch.tensor([5.0]))
+    metric.compute()
+    assert gathered
+
+
 @pytest.mark.timeout(120)
 def test_exact_evaluation_false_keeps_lightnings_padded_sampler(tmp_path):
     trainer = cpu_trainer(ShardPlusStrategy(start_method="fork", exact_evaluation=False), 2)

@@ -254,7 +254,7 @@ def test_training_batch_count_and_progress_are_where_resume_reads_them():
     from lightning.pytorch.loops.fit_loop import _FitLoop
     from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
     from lightning.pytorch.trainer.connectors.data_connector import _parse_num_batches
-    from lightning.pytorch.utilities.combined_loader import _SUPPORTED_MODES
+    from lightning.pytorch.utilities import CombinedLoader
 
     # setup_data reads the loader lengths into `combined_loader.limits`, `max_batches` and `val_check_batch`
     source = inspect.getsource(_FitLoop.setup_data)
@@ -263,7 +263,13 @@ def test_training_batch_count_and_progress_are_where_resume_reads_them():
     assert "max_batches = sized_len(combined_loader)" in source
     assert "trainer.val_check_batch = int(self.max_batches * trainer.val_check_interval)" in source
     assert _parse_num_batches(RunningStage.TRAINING, 10, 0.5) == 5
-    assert len(_SUPPORTED_MODES["max_size_cycle"]["iterator"]([range(5), range(7)], [3, 6])) == 6
+    # the running iterator holds the loader's `limits` list: updated in place, the loader's length follows it
+    combined = CombinedLoader([range(5), range(7)], "max_size_cycle")
+    combined.limits = [5, 7]
+    iter(combined)
+    assert len(combined) == 7
+    combined.limits[:] = [3, 6]
+    assert len(combined) == 6 and next(combined)[0] == [0, 0]
     # the batch just trained counts as processed, not yet completed, when on_train_batch_end saves a checkpoint
     source = inspect.getsource(_TrainingEpochLoop.advance)
     processed = source.index("self.batch_progress.increment_processed()")
@@ -408,31 +414,6 @@ def test_lightnings_epoch_sync_advice_still_reads_as_shardplus_silences_it():
         result.warning_cache.difference_update({text.format(name) for name in ("val_loss", "other")})
 
 
-def test_a_metric_fed_by_update_syncs_in_compute_until_shardplus_switches_its_sync_off():
-    # torchmetrics' compute reads `_to_sync`, set from `sync_on_compute` at construction and after `forward` only
-    from torchmetrics import MeanMetric
-
-    gathered = []
-
-    def gather(tensor, group=None):
-        gathered.append(tensor)
-        return [tensor]
-
-    metric = MeanMetric(dist_sync_fn=gather, distributed_available_fn=lambda: True)
-    metric.update(torch.tensor([1.0, 3.0]))
-    metric.sync_on_compute = False  # the public switch alone: `update` does not copy it
-    metric.compute()
-    assert gathered  # it synced
-    gathered.clear()
-    _lightning.set_metric_sync(metric, sync_on_compute=False, dist_sync_on_step=False)
-    metric.update(torch.tensor([5.0]))
-    assert float(metric.compute()) == 3.0 and not gathered
-    _lightning.set_metric_sync(metric, sync_on_compute=True, dist_sync_on_step=False)
-    metric.update(torch.tensor([5.0]))
-    metric.compute()
-    assert gathered
-
-
 def test_the_evaluation_values_of_a_loader_are_published_by_update_eval_epoch_metrics():
     from types import SimpleNamespace
 
@@ -449,22 +430,25 @@ def test_the_evaluation_values_of_a_loader_are_published_by_update_eval_epoch_me
     assert trainer._logger_connector.callback_metrics["loss/dataloader_idx_1"] == 2.0
 
 
-def test_lightning_destroys_the_process_group_at_exit_for_nccl_only_and_shardplus_registers_it_once(monkeypatch):
+def test_shardplus_registers_its_process_group_teardown_at_exit_once_and_it_destroys_the_group(monkeypatch, tmp_path):
     import atexit
-    import inspect
 
-    from lightning.fabric.utilities import distributed
+    import torch.distributed as dist
 
-    source = inspect.getsource(distributed._init_dist_connection)
-    assert 'if torch_distributed_backend == "nccl":' in source and "atexit.register(_destroy_dist_connection)" in source
     registered = []
     monkeypatch.setattr(atexit, "register", registered.append)
     monkeypatch.setattr(atexit, "unregister", lambda f: registered.remove(f) if f in registered else None)
     _lightning.destroy_process_group_at_exit()
     _lightning.destroy_process_group_at_exit()
-    # once, Lightning's own teardown; not on torch < 2.13 (a gloo group's destructor can deadlock there at exit)
+    # once; not on torch < 2.13 (a gloo group's destructor can deadlock there at exit)
     old_torch = _lightning.release(torch.__version__) < (2, 13)
-    assert registered == ([] if old_torch else [distributed._destroy_dist_connection])
+    assert registered == ([] if old_torch else [_lightning.destroy_process_group])
+    if dist.is_initialized():
+        pytest.skip("this process already has a process group")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    _lightning.destroy_process_group()
+    assert not dist.is_initialized()
+    _lightning.destroy_process_group()  # no group left (Lightning's own teardown then): nothing to do
 
 
 @pytest.mark.parametrize("log_every_n_steps", [1, 3, 0])

@@ -20,9 +20,9 @@ import lightning_shardplus
 PACKAGE = Path(__file__).resolve().parents[1] / "lightning_shardplus"
 FENCE = {"_lightning.py", "_torch.py"}
 ALLOWED = {"_getframe"}  # sys._getframe: CPython's documented frame access, not another package's internals
-# Issue 39 asked for 24 at most. Counted as above, 33 were used; 28 are left, each needed by a feature (what each
+# Issue 39 asked for 24 at most. Counted as above, 33 were used; 24 are left, each needed by a feature (what each
 # reads: docs/architecture.md, "Private names"). A new one fails this test until one goes.
-MAX_PRIVATE_NAMES = 28
+MAX_PRIVATE_NAMES = 24
 # Calls whose string arguments name an attribute or a module: the arguments read, by function name.
 BY_STRING = {"getattr": slice(1, 2), "hasattr": slice(1, 2), "setattr": slice(1, 2), "delattr": slice(1, 2),
              "_private": slice(1, 2), "import_module": slice(0, 1)}  # fmt: skip
@@ -171,7 +171,7 @@ def test_the_private_names_of_other_packages_are_counted_with_strings_and_overri
     names = private_names_in_the_fence() | set(private_names_outside_the_fence())
     names |= {name.rpartition(".")[2] for name in private_overrides()}
     assert len(names) <= MAX_PRIVATE_NAMES, f"{len(names)} private names of other packages: {sorted(names)}"
-    assert {"_destroy_dist_connection", "_actions", "_results", "_computed", "_FitLoop"} <= names  # by string too
+    assert {"_every_n_train_steps", "_actions", "_results", "_computed", "_FitLoop"} <= names  # by string too
 
 
 def test_the_fence_sees_a_private_attribute_and_a_private_import(tmp_path):
