@@ -55,6 +55,7 @@ class RunComponents:
     exact: ExactEvaluation | None = None  # the callback, when evaluation is exact across more than one rank
     metrics: AverageTrainingMetrics | None = None  # the callback, when training metrics are averaged
     even: EvenSteps | None = None
+    evaluation_steps: EvenSteps | None = None  # model parallel: evaluation streams in equal steps (FSDP's forward)
     aggregation: GradientAggregation | None = None
     hook: CommunicationHook | None = None
     fusion: fusion.TensorFusion | None = None
@@ -77,6 +78,8 @@ class RunComponents:
         exact = next((cb for cb in trainer.callbacks if isinstance(cb, ExactEvaluation)), None)
         metrics = next((cb for cb in trainer.callbacks if isinstance(cb, AverageTrainingMetrics)), None)
         parts = cls(loaders, exact=exact if exact_across_ranks else None, metrics=metrics, backend=setup.backend)
+        if exact_across_ranks and not setup.ddp:
+            parts.evaluation_steps = EvenSteps("join", setup.data_parallel, setup.backend, keeps_stand_in=True)
         if trainer.state.fn == TrainerFn.FITTING:
             abstain = metrics.abstain_this_step if metrics is not None else None
             parts.even = EvenSteps(
@@ -103,12 +106,15 @@ class RunComponents:
                 component.load_state_dict(states.pop(key))
 
     def process_dataloader(self, dataloader: object, training: bool) -> object:
-        """shardplus samplers in a loader Lightning prepared; training streams in steps all ranks take together."""
+        """shardplus samplers in a loader Lightning prepared; training streams (and model parallel's evaluation
+        streams) in steps all ranks take together."""
         dataloader = self.loaders.process(dataloader)
         if training and self.aggregation is not None:
             self.aggregation.announce(dataloader)
         if training and self.even is not None:
             dataloader = self.even.wrap(dataloader)
+        elif not training and self.evaluation_steps is not None:
+            dataloader = self.evaluation_steps.wrap_evaluation(dataloader)
         return dataloader
 
     def on_train_start(self, trainer: pl.Trainer) -> None:

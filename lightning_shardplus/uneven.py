@@ -173,9 +173,7 @@ class EvenSteps:
                 f"{type(self.trainer.lightning_module).__name__} sets `automatic_optimization = False`. Give each "
                 "rank the same number of batches yourself, or use a map-style dataset."
             )
-        if self.streams == 0:  # every rank wraps the same loaders: a collective (on another backend)
-            self.group = self.data_parallel.gloo_group(self.backend)
-        self.streams += 1
+        self._count_stream()
         if hasattr(loader, "state_dict") and hasattr(loader, "load_state_dict"):
             return ResumableAgreedLoader(loader, self)
         if self.trainer is None or self.trainer.checkpoint_callbacks:  # only where a checkpoint can be saved
@@ -184,6 +182,19 @@ class EvenSteps:
                 "at the start of the epoch (litdata's StreamingDataLoader can resume mid-epoch)."
             )
         return AgreedLoader(loader, self)
+
+    def wrap_evaluation(self, loader: Any) -> Any:
+        """An evaluation stream under model parallel (``keeps_stand_in``), where every forward is a collective: all
+        ranks take its batches together, a rank that ran out runs stand-ins (``"join"``) until none has data."""
+        if self.world_size < 2 or not is_stream(loader):
+            return loader
+        self._count_stream()
+        return AgreedLoader(loader, self)
+
+    def _count_stream(self) -> None:
+        if self.streams == 0:  # every rank wraps the same loaders: a collective (on another backend)
+            self.group = self.data_parallel.gloo_group(self.backend)
+        self.streams += 1
 
     def check_combination(self, mode: str, loaders: int) -> None:
         """Refuse a training stream combined with other training loaders: a rank whose stream ran out would still step

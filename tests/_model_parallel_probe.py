@@ -154,6 +154,9 @@ def main(dp: int, tp: int, out: str) -> None:
     # exact evaluation: shards of 2 and 1 samples, an empty one, none
     for n in (2 * dp - 1, 1, 0):
         found[f"validate{n}"] = trainer().validate(Model(), DataLoader(Samples(n), batch_size=2), verbose=False)
+    # an evaluation stream: 3 samples on data-parallel rank 0, none on rank 1, 1 on the others
+    stream = DataLoader(DataParallelStream([3, 0] + [1] * (dp - 2), tp), batch_size=2)
+    found["validate_stream"] = trainer().validate(Model(), stream, verbose=False)
     found["predict"] = [t.tolist() for t in trainer().predict(Model(), DataLoader(Samples(5), batch_size=2))]
     with open(f"{out}.{dist.get_rank()}.json", "w") as file:
         json.dump(found, file)

@@ -33,6 +33,12 @@ def _run(tmp_path: Path, dp: int, tp: int) -> list[dict]:
     return [json.loads((tmp_path / f"found.{rank}.json").read_text()) for rank in range(dp * tp)]
 
 
+def one_process(n: int) -> dict[str, float]:
+    """What the probe's validation logs over samples 0..n-1 in one process."""
+    total = n * (n - 1) / 2
+    return {"index_sum": total, "index_mean": (n - 1) / 2, "index_max": n - 1.0, "metric_sum": total}
+
+
 def _close(weights: list[list[float]], reference: list[list[float]]) -> bool:
     return all(
         torch.allclose(torch.tensor(w), torch.tensor(r), atol=1e-6) for w, r in zip(weights, reference, strict=True)
@@ -65,17 +71,12 @@ def test_the_data_side_holds_over_the_data_parallel_ranks(tmp_path, dp, tp):
         assert _close(result["drop"]["weights"], result["drop"]["reference"])
         assert not _close(result["drop"]["reference"], result["initial"])
         # exact evaluation with shards of unequal batches, an empty shard, and none: one process's values
-        n = 2 * dp - 1
-        assert result[f"validate{n}"] == [
-            {
-                "index_sum": n * (n - 1) / 2,
-                "index_mean": (n - 1) / 2,
-                "index_max": n - 1.0,
-                "metric_sum": n * (n - 1) / 2,
-            }
-        ]
-        assert result["validate1"] == [{"index_sum": 0.0, "index_mean": 0.0, "index_max": 0.0, "metric_sum": 0.0}]
+        # exact evaluation: shards of unequal batches, an empty shard, no data, an uneven stream (3 samples on rank
+        # 0, none on rank 1, 1 on each other): one process's values
+        assert result[f"validate{2 * dp - 1}"] == [one_process(2 * dp - 1)]
+        assert result["validate1"] == [one_process(1)]
         assert result["validate0"] == []
+        assert result["validate_stream"] == [one_process(dp + 1)]
     assert found[0]["predict"] == [[0, 1], [2], [3, 4]] if dp == 2 else found[0]["predict"][0] == [0, 1]
     assert sorted(i for batch in found[0]["predict"] for i in batch) == list(range(5))
 

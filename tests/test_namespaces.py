@@ -275,3 +275,20 @@ def test_a_traceback_from_the_pytorch_lightning_side_shows_the_code_that_ran():
     assert "lightning.pytorch" in Path(strategy.__file__).read_text()
     mirrored = importlib.import_module(f"{package('pytorch_lightning')[0].__name__}._lightning")
     assert "from pytorch_lightning.callbacks import" in inspect.getsource(mirrored.mark_resumed_step_saved)
+
+
+@needs_both
+@pytest.mark.timeout(120)
+def test_pytorch_lightning_trainer_takes_the_model_parallel_name_as_the_mirrors_class(tmp_path):
+    out = python(
+        "import lightning_shardplus, sys\n"
+        "import pytorch_lightning as ptl\n"
+        "from pytorch_lightning.strategies import ModelParallelStrategy\n"
+        "print('mirror imported before the Trainer:', 'lightning_shardplus.pytorch_lightning' in sys.modules)\n"
+        "trainer = ptl.Trainer(strategy='shardplus_model_parallel', accelerator='cpu', devices=1, logger=False)\n"
+        "strategy = trainer.strategy\n"
+        "print('strategy:', type(strategy).__module__, isinstance(strategy, ModelParallelStrategy))\n",
+        tmp_path,
+    )
+    assert "mirror imported before the Trainer: False" in out
+    assert f"strategy: {_namespace.MIRROR}.model_parallel True" in out
