@@ -22,14 +22,19 @@ needs_torch_2_4 = pytest.mark.skipif(
 )
 
 
-def _run(tmp_path: Path, dp: int, tp: int) -> list[dict]:
+def _launch(script: Path, tmp_path: Path, *args: object) -> None:
+    """``script`` run with ``args``; Lightning's launcher starts the other ranks."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(PROBE.parent), os.environ.get("PYTHONPATH", "")])}
     env.pop("LOCAL_RANK", None)
     done = subprocess.run(
-        [sys.executable, str(PROBE), str(dp), str(tp), str(tmp_path / "found")], env=env, cwd=tmp_path,
-        capture_output=True, text=True, timeout=300,
+        [sys.executable, str(script), *map(str, args)], env=env, cwd=tmp_path, capture_output=True, text=True,
+        timeout=300,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-4000:]
+
+
+def _run(tmp_path: Path, dp: int, tp: int) -> list[dict]:
+    _launch(PROBE, tmp_path, dp, tp, tmp_path / "found")
     return [json.loads((tmp_path / f"found.{rank}.json").read_text()) for rank in range(dp * tp)]
 
 
@@ -79,6 +84,27 @@ def test_the_data_side_holds_over_the_data_parallel_ranks(tmp_path, dp, tp):
         assert result["validate_stream"] == [one_process(dp + 1)]
     assert found[0]["predict"] == [[0, 1], [2], [3, 4]] if dp == 2 else found[0]["predict"][0] == [0, 1]
     assert sorted(i for batch in found[0]["predict"] for i in batch) == list(range(5))
+
+
+@needs_torch_2_4
+@pytest.mark.timeout(600)
+def test_a_mid_epoch_resume_reads_what_the_uninterrupted_run_read_next_on_any_data_parallel_size(tmp_path):
+    """Saved at optimizer step 4 (one batch into epoch 1) on 2 x 2, in a distributed and a full checkpoint."""
+    resume = PROBE.parent / "_model_parallel_resume.py"
+    _launch(resume, tmp_path, 2, 2, tmp_path)
+    _launch(resume, tmp_path, 3, 1, tmp_path)
+    same = [json.loads((tmp_path / f"found.2.{rank}.json").read_text()) for rank in range(4)]
+    other = [json.loads((tmp_path / f"found.3.{rank}.json").read_text()) for rank in range(3)]
+    for distributed in (True, False):
+        whole = [same[rank][f"uninterrupted distributed={distributed}"] for rank in range(4)]
+        for rank in range(4):  # the same mesh: exactly the samples that were next, to the same weights
+            resumed = same[rank][f"resumed distributed={distributed}"]
+            assert resumed["seen"] == whole[rank]["seen"][7:]  # 5 per epoch, 2 read in epoch 1 before the save
+            assert _close(resumed["weights"], whole[rank]["weights"])
+        # 3 data-parallel ranks: every remaining sample of the epoch once
+        remaining = [i for rank in (0, 2) for i in whole[rank]["seen"][7:]]
+        read = [i for rank in range(3) for i in other[rank][f"resumed distributed={distributed}"]["seen"]]
+        assert sorted(read) == sorted(remaining) and len(set(read)) == 6
 
 
 def test_ddp_only_arguments_are_refused_saying_why():
