@@ -18,6 +18,7 @@ from lightning.pytorch.strategies import DDPStrategy
 
 import lightning_shardplus
 from lightning_shardplus import ShardPlusStrategy, bench
+from lightning_shardplus._lightning import release
 from lightning_shardplus.bench import host_syncs
 from lightning_shardplus.sharding import DIGEST_WIDTH
 
@@ -391,3 +392,19 @@ def test_the_report_overhead_says_more_or_fewer_samples_per_second_never_a_negat
     assert "from 40.0% more to 0.0% fewer" in faster and "-" not in faster.replace("shardplus-report", "")
     slower = bench.format_overhead(report([95.0, 90.0, 97.0]))
     assert "5.0% fewer samples/s" in slower and "from 3.0% fewer to 10.0% fewer" in slower
+
+
+@pytest.mark.skipif(release(torch.__version__) < (2, 6), reason="the demo model's fully_shard is public from torch 2.6")
+@pytest.mark.timeout(300)
+def test_the_model_parallel_pair_runs_in_one_launch_and_reports_paired_ratios_on_rank_0(tmp_path):
+    tiny = ["--repeats=2", "--steps=3", "--warmup=1", "--input-dim=8", "--hidden-dim=8", "--layers=2"]
+    command = [sys.executable, "-m", "lightning_shardplus.bench", "--model-parallel", *tiny, f"--json={tmp_path / 'j'}"]
+    env = {key: value for key, value in os.environ.items() if key != "LOCAL_RANK"}
+    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=280)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads((tmp_path / "j").read_text())
+    assert report["baseline"] == "model_parallel"
+    assert list(report["results"]) == ["model_parallel", "shardplus_model_parallel"]
+    assert report["results"]["model_parallel"]["paired_ratio_to_baseline"] == 1.0
+    assert all(len(row["runs"]) == 2 and min(row["runs"]) > 0 for row in report["results"].values())
+    assert done.stdout.count("| shardplus_model_parallel |") == 1  # the table, printed by rank 0 alone

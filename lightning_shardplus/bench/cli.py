@@ -14,6 +14,7 @@ from lightning.fabric.accelerators.cuda import num_cuda_devices
 from lightning_shardplus.bench.collective import format_collective_table, run_collective
 from lightning_shardplus.bench.fusion import FUSION_SHAPES, run_fusion
 from lightning_shardplus.bench.host_syncs import HOST_SYNC_CONFIGS, format_host_sync_table, run_host_syncs
+from lightning_shardplus.bench.model_parallel import run_model_parallel
 from lightning_shardplus.bench.rewrap import REWRAP_HIDDEN, format_rewrap_table, run_rewrap
 from lightning_shardplus.bench.runner import keep_parent_single_threaded, run
 from lightning_shardplus.bench.sampler import SAMPLER_SIZES, run_sampler
@@ -44,6 +45,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     _add_rewrap_arguments(parser)
     _add_collective_arguments(parser)
     _add_host_sync_arguments(parser)
+    _add_model_parallel_arguments(parser)
     args = parser.parse_args(argv)
     _fill_defaults(args)
     _check(parser, args)
@@ -167,6 +169,14 @@ def _add_collective_arguments(parser: argparse.ArgumentParser) -> None:
                         "training metrics' buffer for 40 means, 2 + 2 per mean)")
 
 
+def _add_model_parallel_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model-parallel", action="store_true",
+        help="ShardPlusModelParallelStrategy's defaults against Lightning's ModelParallelStrategy on the same FSDP2 "
+        "model over --devices data-parallel ranks, in one launch (lightning_shardplus.bench.model_parallel)",
+    )  # fmt: skip
+
+
 def _add_host_sync_arguments(parser: argparse.ArgumentParser) -> None:
     """``--host-syncs``: the device synchronizations per training batch on a GPU, and the logging interval."""
     parser.add_argument(
@@ -261,6 +271,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     report."""
     args = parse_args(argv)
     report = _report(args)
+    if report is None:  # a rank other than 0 of a model-parallel launch
+        return {}
     if "sampler_rows" in report:
         print(format_sampler_table(report))
     elif "fusion_rows" in report:
@@ -279,7 +291,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     return report
 
 
-def _report(args: argparse.Namespace) -> dict[str, Any]:
+def _report(args: argparse.Namespace) -> dict[str, Any] | None:
     """The report ``args`` ask for: read from ``--from-json``, or run (sampler, re-wrap, collective, fusion, host
     synchronizations, or the matrix)."""
     if args.from_json is not None:
@@ -290,6 +302,8 @@ def _report(args: argparse.Namespace) -> dict[str, Any]:
         return run_rewrap(args)
     if args.collective:
         return run_collective(args)
+    if args.model_parallel:  # Lightning's launcher re-runs this command on every rank: no fork
+        return run_model_parallel(args)
     keep_parent_single_threaded()  # the modes below fork Lightning fits from this process
     if args.fusion:
         return run_fusion(args)

@@ -50,7 +50,7 @@ def thread_callbacks(args: argparse.Namespace) -> list[Callback]:
     return [_Threads(args.threads)] if args.threads else []
 
 
-class _Throughput(Callback):
+class Throughput(Callback):
     """Times the optimizer steps after ``warmup`` on rank 0 and writes samples/s, seconds per step and the
     ``torch.distributed`` all_reduce and barrier calls per step (counted from the first timed step to the end of the
     last one; None where torch cannot count them) to ``out``."""
@@ -182,7 +182,7 @@ def run_once(config: BenchConfig, args: argparse.Namespace) -> dict[str, Any]:
         counted = _counts_gradients(config, workload.strategy)
         report = workload.scaling_report(directory / "scaling.json")
         callbacks = [
-            _Throughput(workload.warmup_steps, directory / "result.json"),
+            Throughput(workload.warmup_steps, directory / "result.json"),
             *([CommunicationCounter(directory / "counts")] if counted else []),
             *report,
             *thread_callbacks(args),
@@ -218,7 +218,7 @@ def run(configs: list[BenchConfig], args: argparse.Namespace) -> dict[str, Any]:
     results = _alternating_runs(configs, args)
     baseline_runs = results[configs[0].name]
     baseline = statistics.median(r["samples_per_s"] for r in baseline_runs)
-    rows = {name: _row(runs, baseline, baseline_runs) for name, runs in results.items()}
+    rows = {name: ratio_row(runs, baseline, baseline_runs) for name, runs in results.items()}
     report = {"settings": report_settings(args), "machine": machine(args), "baseline": configs[0].name, "results": rows}
     if "shardplus-report" in rows:
         report["scaling_report_cost_us_per_micro_batch"] = measure_report_cost()
@@ -260,7 +260,7 @@ def median_interval(values: list[float], confidence: float = 0.95) -> tuple[floa
     return None if j == 0 else (ordered[j - 1], ordered[n - j])
 
 
-def _row(runs: list[dict[str, Any]], baseline: float, baseline_runs: list[dict[str, Any]]) -> dict[str, Any]:
+def ratio_row(runs: list[dict[str, Any]], baseline: float, baseline_runs: list[dict[str, Any]]) -> dict[str, Any]:
     """One config's row of the report: samples/s over its runs, its ratio to ``baseline`` (the baseline's median),
     the median of its paired ratios (each run over the baseline's run of the same round, run close to it: the
     machine's slow drift mostly cancels) with its 95% interval (:func:`median_interval`), its counts."""
