@@ -40,9 +40,12 @@ class ShardPlusDataSide(ParallelStrategy):
         self._undo_at_teardown: list[Callable[[], None]] = []  # what `setup_environment` changed for the run
 
     def _distributed_setup(self) -> DistributedSetup:
-        """What this strategy's components need to know of its processes (after they started)."""
+        """What this strategy's components need to know of its processes (after they started): the data-parallel
+        group, with the size and rank Lightning gives samplers (``distributed_sampler_kwargs``)."""
         backend = process_group_backend(self.process_group_backend, self.root_device)
-        return DistributedSetup(data_parallel(self), backend, self.root_device)
+        kwargs = self.distributed_sampler_kwargs
+        group = data_parallel(self)._replace(size=kwargs["num_replicas"], rank=kwargs["rank"])
+        return DistributedSetup(group, backend, self.root_device)
 
     @property
     def micro_batches_per_step(self) -> int:

@@ -4,7 +4,8 @@
 # Needs torch with CUDA, lightning and torchmetrics installed; this checkout is put on PYTHONPATH (no install).
 # 1. the device synchronizations per training batch, as torch.cuda.set_sync_debug_mode("warn") reports them;
 # 2. the benchmark with --accelerator gpu: ddp against shardplus, shardplus-plain and shardplus-report;
-# 3. the compression hooks on NCCL (bf16 needs NCCL), one short run each.
+# 3. the compression hooks on NCCL (bf16 needs NCCL), one short run each;
+# 4. ShardPlusModelParallelStrategy against ModelParallelStrategy (FSDP2 on CUDA/NCCL, one data-parallel rank per GPU).
 # Each step has a time limit, so that a stuck step leaves the others' results; JSON and logs go to OUT.
 set -u
 OUT=${1:-${OUT:-bench_results/gpu}}
@@ -27,3 +28,7 @@ echo "matrix: rc $?"; grep -v '^run ' "$OUT/gpu-matrix.log" | tail -n 25
 timeout 50 $bench --configs ddp,none,fp16,bf16,powersgd --repeats 1 --steps 50 \
     --json "$OUT/gpu-compression.json" >"$OUT/gpu-compression.log" 2>&1
 echo "compression: rc $?"; grep -v '^run ' "$OUT/gpu-compression.log" | tail -n 15
+
+timeout 90 $bench --model-parallel --devices "$(nvidia-smi -L | wc -l)" --repeats 3 --steps 100 \
+    --json "$OUT/gpu-model-parallel.json" >"$OUT/gpu-model-parallel.log" 2>&1
+echo "model parallel: rc $?"; grep -v 'samples/s$' "$OUT/gpu-model-parallel.log" | tail -n 8
