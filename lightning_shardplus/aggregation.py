@@ -73,7 +73,9 @@ def check_aggregation(frequency: int, trainer: Any, model: Any | None, static_gr
 class GradientAggregation:
     """Aggregation windows for one fit: ``trainer.accumulate_grad_batches`` is ``frequency`` until :meth:`close`,
     and :meth:`wrap_closure` corrects each window's gradient. ``ranks_correction(aggregated, average)`` corrects
-    it further where some ranks had no data (``uneven.EvenSteps.gradient_correction``)."""
+    it further where some ranks had no data (``uneven.EvenSteps.gradient_correction``). ``window_gradients``: a
+    checkpoint inside a window holds each rank's gradient so far (False under model parallel, where FSDP2 keeps a
+    window's unsharded gradients to itself: a resume there warns that the window's step lacks them)."""
 
     def __init__(
         self,
@@ -81,8 +83,10 @@ class GradientAggregation:
         frequency: int,
         average: bool,
         ranks_correction: Callable[[int, bool], float] | None = None,
+        window_gradients: bool = True,
     ) -> None:
         self.trainer, self.average, self.ranks_correction = trainer, average, ranks_correction
+        self.window_gradients = window_gradients
         self._user_accumulate = trainer.accumulate_grad_batches
         self._checkpointed: dict[str, Any] | None = None  # the window state of a checkpoint being resumed
         self._announced = False
@@ -155,7 +159,7 @@ class GradientAggregation:
         """Inside a window, every rank's accumulated gradient (each its own, under ``no_sync``) gathered on rank 0: a
         collective, called on every rank. None at optimizer-step boundaries and on ranks other than 0."""
         done = self._inside_window()
-        if done is None:
+        if done is None or not self.window_gradients:
             return None
         module = self.trainer.lightning_module
         local = {name: p.grad.detach().cpu().clone() for name, p in module.named_parameters() if p.grad is not None}

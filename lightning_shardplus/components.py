@@ -87,7 +87,7 @@ class RunComponents:
             )
             parts.aggregation = GradientAggregation(
                 trainer, config.aggregation_frequency, config.average_aggregated_gradients,
-                ranks_correction=parts.even.gradient_correction,
+                ranks_correction=parts.even.gradient_correction, window_gradients=setup.ddp,
             )  # fmt: skip
             if not setup.ddp:
                 return parts

@@ -19,7 +19,7 @@ from lightning_shardplus import _lightning
 from lightning_shardplus.aggregation import effective_batch_size
 from lightning_shardplus.components import DistributedSetup, RunComponents, checkpointed_states, process_group_backend
 from lightning_shardplus.config import ShardPlusConfig
-from lightning_shardplus.data_parallel import data_parallel
+from lightning_shardplus.data_parallel import DataParallel, data_parallel
 from lightning_shardplus.launch import LaunchAfterCheck, check_fit, check_trainer_call, export_rank_variables
 from lightning_shardplus.loaders import gather_predictions
 from lightning_shardplus.uneven import silence_litdata_drop_last_warning
@@ -44,8 +44,10 @@ class ShardPlusDataSide(ParallelStrategy):
         group, with the size and rank Lightning gives samplers (``distributed_sampler_kwargs``)."""
         backend = process_group_backend(self.process_group_backend, self.root_device)
         kwargs = self.distributed_sampler_kwargs
-        group = data_parallel(self)._replace(size=kwargs["num_replicas"], rank=kwargs["rank"])
-        return DistributedSetup(group, backend, self.root_device)
+        group = data_parallel(self)
+        return DistributedSetup(
+            DataParallel(kwargs["num_replicas"], kwargs["rank"], group.group, group.groups), backend, self.root_device
+        )
 
     @property
     def micro_batches_per_step(self) -> int:

@@ -134,6 +134,10 @@ def main(dp: int, tp: int, out: str) -> None:
     model, values = Model(), StepValues()
     trainer(callbacks=[values]).fit(model, DataLoader(Samples(10), batch_size=2, shuffle=True))
     found["fit"] = {"seen": model.seen, "samples": values.values}
+    # fewer samples than data-parallel ranks: every rank trains on a copy of sample 0 (padding "first")
+    tiny = Model()
+    trainer().fit(tiny, DataLoader(Samples(1), batch_size=2))
+    found["tiny"] = tiny.seen
     # aggregation windows: one reduce-scatter per window, the weights of one process on the whole batch
     model = Model()
     trainer(aggregation_frequency=2).fit(model, DataLoader(Samples(4 * dp), batch_size=2, shuffle=True))
