@@ -124,16 +124,18 @@ ExactEvaluation = _ExactEvaluation
 
 
 @contextmanager
-def counted_nowhere(module: pl.LightningModule) -> Iterator[None]:
-    """A step run only for its collectives (model parallel: a stand-in batch): what ``module`` logs is dropped, and its
-    torchmetrics Metrics keep the states they had (list states by a copy of the list, tensors by a clone)."""
+def counted_nowhere(module: pl.LightningModule, drop_logs: bool = True) -> Iterator[None]:
+    """A step run only for its collectives (model parallel: a stand-in batch): its torchmetrics Metrics keep the states
+    they had (list states by a copy of the list, tensors by a clone), and with ``drop_logs`` what it logs is dropped."""
     metrics = [m for m in module.modules() if isinstance(m, Metric)]
     saved = [{k: list(v) if isinstance(v, list) else v.clone() for k, v in m.metric_state.items()} for m in metrics]
-    module.log = lambda *args, **kwargs: None  # type: ignore[method-assign]  (`log_dict` calls it too)
+    if drop_logs:
+        module.log = lambda *args, **kwargs: None  # type: ignore[method-assign]  (`log_dict` calls it too)
     try:
         yield
     finally:
-        del module.log
+        if drop_logs:
+            del module.log
         for metric, state in zip(metrics, saved, strict=True):
             for name, value in state.items():
                 setattr(metric, name, value)

@@ -9,12 +9,14 @@ from __future__ import annotations
 from collections.abc import Generator
 from contextlib import contextmanager
 from datetime import timedelta
-from functools import partialmethod
+from functools import partial, partialmethod
 from typing import Any, Literal
 
+import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.strategies import ModelParallelStrategy
+from torchmetrics import Metric
 from typing_extensions import override
 
 from lightning_shardplus._validation import check_int, check_process_group_backend, process_group_timeout
@@ -136,6 +138,17 @@ class ShardPlusModelParallelStrategy(ShardPlusDataSide, ModelParallelStrategy):
         return setup
 
     @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        """Also: the module's torchmetrics Metrics without a process group of their own sync over the data-parallel
+        group (over the world, each tensor-parallel copy would count again), until teardown."""
+        super().setup(trainer)
+        group = data_parallel(self).group
+        for metric in self.lightning_module.modules():
+            if isinstance(metric, Metric) and metric.process_group is None and group is not None:
+                metric.process_group = group
+                self._undo_at_teardown.append(partial(setattr, metric, "process_group", None))
+
+    @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
         """``self.log(sync_dist=True)`` and every reduction without a group: over the data-parallel ranks only
         (over the world, each tensor-parallel copy would count again)."""
@@ -159,9 +172,12 @@ class ShardPlusModelParallelStrategy(ShardPlusDataSide, ModelParallelStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if not (args and isinstance(args[0], NoBatch)):
             return super().training_step(*args, **kwargs)
-        # this rank's stream ran out ("join"): the step on a stand-in batch, for FSDP's collectives, with a zero loss
+        # this rank's stream ran out ("join"): the step on a stand-in batch, for FSDP's collectives, with a zero loss;
+        # its Metric updates are undone, its logs kept (every rank keeps every name) and abstained from by the
+        # averaged training metrics
         self._components.even.step_without_data()  # type: ignore[union-attr]
-        output = super().training_step(self.batch_to_device(args[0].stand_in), *args[1:], **kwargs)
+        with counted_nowhere(self.lightning_module, drop_logs=False):
+            output = super().training_step(self.batch_to_device(args[0].stand_in), *args[1:], **kwargs)
         if isinstance(output, dict) and isinstance(output.get("loss"), torch.Tensor):
             return {**output, "loss": output["loss"] * 0.0}
         return output * 0.0 if isinstance(output, torch.Tensor) else output

@@ -57,7 +57,7 @@ class Model(pl.LightningModule):
         torch.manual_seed(0)
         self.l1, self.l2 = torch.nn.Linear(4, 8), torch.nn.Linear(8, 2)
         self.seen: list[int] = []
-        self.total = SumMetric()
+        self.total, self.trained = SumMetric(), SumMetric()  # samples evaluated, trained
 
     def configure_model(self) -> None:
         mesh = self.device_mesh
@@ -72,8 +72,12 @@ class Model(pl.LightningModule):
     def training_step(self, batch, batch_idx):
         idx, x, y = batch
         self.seen += idx.tolist()
+        self.trained.update(float(len(x)))
         self.log("samples", float(len(x)), reduce_fx="sum", sync_dist=True, batch_size=len(x))
         return F.cross_entropy(self(x), y)
+
+    def on_train_end(self) -> None:
+        self.samples_trained = float(self.trained.compute())  # synced over the data-parallel ranks
 
     def validation_step(self, batch, batch_idx):
         idx, x, y = batch
@@ -133,7 +137,7 @@ def main(dp: int, tp: int, out: str) -> None:
     # padded equal shards over the data-parallel ranks; sums over them, not over every rank
     model, values = Model(), StepValues()
     trainer(callbacks=[values]).fit(model, DataLoader(Samples(10), batch_size=2, shuffle=True))
-    found["fit"] = {"seen": model.seen, "samples": values.values}
+    found["fit"] = {"seen": model.seen, "samples": values.values, "trained": model.samples_trained}
     # fewer samples than data-parallel ranks: every rank trains on a copy of sample 0 (padding "first")
     tiny = Model()
     trainer().fit(tiny, DataLoader(Samples(1), batch_size=2))
@@ -154,7 +158,8 @@ def main(dp: int, tp: int, out: str) -> None:
         steps = [
             [offsets[r] + 2 * b + k for r in range(dp) if 2 * b < per_rank[r] for k in (0, 1)] for b in range(batches)
         ]
-        found[policy] = {"samples": values.values, "weights": full_weights(model), "reference": reference(steps)}
+        found[policy] = {"samples": values.values, "weights": full_weights(model), "reference": reference(steps),
+                         "trained": model.samples_trained}  # fmt: skip
     # exact evaluation: shards of 2 and 1 samples, an empty one, none
     for n in (2 * dp - 1, 1, 0):
         found[f"validate{n}"] = trainer().validate(Model(), DataLoader(Samples(n), batch_size=2), verbose=False)

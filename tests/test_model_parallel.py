@@ -65,6 +65,10 @@ def test_the_data_side_holds_over_the_data_parallel_ranks(tmp_path, dp, tp):
     shard = len(by_dp[0]["fit"]["seen"])  # 5 or 4, in batches of 2
     assert found[0]["fit"]["samples"] == [float(dp * min(2, shard - 2 * b)) for b in range(-(-shard // 2))]
     for result in found:
+        # a torchmetrics Metric counts each data-parallel rank's samples once (not once per tensor-parallel copy),
+        # and none of a stand-in step's
+        assert result["fit"]["trained"] == len(seen)
+        assert result["join"]["trained"] == 6 + 2 * (dp - 2)
         assert result["tiny"] == [0]  # one sample on every data-parallel rank: padded equal shards, no hang
         # one reduce-scatter per aggregation window gives one process's step on the whole batch
         assert _close(result["aggregation"]["weights"], result["aggregation"]["reference"])
