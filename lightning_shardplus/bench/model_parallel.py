@@ -1,7 +1,7 @@
-"""``--model-parallel``: ``ShardPlusModelParallelStrategy`` with its defaults against Lightning's
-``ModelParallelStrategy`` on the same FSDP2 model (the demo MLP sharded over ``--devices`` data-parallel ranks), in
-alternating rounds of one launch: Lightning's launcher re-runs this command on every rank, which runs the same fits
-in the same order; rank 0 reports the paired ratios of its samples/s.
+"""``--model-parallel``: ``ShardPlusModelParallelStrategy`` with its defaults (and without averaged training metrics)
+against Lightning's ``ModelParallelStrategy`` on the same FSDP2 model (the demo MLP sharded over ``--devices``
+data-parallel ranks), in alternating rounds of one launch: Lightning's launcher re-runs this command on every rank,
+which runs the same fits in the same order; rank 0 reports the paired ratios of its samples/s.
 
     python -m lightning_shardplus.bench --model-parallel --repeats 11 --steps 200
 """
@@ -28,6 +28,10 @@ from lightning_shardplus.model_parallel import ShardPlusModelParallelStrategy
 ROWS = {
     "model_parallel": lambda devices: ModelParallelStrategy(devices, 1),
     "shardplus_model_parallel": lambda devices: ShardPlusModelParallelStrategy(devices, 1),
+    # without the averaged training metrics (one all_reduce per step): what the rest of the data side costs
+    "shardplus_model_parallel-plain": lambda devices: ShardPlusModelParallelStrategy(
+        devices, 1, average_training_metrics=False
+    ),
 }
 
 
