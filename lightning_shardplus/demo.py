@@ -84,9 +84,11 @@ class ModelParallelClassifierModule(ClassifierModule):
     ``data_parallel`` (``configs/model_parallel.yaml``; torch 2.6 or newer, where ``fully_shard`` is public)."""
 
     def configure_model(self) -> None:
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import FSDPModule, fully_shard
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+        if isinstance(self, FSDPModule):  # sharded by an earlier stage in this process (Lightning asks: idempotent)
+            return
         mesh = self.device_mesh
         linears = [name for name, module in self.named_modules() if isinstance(module, nn.Linear)]
         if mesh["tensor_parallel"].size() > 1:

@@ -9,11 +9,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import lightning.pytorch as pl
 import pytest
 import torch
 
 import lightning_shardplus
-from lightning_shardplus import ShardPlusModelParallelStrategy
+from lightning_shardplus import ShardPlusDataModule, ShardPlusModelParallelStrategy
 from lightning_shardplus._lightning import release
 
 PROBE = Path(__file__).parent / "_model_parallel_probe.py"
@@ -22,7 +23,7 @@ needs_torch_2_4 = pytest.mark.skipif(
 )
 
 
-def _launch(script: Path, tmp_path: Path, *args: object) -> None:
+def _launch(script: Path, tmp_path: Path, *args: object) -> subprocess.CompletedProcess:
     """``script`` run with ``args``; Lightning's launcher starts the other ranks."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(PROBE.parent), os.environ.get("PYTHONPATH", "")])}
     env.pop("LOCAL_RANK", None)
@@ -31,6 +32,7 @@ def _launch(script: Path, tmp_path: Path, *args: object) -> None:
         timeout=300,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-4000:]
+    return done
 
 
 def _run(tmp_path: Path, dp: int, tp: int) -> list[dict]:
@@ -152,3 +154,22 @@ def test_the_shipped_config_fits_two_by_two_through_the_shardplus_command(tmp_pa
     (metrics,) = tmp_path.glob("lightning_logs/model_parallel/version_0/metrics.csv")
     accuracy = [float(row["val_acc"]) for row in csv.DictReader(metrics.open()) if row["val_acc"]]
     assert len(accuracy) == 2 and accuracy[-1] > 0.85
+
+
+@pytest.mark.skipif(release(torch.__version__) < (2, 6), reason="the demo model's fully_shard is public from torch 2.6")
+@pytest.mark.timeout(300)
+def test_the_example_script_trains_and_validates_every_sample_once(tmp_path):
+    example = Path(__file__).parents[1] / "examples" / "model_parallel.py"
+    done = _launch(example, tmp_path, "--data-parallel", 2, "--tensor-parallel", 1, "--max-epochs", 1)
+    accuracy = float(done.stdout.split("validation accuracy ")[1].split()[0])
+    assert 0.5 < accuracy <= 1.0
+
+
+def test_the_global_batch_is_divided_over_the_data_parallel_ranks_only():
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=4, strategy=ShardPlusModelParallelStrategy(2, 2), logger=False,
+        enable_progress_bar=False,
+    )  # fmt: skip
+    data = ShardPlusDataModule(global_batch_size=64, train_dataset=list(range(8)))
+    data.trainer = trainer
+    assert data.per_device_batch_size == 32 and data.effective_global_batch_size == 64
