@@ -413,6 +413,14 @@ def rewrap_ddp(strategy: Any, ddp_kwargs: dict[str, Any]) -> None:
 _ABSENT = object()
 
 
+def record_batch_without_indices(loader: Any) -> None:
+    """A batch of ``loader`` that holds no sample of it (a stand-in): Lightning's index-recording batch sampler, whose
+    per-batch entries prediction writers read by batch index, records an empty one."""
+    sampler = getattr(loader, "batch_sampler", None)
+    if isinstance(sampler, _IndexBatchSamplerWrapper):
+        sampler.seen_batch_indices.append([])
+
+
 def ddp_kwargs(strategy: Any) -> dict[str, Any]:
     """The keyword arguments the strategy gives ``DistributedDataParallel`` (read only; none under model parallel)."""
     return getattr(strategy, "_ddp_kwargs", {})

@@ -224,6 +224,13 @@ class EqualBatches:
             raise AttributeError(name)
         return getattr(self.loader, name)
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        # Lightning sets `worker_init_fn` on the processed loader (`seed_everything(workers=True)`): the loader's
+        if name in ("loader", "batches"):
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self.loader, name, value)
+
     def __len__(self) -> int:
         return self.batches
 
@@ -235,6 +242,7 @@ class EqualBatches:
             loader, first = self.loader, self.loader.dataset[0]
             stand_in = NoBatch(loader.collate_fn([first] if loader.batch_sampler is not None else first))
             for _ in range(self.batches - yielded):
+                _lightning.record_batch_without_indices(loader)  # prediction writers read one entry per batch
                 yield stand_in
 
 

@@ -117,6 +117,7 @@ class ShardPlusModelParallelStrategy(ShardPlusDataSide, ModelParallelStrategy):
             process_group_timeout(timeout),
         )  # fmt: skip
         self._data_parallel_given = data_parallel_size
+        self._data_parallel_group: Any = None  # the mesh's data-parallel group, from `setup_environment` on
         self._init_data_side(config)
 
     @classmethod
@@ -138,11 +139,16 @@ class ShardPlusModelParallelStrategy(ShardPlusDataSide, ModelParallelStrategy):
         return setup
 
     @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self._data_parallel_group = data_parallel(self).group
+
+    @override
     def setup(self, trainer: pl.Trainer) -> None:
         """Also: the module's torchmetrics Metrics without a process group of their own sync over the data-parallel
         group (over the world, each tensor-parallel copy would count again), until teardown."""
         super().setup(trainer)
-        group = data_parallel(self).group
+        group = self._data_parallel_group
         for metric in self.lightning_module.modules():
             if isinstance(metric, Metric) and metric.process_group is None and group is not None:
                 metric.process_group = group
@@ -152,7 +158,14 @@ class ShardPlusModelParallelStrategy(ShardPlusDataSide, ModelParallelStrategy):
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
         """``self.log(sync_dist=True)`` and every reduction without a group: over the data-parallel ranks only
         (over the world, each tensor-parallel copy would count again)."""
-        return super().reduce(tensor, group=data_parallel(self).group if group is None else group, reduce_op=reduce_op)
+        return super().reduce(tensor, group=self._data_parallel_group if group is None else group, reduce_op=reduce_op)
+
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        """Over every rank (checkpoint and early-stopping decisions must agree across the mesh)."""
+        count = torch.tensor(int(decision), device=self.root_device)
+        count = super().reduce(count, group=torch.distributed.group.WORLD, reduce_op="sum")
+        return bool(count == self.world_size) if all else bool(count)
 
     @contextmanager
     @override
@@ -173,11 +186,12 @@ class ShardPlusModelParallelStrategy(ShardPlusDataSide, ModelParallelStrategy):
         if not (args and isinstance(args[0], NoBatch)):
             return super().training_step(*args, **kwargs)
         # this rank's stream ran out ("join"): the step on a stand-in batch, for FSDP's collectives, with a zero loss;
-        # its Metric updates are undone, its logs kept (every rank keeps every name) and abstained from by the
-        # averaged training metrics
+        # its Metric updates and buffers are undone; its logs are abstained from by the averaged training metrics
+        # (kept, so that every rank keeps every name), or dropped without them
         self._components.even.step_without_data()  # type: ignore[union-attr]
-        with counted_nowhere(self.lightning_module, drop_logs=False):
-            output = super().training_step(self.batch_to_device(args[0].stand_in), *args[1:], **kwargs)
+        averaged = self._components.metrics is not None  # type: ignore[union-attr]
+        with counted_nowhere(self.lightning_module, drop_logs=not averaged):
+            output = super().training_step(self._prepared(args[0]), *args[1:], **kwargs)
         if isinstance(output, dict) and isinstance(output.get("loss"), torch.Tensor):
             return {**output, "loss": output["loss"] * 0.0}
         return output * 0.0 if isinstance(output, torch.Tensor) else output
@@ -187,10 +201,17 @@ class ShardPlusModelParallelStrategy(ShardPlusDataSide, ModelParallelStrategy):
         what it logs, updates or predicts counts nowhere."""
         if not (args and isinstance(args[0], NoBatch)):
             return getattr(super(), step)(*args, **kwargs)
-        stand_in = self.batch_to_device(args[0].stand_in, dataloader_idx=args[2] if len(args) > 2 else 0)
+        stand_in = self._prepared(args[0], dataloader_idx=args[2] if len(args) > 2 else 0)
         with counted_nowhere(self.lightning_module):
             getattr(super(), step)(stand_in, *args[1:], **kwargs)
         return args[0]  # (a prediction that `gather_predictions` leaves out)
+
+    def _prepared(self, batch: NoBatch, dataloader_idx: int = 0) -> Any:
+        """The stand-in as Lightning's loops prepare a batch: precision conversion, the module's transfer hooks, the
+        device (the loops ran them on the ``NoBatch``)."""
+        prepared = self.precision_plugin.convert_input(batch.stand_in)
+        prepared = self.lightning_module.on_before_batch_transfer(prepared, dataloader_idx)
+        return self.batch_to_device(prepared, dataloader_idx=dataloader_idx)
 
     validation_step = partialmethod(_evaluation_step, "validation_step")
     test_step = partialmethod(_evaluation_step, "test_step")

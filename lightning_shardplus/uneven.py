@@ -225,7 +225,7 @@ class EvenSteps:
     def agreed_batches(self, iterator: Iterator[Any]) -> Iterator[Any]:
         """The batches of ``iterator``, in steps every rank takes together; the agreement on the next micro-batch runs
         while this one trains, and every rank decides the same from it."""
-        self.ranks_with_data, self.batches_taken = [], 0
+        self.ranks_with_data, self.batches_taken, self.stand_in = [], 0, None  # a stand-in of this stream's
         agreement = self._fetch_and_agree(iterator, exhausted=False)
         while True:
             agreement.work.wait()

@@ -12,6 +12,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from lightning.pytorch.callbacks import BasePredictionWriter
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 from torchmetrics import SumMetric
@@ -51,6 +52,25 @@ class DataParallelStream(IterableDataset):
         return (sample(i) for i in range(start, start + self.per_rank[rank]))
 
 
+class Widened(IterableDataset):
+    """``stream``'s samples with 6 features (the last two zero)."""
+
+    def __init__(self, stream: IterableDataset) -> None:
+        self.stream = stream
+
+    def __iter__(self):
+        return ((i, torch.cat([x, torch.zeros(2)]), y) for i, x, y in self.stream)
+
+
+class Writes(BasePredictionWriter):
+    def __init__(self) -> None:
+        super().__init__("batch")
+        self.written: list = []
+
+    def write_on_batch_end(self, trainer, pl_module, prediction, batch_indices, *args) -> None:
+        self.written.append([batch_indices, prediction.tolist() if isinstance(prediction, torch.Tensor) else None])
+
+
 class Model(pl.LightningModule):
     def __init__(self) -> None:
         super().__init__()
@@ -79,14 +99,18 @@ class Model(pl.LightningModule):
     def on_train_end(self) -> None:
         self.samples_trained = float(self.trained.compute())  # synced over the data-parallel ranks
 
-    def validation_step(self, batch, batch_idx):
+    def validation_step(self, batch, batch_idx, dataloader_idx=0):
         idx, x, y = batch
+        if dataloader_idx == 1:  # the wide stream: a stand-in of another stream would fail here
+            assert x.shape[1] == 6, x.shape
+            x = x[:, :4]
         self(x)
         self.log("index_sum", idx.float().sum(), reduce_fx="sum", batch_size=len(x))
         self.log("index_mean", idx.float().mean(), batch_size=len(x))
         self.log("index_max", idx.float().max(), reduce_fx="max", batch_size=len(x))
-        self.total.update(idx.float().sum())
-        self.log("metric_sum", self.total)
+        if dataloader_idx == 0:  # (one Metric object per loader would be needed for both)
+            self.total.update(idx.float().sum())
+            self.log("metric_sum", self.total)
 
     def predict_step(self, batch, batch_idx):
         return batch[0]
@@ -126,7 +150,7 @@ class StepValues(pl.Callback):
 
 def main(dp: int, tp: int, out: str) -> None:
     def trainer(**kwargs) -> pl.Trainer:
-        fit_options = {key: kwargs.pop(key) for key in ("max_epochs", "callbacks") if key in kwargs}
+        fit_options = {key: kwargs.pop(key) for key in ("max_epochs", "callbacks", "precision") if key in kwargs}
         return pl.Trainer(
             accelerator="cpu", devices=dp * tp, strategy=ShardPlusModelParallelStrategy(dp, tp, **kwargs),
             logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -166,6 +190,25 @@ def main(dp: int, tp: int, out: str) -> None:
     # an evaluation stream: 3 samples on data-parallel rank 0, none on rank 1, 1 on the others
     stream = DataLoader(DataParallelStream([3, 0] + [1] * (dp - 2), tp), batch_size=2)
     found["validate_stream"] = trainer().validate(Model(), stream, verbose=False)
+    # two evaluation streams; data-parallel rank 1 empty in the second (which has 6 features): each stream's own
+    # stand-in, not the first stream's last batch
+    first = DataLoader(DataParallelStream([3, 1] + [1] * (dp - 2), tp), batch_size=2)
+    wide = DataLoader(Widened(DataParallelStream([2, 0] + [1] * (dp - 2), tp)), batch_size=2)
+    found["two_streams"] = trainer().validate(Model(), [first, wide], verbose=False)
+    # the stand-in as the loop prepares a batch: bf16 weights take it (precision's input conversion)
+    found["bf16"] = trainer(precision="bf16-true").validate(Model(), stream, verbose=False)
+    # checkpoint and early-stopping decisions over every rank of the mesh
+    decide = trainer().strategy
+    decide.setup_environment = lambda: None  # (the process group runs already)
+    rank0 = dist.get_rank() == 0
+    found["decisions"] = [
+        decide.reduce_boolean_decision(True), decide.reduce_boolean_decision(rank0),
+        decide.reduce_boolean_decision(rank0, all=False), decide.reduce_boolean_decision(False, all=False),
+    ]  # fmt: skip
+    # a prediction writer sees every real batch with its indices, and the stand-ins without any
+    writes = Writes()
+    trainer(callbacks=[writes]).predict(Model(), DataLoader(Samples(5), batch_size=2), return_predictions=False)
+    found["writes"] = writes.written
     found["predict"] = [t.tolist() for t in trainer().predict(Model(), DataLoader(Samples(5), batch_size=2))]
     with open(f"{out}.{dist.get_rank()}.json", "w") as file:
         json.dump(found, file)

@@ -89,7 +89,23 @@ def test_the_data_side_holds_over_the_data_parallel_ranks(tmp_path, dp, tp):
         assert result["validate1"] == [one_process(1)]
         assert result["validate0"] == []
         assert result["validate_stream"] == [one_process(dp + 1)]
+        assert result["bf16"] == [one_process(dp + 1)]
+        # checkpoint decisions over the whole mesh: all ranks True; rank 0 alone True; any; none
+        assert result["decisions"] == [True, False, True, False]
     assert found[0]["predict"] == [[0, 1], [2], [3, 4]] if dp == 2 else found[0]["predict"][0] == [0, 1]
+    # two evaluation streams: one process's values per loader, as data-parallel rank 0 returns them (a rank without a
+    # batch of a loader returns none of its values from `validate`; its callback_metrics have them: docs/limitations.md)
+    sizes = [dp + 2, dp]
+    first, second = ({f"{k}/dataloader_idx_{i}": v for k, v in one_process(n).items()} for i, n in enumerate(sizes))
+    second.pop("metric_sum/dataloader_idx_1")
+    for result in found[:tp]:
+        assert result["two_streams"] == [first, second]
+    # prediction writers: each rank's real batches with their indices, its stand-ins with none and no prediction
+    shards = [[0, 1, 2], [3, 4]] if dp == 2 else [[0, 1], [2, 3], [4]]
+    most = max(-(-len(shard) // 2) for shard in shards)  # batches of 2 on the longest shard
+    for rank, result in enumerate(found):
+        own = [shards[rank // tp][i : i + 2] for i in range(0, len(shards[rank // tp]), 2)]
+        assert result["writes"] == [[batch, batch] for batch in own] + [[[], None]] * (most - len(own))
     assert sorted(i for batch in found[0]["predict"] for i in batch) == list(range(5))
 
 
