@@ -54,7 +54,9 @@ def _close(weights: list[list[float]], reference: list[list[float]]) -> bool:
 
 @needs_torch_2_4
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize(("dp", "tp"), [(2, 2), (3, 1)], ids=["2x2-tensor-parallel", "3-data-parallel"])
+@pytest.mark.parametrize(
+    ("dp", "tp"), [(2, 2), (2, 1), (3, 1)], ids=["2x2-tensor-parallel", "2-data-parallel", "3-data-parallel"]
+)
 def test_the_data_side_holds_over_the_data_parallel_ranks(tmp_path, dp, tp):
     found = _run(tmp_path, dp, tp)
     by_dp = [found[r * tp] for r in range(dp)]
