@@ -3,6 +3,7 @@ data-parallel ranks, tensor parallel over the others), on CPU processes started 
 (``tests/_model_parallel_probe.py``), each result against a hand computation or a one-process run."""
 
 import csv
+import importlib.util
 import json
 import os
 import subprocess
@@ -191,3 +192,51 @@ def test_the_global_batch_is_divided_over_the_data_parallel_ranks_only():
     data = ShardPlusDataModule(global_batch_size=64, train_dataset=list(range(8)))
     data.trainer = trainer
     assert data.per_device_batch_size == 32 and data.effective_global_batch_size == 64
+
+
+MIRROR_FIT = """
+import torch, torch.nn.functional as F, pytorch_lightning as ptl
+from torch.distributed.fsdp import fully_shard
+from torch.utils.data import DataLoader, TensorDataset
+from lightning_shardplus.pytorch_lightning import ShardPlusModelParallelStrategy
+
+class Model(ptl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 2)
+
+    def configure_model(self):
+        fully_shard(self.layer, mesh=self.device_mesh["data_parallel"])
+        fully_shard(self, mesh=self.device_mesh["data_parallel"])
+
+    def training_step(self, batch, batch_idx):
+        self.log("samples", float(len(batch[0])), reduce_fx="sum", sync_dist=True)
+        return F.cross_entropy(self.layer(batch[0]), batch[1])
+
+    def validation_step(self, batch, batch_idx):
+        self.layer(batch[0])
+        self.log("evaluated", float(len(batch[0])), reduce_fx="sum", batch_size=len(batch[0]))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+def data(n):
+    return DataLoader(TensorDataset(torch.randn(n, 4), torch.arange(n) % 2), batch_size=2)
+
+trainer = ptl.Trainer(accelerator="cpu", devices=2, strategy=ShardPlusModelParallelStrategy(2, 1), max_epochs=1,
+                      logger=False, enable_checkpointing=False, enable_progress_bar=False)
+trainer.fit(Model(), data(8), data(3))
+if trainer.is_global_zero:
+    print("strategy:", type(trainer.strategy).__module__, {k: float(v) for k, v in trainer.callback_metrics.items()})
+"""
+
+
+@pytest.mark.skipif(release(torch.__version__) < (2, 6), reason="the script's fully_shard is public from torch 2.6")
+@pytest.mark.skipif(importlib.util.find_spec("pytorch_lightning") is None, reason="needs pytorch_lightning")
+@pytest.mark.timeout(300)
+def test_the_pytorch_lightning_side_fits_with_the_mirrors_strategy(tmp_path):
+    script = tmp_path / "fit.py"
+    script.write_text(MIRROR_FIT)
+    out = _launch(script, tmp_path).stdout
+    # the mirror's class; the last step's 2 + 2 samples summed over the data-parallel ranks; 3 samples evaluated once
+    assert "strategy: lightning_shardplus.pytorch_lightning.model_parallel {'samples': 4.0, 'evaluated': 3.0}" in out
