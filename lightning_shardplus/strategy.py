@@ -24,9 +24,7 @@ from lightning_shardplus.config import check_arguments, registered_names
 from lightning_shardplus.data_side import ShardPlusDataSide
 from lightning_shardplus.exact_evaluation import share_rank_zero_buffers
 from lightning_shardplus.fusion import BucketSetting, FusionResult
-from lightning_shardplus.launch import (
-    check_accelerator,
-)
+from lightning_shardplus.launch import check_accelerator
 from lightning_shardplus.sharding import PaddingMode
 from lightning_shardplus.uneven import NO_BATCH, UnevenInputs
 
@@ -99,20 +97,9 @@ class ShardPlusStrategy(ShardPlusDataSide, DDPStrategy):
     ) -> None:
         config, timeout, ddp_kwargs, ddp_defaults = check_arguments(locals())
         super().__init__(  # in DDPStrategy's order; `bucket_cap_mb` by name, hiding it from LightningCLI's kwargs
-            accelerator,
-            parallel_devices,
-            cluster_environment,
-            checkpoint_io,
-            precision_plugin,
-            ddp_comm_state,
-            None,
-            None,
-            model_averaging_period,
-            process_group_backend,
-            timeout,
-            start_method,
-            bucket_cap_mb=config.tensor_fusion_threshold_mb,
-            **ddp_kwargs,
+            accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin, ddp_comm_state,
+            None, None, model_averaging_period, process_group_backend, timeout, start_method,
+            bucket_cap_mb=config.tensor_fusion_threshold_mb, **ddp_kwargs,
         )  # fmt: skip (the hook and its wrapper are registered by `register_communication_hook`, on every device)
         _lightning.set_ddp_kwargs(self, dict.fromkeys(ddp_defaults))  # DDP's defaults left out, as with "ddp"
         self._init_data_side(config)
