@@ -19,7 +19,7 @@ from lightning_shardplus import _lightning
 from lightning_shardplus.aggregation import effective_batch_size
 from lightning_shardplus.components import DistributedSetup, RunComponents, checkpointed_states, process_group_backend
 from lightning_shardplus.config import ShardPlusConfig
-from lightning_shardplus.data_parallel import DataParallel, data_parallel
+from lightning_shardplus.data_parallel import DataParallel, data_parallel, read_by_data_parallel_rank
 from lightning_shardplus.launch import LaunchAfterCheck, check_fit, check_trainer_call, export_rank_variables
 from lightning_shardplus.loaders import gather_predictions
 from lightning_shardplus.uneven import silence_litdata_drop_last_warning
@@ -131,8 +131,10 @@ class ShardPlusDataSide(ParallelStrategy):
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
-        """Put shardplus samplers into the loaders Lightning prepared; training streams go in even steps."""
+        """Put shardplus samplers into the loaders Lightning prepared; training streams go in even steps; stream
+        libraries read by the data-parallel rank."""
         dataloader = super().process_dataloader(dataloader)
+        read_by_data_parallel_rank(dataloader, data_parallel(self), self.world_size)
         if (parts := self._components) is not None:
             training = parts.aggregation is not None and self.lightning_module.trainer.training
             dataloader = parts.process_dataloader(dataloader, training)

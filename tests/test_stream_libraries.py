@@ -318,3 +318,80 @@ def test_litdatas_drop_last_warning_is_silenced_where_shardplus_makes_it_false(t
     trainer.validate(LitdataWarnings(out, data), DataLoader(IndexedDataset(4), batch_size=2))
     said = [json.loads((out / f"said{rank}.json").read_text()) for rank in range(2)]
     assert said == ([[], []] if exact_evaluation else [[said[0][0]], [said[0][0]]])
+
+
+# ------------------------------------------------------------------------------ stream libraries under model parallel
+
+STREAMS_PROBE = Path(__file__).parent / "_model_parallel_streams.py"
+
+
+def _write_ids(library: str, directory: Path, count: int) -> Path:
+    """A litdata or Mosaic dataset of the records {"id": 0..count-1}."""
+    if library == "litdata":
+        from litdata.streaming.writer import BinaryWriter
+
+        writer = BinaryWriter(str(directory), chunk_bytes="64KB")
+        for i in range(count):
+            writer[i] = {"id": i}
+        writer.done()
+        writer.merge()
+        return directory
+    from streaming import MDSWriter
+
+    with MDSWriter(out=str(directory), columns={"id": "int"}) as writer:
+        for i in range(count):
+            writer.write({"id": i})
+    return directory
+
+
+def _run_streams(tmp_path: Path, library: str, dp: int = 2, tp: int = 2) -> list[dict]:
+    from test_model_parallel import _launch
+
+    data = _write_ids(library.split("-")[0], tmp_path / "data", 10)
+    _launch(STREAMS_PROBE, tmp_path, dp, tp, library, data, tmp_path / "found")
+    return [json.loads((tmp_path / f"found.{rank}.json").read_text()) for rank in range(dp * tp)]
+
+
+def _assert_read_by_data_parallel_rank(found: list[dict], tp: int = 2) -> None:
+    from test_model_parallel import one_process
+
+    for rank, result in enumerate(found):  # tensor-parallel peers read what their data-parallel rank 0 peer read
+        assert result["seen"] == found[rank - rank % tp]["seen"], (rank, [r["seen"] for r in found])
+        assert result["validate"] == [one_process(10)]  # exact evaluation: every sample once
+    seen = [i for result in found[::tp] for i in result["seen"]]
+    assert sorted(seen) == list(range(10))  # disjoint and complete over the data-parallel ranks
+
+
+@needs_litdata
+@pytest.mark.timeout(400)
+def test_litdata_reads_by_the_data_parallel_rank_under_tensor_parallel(tmp_path):
+    # litdata shards by torch.distributed's world: without shardplus giving it the data-parallel rank, the four ranks
+    # of a 2 x 2 mesh would read four different quarters
+    pytest.importorskip("torch.distributed.tensor.parallel")
+    _assert_read_by_data_parallel_rank(_run_streams(tmp_path, "litdata"))
+
+
+@needs_mosaic
+@pytest.mark.timeout(400)
+def test_mosaic_needs_replication_by_the_tensor_parallel_size_and_reads_by_the_data_parallel_rank_with_it(tmp_path):
+    _assert_read_by_data_parallel_rank(_run_streams(tmp_path / "replicated", "mosaic"))
+    for result in _run_streams(tmp_path / "unreplicated", "mosaic-unreplicated"):
+        assert "StreamingDataset(replication=None)" in result["error"] and "replication=2" in result["error"]
+
+
+@needs_litdata
+def test_litdata_datasets_are_given_the_data_parallel_rank_and_combined_ones_refused(tmp_path):
+    from litdata import CombinedStreamingDataset, StreamingDataset
+
+    from lightning_shardplus.data_parallel import DataParallel, read_by_data_parallel_rank
+
+    data = _write_ids("litdata", tmp_path / "data", 10)
+    loader = DataLoader(StreamingDataset(str(data)), batch_size=2)
+    read_by_data_parallel_rank(loader, DataParallel(4, 3), 4)  # every rank a data-parallel rank: as litdata found it
+    assert (loader.dataset.distributed_env.world_size, loader.dataset.distributed_env.global_rank) == (1, 0)
+    read_by_data_parallel_rank(loader, DataParallel(2, 1), 4)  # global rank 2 or 3 of a 2 x 2 mesh
+    env = loader.dataset.distributed_env
+    assert (env.world_size, env.global_rank, env.num_nodes) == (2, 1, 1) and len(loader.dataset) == 5
+    combined = DataLoader(CombinedStreamingDataset([StreamingDataset(str(data)), StreamingDataset(str(data))]))
+    with pytest.raises(ValueError, match="CombinedStreamingDataset under model parallel .2 tensor-parallel peers"):
+        read_by_data_parallel_rank(combined, DataParallel(2, 1), 4)
