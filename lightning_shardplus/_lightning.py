@@ -122,10 +122,10 @@ def refresh_training_batch_count(trainer: Any) -> bool:
     return True
 
 
-def training_loaders_combination(trainer: Any) -> tuple[str, int]:
-    """The mode of the training ``CombinedLoader`` Lightning built (around one loader too) and its loader count."""
+def training_loader_count(trainer: Any) -> int:
+    """How many loaders the training ``CombinedLoader`` Lightning built holds (it wraps one loader too)."""
     combined = trainer.fit_loop._combined_loader
-    return (combined._mode, len(combined.flattened)) if combined is not None else ("min_size", 1)
+    return len(combined.flattened) if combined is not None else 1
 
 
 def replace_sampler(dataloader: DataLoader, sampler: Sampler, stage: RunningStage) -> DataLoader:

@@ -120,7 +120,7 @@ class RunComponents:
     def on_train_start(self, trainer: pl.Trainer) -> None:
         assert self.aggregation is not None and self.even is not None
         self.loaders.training_loaders_built()
-        self.even.check_combination(*_lightning.training_loaders_combination(trainer))
+        self.even.check_combination(_lightning.training_loader_count(trainer))
         self.aggregation.on_train_start()
         if self.fusion is not None:
             self.fusion.on_train_start()

@@ -117,7 +117,7 @@ class ShardedLoaders:
         """Training starts: a later reload (``reload_dataloaders_every_n_epochs``) starts its epoch whole. Where the
         samplers of all training loaders continue a checkpoint's epoch, Lightning's warning that the loaders cannot
         resume mid-epoch is not true: it is silenced until the run ends."""
-        continued, loaders = self._resumed_exactly, _lightning.training_loaders_combination(self.trainer)[1]
+        continued, loaders = self._resumed_exactly, _lightning.training_loader_count(self.trainer)
         if continued and continued == loaders and self._restore_resume_warning is None:
             self._restore_resume_warning = false_warnings.silence_not_resumable_warning()
         self._resumed, self._resumed_used, self._resumed_exactly = None, 0, 0

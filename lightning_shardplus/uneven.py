@@ -196,14 +196,15 @@ class EvenSteps:
             self.group = self.data_parallel.gloo_group(self.backend)
         self.streams += 1
 
-    def check_combination(self, mode: str, loaders: int) -> None:
+    def check_combination(self, loaders: int) -> None:
         """Refuse a training stream combined with other training loaders: a rank whose stream ran out would still step
         with the others' batches. The same answer on every rank, before the first batch."""
         if self.streams and loaders > 1:
             raise ValueError(
                 f"`uneven_inputs`={self.policy!r}: a training stream is combined with {loaders - 1} other training "
-                f"loader(s) (mode {mode!r}); equal steps on every rank need the stream alone. Combine the data in "
-                "one stream (e.g. litdata's `CombinedStreamingDataset`), or use map-style datasets."
+                "loader(s) (in any mode of Lightning's CombinedLoader); equal steps on every rank need the stream "
+                "alone. Combine the data in one stream (e.g. litdata's `CombinedStreamingDataset`), or use map-style "
+                "datasets."
             )
 
     def batch_taken(self) -> None:

@@ -493,16 +493,16 @@ def test_a_callback_queued_when_backward_starts_runs_after_every_gradient_before
     assert order == ["gradient", "queued first", "later"]
 
 
-def test_the_training_combined_loader_and_its_mode_are_where_uneven_inputs_reads_them():
-    # `_lightning.training_loaders_combination`: the stream-combination check of `uneven.EvenSteps`
+def test_the_training_combined_loader_is_where_uneven_inputs_reads_it():
+    # `_lightning.training_loader_count`: the stream-combination check of `uneven.EvenSteps`
     from lightning.pytorch.loops.fit_loop import _FitLoop
     from lightning.pytorch.utilities import CombinedLoader
 
     assert "self._combined_loader = combined_loader" in inspect.getsource(_FitLoop.setup_data)
     trainer = pl.Trainer(logger=False, enable_progress_bar=False, enable_model_summary=False)
-    assert _lightning.training_loaders_combination(trainer) == ("min_size", 1)  # nothing built yet
+    assert _lightning.training_loader_count(trainer) == 1  # nothing built yet
     trainer.fit_loop._combined_loader = CombinedLoader({"a": [1, 2], "b": [3]}, mode="max_size")
-    assert _lightning.training_loaders_combination(trainer) == ("max_size", 2)
+    assert _lightning.training_loader_count(trainer) == 2
 
 
 def test_lightnings_not_resumable_warning_still_reads_as_shardplus_silences_it(tmp_path):

@@ -35,7 +35,6 @@ def test_every_feature_finds_its_private_lightning_names_on_this_release(probe_a
 UNPROBED = {
     "_last_global_step_saved": "ModelCheckpoint's: read only where `hasattr` finds it",
     "_logger_connector": "a Trainer's: only a running Trainer has it (its class `_LoggerConnector` is probed)",
-    "_mode": "a CombinedLoader's: building one prints Lightning 2.6's LeafSpec deprecation",
 }
 
 

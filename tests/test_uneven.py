@@ -539,7 +539,7 @@ def test_a_stream_combined_with_other_loaders_is_refused_before_the_first_step(t
     trainer = cpu_trainer(ShardPlusStrategy(start_method="fork"), 2, max_epochs=1)
     stream = DataLoader(RankStream([4, 12]), batch_size=4)
     mapped = DataLoader([sample(i) for i in range(16)], batch_size=4)
-    refused = rf"a training stream is combined with 1 other training loader\(s\) \(mode '{mode}'"
+    refused = r"a training stream is combined with 1 other training loader\(s\) \(in any mode"
     with pytest.raises(Exception, match=refused):
         trainer.fit(model, CombinedLoader({"stream": stream, "mapped": mapped}, mode=mode))
     assert not list((tmp_path / "records").glob("rank*.jsonl"))  # no step ran
