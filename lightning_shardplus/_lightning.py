@@ -43,6 +43,9 @@ _ResultCollection = _private("lightning.pytorch.trainer.connectors.logger_connec
 # attributes `_probe_results` checks on one Lightning filled.
 ResultMetric = Any
 _update_dataloader = _private("lightning.pytorch.utilities.data", "_update_dataloader")
+_MultiProcessingLauncher = _private(
+    "lightning.pytorch.strategies.launchers.multiprocessing", "_MultiProcessingLauncher"
+)
 
 
 class InjectedSeed(int):
@@ -426,6 +429,12 @@ def ddp_kwargs(strategy: Any) -> dict[str, Any]:
     return getattr(strategy, "_ddp_kwargs", {})
 
 
+def process_launcher(strategy: Any, start_method: str) -> Any:
+    """Lightning's launcher that starts the processes by fork, spawn or forkserver (the one DDPStrategy builds for
+    these start methods), for ``strategy``."""
+    return _MultiProcessingLauncher(strategy, start_method=start_method)
+
+
 def attached_trainer(module: Any) -> Any:
     """The Trainer ``module`` is attached to, or None (``LightningModule.trainer`` raises then; a ``Mock(spec=...)``
     module, as Lightning's launcher tests connect, gives a Mock)."""
@@ -587,6 +596,12 @@ def _probe_fusion_tuning() -> None:
     _takes(DDPStrategy._setup_model, "self", "model")
 
 
+def _probe_process_launch() -> None:
+    """Model parallel's fork/spawn launch: Lightning's multiprocessing launcher, built as DDPStrategy builds it."""
+    _imported("_MultiProcessingLauncher")
+    _takes(_MultiProcessingLauncher, "strategy", start_method="fork")
+
+
 def _imported(*names: str) -> None:
     """Raise ImportError where one of ``names`` (imported above with :func:`_private`) was not found."""
     if missing := [name for name in names if globals()[name] is None]:
@@ -615,6 +630,7 @@ PROBES = {
     "exact_evaluation": _probe_exact_evaluation,
     "average_training_metrics": _probe_training_metrics,
     "auto_tune_tensor_fusion": _probe_fusion_tuning,
+    "start_method": _probe_process_launch,  # fork/spawn under model parallel (DDP's own launch needs no probe)
 }
 
 

@@ -167,8 +167,8 @@ def fit_to_lightning(config: ShardPlusConfig) -> ShardPlusConfig:
     """``config`` on this Lightning: a feature whose private Lightning names moved is refused, or, where it is on by
     default, turned off with one warning; never a failure in the middle of a fit."""
     for feature, gap in _lightning.lightning_gaps().items():
-        if feature != "sharding" and not getattr(config, feature):
-            continue
+        if feature != "sharding" and not getattr(config, feature, False):
+            continue  # off, or not a data-side option (the model-parallel strategy checks `start_method`)
         moved = f"Lightning {_lightning.pl.__version__} moved a private name it needs ({gap})"
         supported = f"Lightning {_lightning.SUPPORTED} run it (docs/compatibility.md)"
         if feature not in _FALLBACKS:

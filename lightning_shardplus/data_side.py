@@ -20,7 +20,13 @@ from lightning_shardplus.aggregation import effective_batch_size
 from lightning_shardplus.components import DistributedSetup, RunComponents, checkpointed_states, process_group_backend
 from lightning_shardplus.config import ShardPlusConfig
 from lightning_shardplus.data_parallel import DataParallel, data_parallel, read_by_data_parallel_rank
-from lightning_shardplus.launch import LaunchAfterCheck, check_fit, check_trainer_call, export_rank_variables
+from lightning_shardplus.launch import (
+    LaunchAfterCheck,
+    check_fit,
+    check_trainer_call,
+    export_rank_variables,
+    unshare_metric_states,
+)
 from lightning_shardplus.loaders import gather_predictions
 from lightning_shardplus.uneven import silence_litdata_drop_last_warning
 
@@ -32,6 +38,7 @@ class ShardPlusDataSide(ParallelStrategy):
 
     config: ShardPlusConfig
     num_replicas: int
+    start_method: str  # how the processes start: "popen", "fork", "spawn" or "forkserver"
 
     def _init_data_side(self, config: ShardPlusConfig) -> None:
         self.config = config
@@ -76,10 +83,14 @@ class ShardPlusDataSide(ParallelStrategy):
     def launcher(self) -> Any:
         """Lightning's launcher, whose ``launch`` first checks the Trainer call in the launching process, before any
         worker starts (it keeps its type for Lightning)."""
-        launcher = super().launcher
+        launcher = self._processes_launcher()
         if launcher is not None and not isinstance(launcher.launch, LaunchAfterCheck):
             launcher.launch = LaunchAfterCheck(partial(check_trainer_call, self), launcher.launch)
         return launcher
+
+    def _processes_launcher(self) -> Any:
+        """What starts the processes: the launcher Lightning configured for the strategy."""
+        return super().launcher
 
     @override
     def connect(self, model: pl.LightningModule) -> None:
@@ -99,6 +110,8 @@ class ShardPlusDataSide(ParallelStrategy):
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
+        if self.start_method in ("spawn", "forkserver") and self.root_device.type == "cpu":
+            unshare_metric_states(self.lightning_module)
         self._components = RunComponents.build(self.config, trainer, self._distributed_setup())
         self._components.load_states(self._checkpointed)
         super().setup(trainer)

@@ -9,6 +9,7 @@ from importlib.util import find_spec
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from lightning.fabric.plugins import ClusterEnvironment
 from lightning.fabric.plugins.environments import (
     LightningEnvironment,
@@ -17,6 +18,7 @@ from lightning.fabric.plugins.environments import (
     TorchElasticEnvironment,
 )
 from lightning.pytorch.trainer.states import TrainerFn
+from torchmetrics import Metric
 
 from lightning_shardplus import _lightning
 from lightning_shardplus._validation import check_process_group_backend_known
@@ -153,3 +155,14 @@ def export_rank_variables(environment: ClusterEnvironment, local_world_size: int
             os.environ.pop(name, None)
 
     return remove
+
+
+def unshare_metric_states(module: torch.nn.Module) -> None:
+    """Give each torchmetrics ``Metric`` of ``module`` state tensors of its own, in a worker started by spawn on CPU.
+    torch passes the launching process's tensors to such workers in shared memory; Lightning copies the parameters
+    and buffers, not a Metric's states (plain attributes): every worker would update one tensor, and the sync would
+    count the sum once per worker (``strategy="ddp_spawn"`` does)."""
+    for metric in module.modules():
+        if isinstance(metric, Metric):
+            for name, value in metric.metric_state.items():
+                setattr(metric, name, value.clone() if isinstance(value, torch.Tensor) else [v.clone() for v in value])

@@ -19,9 +19,15 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torchmetrics import Metric
 from typing_extensions import override
 
-from lightning_shardplus._validation import check_int, check_process_group_backend, process_group_timeout
+from lightning_shardplus import _lightning
+from lightning_shardplus._validation import (
+    check_choice,
+    check_int,
+    check_process_group_backend,
+    process_group_timeout,
+)
 from lightning_shardplus.components import DistributedSetup
-from lightning_shardplus.config import ShardPlusConfig, closest_option, fit_to_lightning
+from lightning_shardplus.config import START_METHODS, ShardPlusConfig, closest_option, fit_to_lightning
 from lightning_shardplus.data_parallel import data_parallel
 from lightning_shardplus.data_side import ShardPlusDataSide
 from lightning_shardplus.exact_evaluation import counted_nowhere
@@ -54,7 +60,6 @@ DDP_ONLY = {
             "static_graph",
             "gradient_as_bucket_view",
             "broadcast_buffers",
-            "start_method",
         ),
         "an argument of DistributedDataParallel or DDPStrategy",
     ),  # fmt: skip
@@ -62,7 +67,7 @@ DDP_ONLY = {
 OPTIONS = (
     "data_parallel_size", "tensor_parallel_size", "save_distributed_checkpoint", "process_group_backend", "timeout",
     "aggregation_frequency", "average_aggregated_gradients", "shard_padding", "shuffle_seed", "exact_evaluation",
-    "verify_sharding", "average_training_metrics", "uneven_inputs",
+    "verify_sharding", "average_training_metrics", "uneven_inputs", "start_method",
 )  # fmt: skip
 
 
@@ -73,6 +78,9 @@ class ShardPlusModelParallelStrategy(ShardPlusDataSide, ModelParallelStrategy):
         data_parallel_size, tensor_parallel_size, save_distributed_checkpoint, process_group_backend, timeout:
             ``ModelParallelStrategy``'s.
         aggregation_frequency: micro-batches per optimizer step; FSDP2 reduces the gradients once, at the last.
+        start_method: ``"popen"`` (Lightning's subprocess launcher, as ``ModelParallelStrategy``), or ``"fork"``,
+            ``"spawn"``, ``"forkserver"`` (Lightning's multiprocessing launcher, as ``DDPStrategy``'s; the launching
+            process gets the trained weights whole).
         The others: as ``ShardPlusStrategy``'s, counted over the data-parallel ranks (docs/model-parallel.md).
 
     Example::
@@ -99,9 +107,16 @@ class ShardPlusModelParallelStrategy(ShardPlusDataSide, ModelParallelStrategy):
         verify_sharding: bool = False,
         average_training_metrics: bool = True,
         uneven_inputs: UnevenInputs = "join",
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         **ddp_only: Any,
     ) -> None:
         refuse_ddp_only(ddp_only)
+        check_choice("start_method", start_method, START_METHODS)
+        if start_method != "popen" and (gap := _lightning.lightning_gaps().get("start_method")):
+            raise RuntimeError(
+                f"start_method={start_method!r} cannot run here: Lightning {_lightning.pl.__version__} moved its "
+                f"multiprocessing launcher ({gap}). Use start_method='popen'."
+            )
         for name, size in (("data_parallel_size", data_parallel_size), ("tensor_parallel_size", tensor_parallel_size)):
             if size != "auto":
                 check_int(name, size, minimum=1)
@@ -118,19 +133,38 @@ class ShardPlusModelParallelStrategy(ShardPlusDataSide, ModelParallelStrategy):
         )  # fmt: skip
         self._data_parallel_given = data_parallel_size
         self._data_parallel_group: Any = None  # the mesh's data-parallel group, from `setup_environment` on
+        self.start_method = start_method
+        self._process_launcher: Any = None  # fork/spawn: Lightning's multiprocessing launcher, built once
         self._init_data_side(config)
 
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        description, init_params = MODEL_PARALLEL_NAMES[cls.strategy_name]
-        strategy_registry.register(cls.strategy_name, cls, description=description, override=True, **init_params)
+        for name, (description, init_params) in MODEL_PARALLEL_NAMES.items():
+            strategy_registry.register(name, cls, description=description, override=True, **init_params)
 
     @property
     def num_replicas(self) -> int:
         """The data-parallel size (``"auto"``: the number of nodes, as ``ModelParallelStrategy``)."""
         given = self._data_parallel_given
         return self.num_nodes if given == "auto" else int(given)
+
+    @override
+    def _processes_launcher(self) -> Any:
+        """Lightning's subprocess launcher for ``"popen"`` (or none, under torchrun), else its multiprocessing one."""
+        if self.start_method == "popen" or self.cluster_environment.creates_processes_externally:
+            return super()._processes_launcher()
+        if self._process_launcher is None:
+            self._process_launcher = _lightning.process_launcher(self, self.start_method)
+        return self._process_launcher
+
+    @override
+    def teardown(self) -> None:
+        """Also, launched by fork or spawn: Lightning sends rank 0's ``state_dict()`` (which every rank computes) to the
+        launching process, whose module is not sharded; from now on it holds whole tensors, gathered on every rank."""
+        if self.start_method != "popen" and self.lightning_module is not None:
+            self.lightning_module.register_state_dict_post_hook(_whole_tensors)
+        super().teardown()
 
     @override
     def _distributed_setup(self) -> DistributedSetup:
@@ -218,8 +252,19 @@ class ShardPlusModelParallelStrategy(ShardPlusDataSide, ModelParallelStrategy):
     predict_step = partialmethod(_evaluation_step, "predict_step")
 
 
+def _whole_tensors(module: torch.nn.Module, state_dict: dict[str, Any], prefix: str, metadata: Any) -> None:
+    """A ``state_dict`` post-hook: each DTensor (an FSDP2 or tensor-parallel shard) gathered whole, on every rank."""
+    for key, value in state_dict.items():
+        if hasattr(value, "full_tensor"):
+            state_dict[key] = value.full_tensor()
+
+
 MODEL_PARALLEL_NAMES = {
-    ShardPlusModelParallelStrategy.strategy_name: ("ShardPlus data side on ModelParallelStrategy (FSDP2, TP)", {})
+    f"{ShardPlusModelParallelStrategy.strategy_name}{suffix}": (
+        f"ShardPlus data side on ModelParallelStrategy (FSDP2, TP) with `start_method` '{method}'",
+        {"start_method": method},
+    )
+    for suffix, method in (("", "popen"), ("_spawn", "spawn"), ("_fork", "fork"))
 }
 
 

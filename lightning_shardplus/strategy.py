@@ -103,7 +103,7 @@ class ShardPlusStrategy(ShardPlusDataSide, DDPStrategy):
         )  # fmt: skip (the hook and its wrapper are registered by `register_communication_hook`, on every device)
         _lightning.set_ddp_kwargs(self, dict.fromkeys(ddp_defaults))  # DDP's defaults left out, as with "ddp"
         self._init_data_side(config)
-        self._user_hook, self._start = (ddp_comm_hook, ddp_comm_state, ddp_comm_wrapper), start_method  # as given
+        self._user_hook, self.start_method = (ddp_comm_hook, ddp_comm_state, ddp_comm_wrapper), start_method  # as given
 
     @classmethod
     @override
@@ -127,7 +127,7 @@ class ShardPlusStrategy(ShardPlusDataSide, DDPStrategy):
 
     @DDPStrategy.accelerator.setter
     def accelerator(self, accelerator: pl.accelerators.Accelerator) -> None:
-        check_accelerator(accelerator, self.strategy_name, self._start)  # MPS refused, as for the DDP family
+        check_accelerator(accelerator, self.strategy_name, self.start_method)  # MPS refused, as for the DDP family
         DDPStrategy.accelerator.fset(self, accelerator)
 
     @override

@@ -148,6 +148,8 @@ def test_ddp_only_arguments_are_refused_saying_why():
         ShardPlusModelParallelStrategy(data_parallel_size=0)
     with pytest.raises(ValueError, match=r"`uneven_inputs`='wait' is not valid"):
         ShardPlusModelParallelStrategy(uneven_inputs="wait")
+    with pytest.raises(ValueError, match=r"`start_method`='thread' is not valid"):
+        ShardPlusModelParallelStrategy(start_method="thread")
     assert not torch.distributed.is_initialized()
 
 
@@ -155,6 +157,10 @@ def test_the_strategy_is_registered_and_counts_data_parallel_ranks():
     from lightning.pytorch.strategies import StrategyRegistry
 
     assert StrategyRegistry["shardplus_model_parallel"]["strategy"] is ShardPlusModelParallelStrategy
+    for name, start_method in (("", "popen"), ("_fork", "fork"), ("_spawn", "spawn")):
+        entry = StrategyRegistry[f"shardplus_model_parallel{name}"]
+        assert entry["strategy"] is ShardPlusModelParallelStrategy
+        assert entry["init_params"] == {"start_method": start_method}
     assert ShardPlusModelParallelStrategy(data_parallel_size=3, tensor_parallel_size=2).num_replicas == 3
     assert ShardPlusModelParallelStrategy().num_replicas == 1  # "auto": one per node, as ModelParallelStrategy
     assert "ShardPlusModelParallelStrategy" in lightning_shardplus.__all__
@@ -240,3 +246,22 @@ def test_the_pytorch_lightning_side_fits_with_the_mirrors_strategy(tmp_path):
     out = _launch(script, tmp_path).stdout
     # the mirror's class; the last step's 2 + 2 samples summed over the data-parallel ranks; 3 samples evaluated once
     assert "strategy: lightning_shardplus.pytorch_lightning.model_parallel {'samples': 4.0, 'evaluated': 3.0}" in out
+
+
+@needs_torch_2_4
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize(
+    ("strategy", "start_method", "dp", "tp"),
+    [("model_parallel", "fork", 2, 2), ("model_parallel", "spawn", 2, 1), ("ddp", "spawn", 2, 1)],
+)
+def test_a_fork_or_spawn_launch_trains_validates_and_gives_the_launching_process_the_whole_weights(
+    tmp_path, strategy, start_method, dp, tp
+):
+    # Lightning's multiprocessing launcher sends rank 0's state_dict to the launching process, whose module is not
+    # sharded (without the gathered tensors it could not load rank 0's shards); spawned CPU workers get the Metric's
+    # state tensor in shared memory (without their own copies the Metric's sum would count twice, as under ddp_spawn)
+    script = PROBE.parent / "_process_launch_probe.py"
+    _launch(script, tmp_path, strategy, start_method, dp, tp, tmp_path / "found.json")
+    found = json.loads((tmp_path / "found.json").read_text())
+    assert _close(found["weights"], found["reference"])  # the step of one process on the whole batch
+    assert found["validate"] == [one_process(2 * dp - 1)]

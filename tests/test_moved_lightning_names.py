@@ -78,6 +78,17 @@ def test_a_moved_import_is_reported_for_the_sharding_itself(monkeypatch, probe_a
     assert probe_again() == {"sharding": "ImportError: cannot import _update_dataloader"}
 
 
+def test_a_moved_multiprocessing_launcher_refuses_fork_and_spawn_under_model_parallel_only(monkeypatch, probe_again):
+    from lightning_shardplus import ShardPlusModelParallelStrategy
+
+    monkeypatch.setattr(_lightning, "_MultiProcessingLauncher", None)
+    assert set(probe_again()) == {"start_method"}
+    with pytest.raises(RuntimeError, match=r"start_method='fork' cannot run here: .* Use start_method='popen'"):
+        ShardPlusModelParallelStrategy(start_method="fork")
+    ShardPlusModelParallelStrategy()  # Lightning's subprocess launcher
+    ShardPlusStrategy(start_method="fork")  # DDPStrategy builds its own launcher
+
+
 def test_the_package_imports_where_a_private_import_moved_and_the_strategy_is_refused_at_construction():
     script = (
         "import importlib, importlib.util\n"
