@@ -5,14 +5,25 @@ the weights its module got back, the one-process reference and what validation r
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import sys
 
-import lightning.pytorch as pl
-from _model_parallel_probe import Model, Samples, full_weights, reference
-from torch.utils.data import DataLoader
+import lightning_shardplus  # first: it chooses its namespace (as the tests' conftest.py)
 
-from lightning_shardplus import ShardPlusModelParallelStrategy, ShardPlusStrategy
+if importlib.util.find_spec("lightning") is None:  # only pytorch_lightning installed: imported as lightning.*
+    import _lightning_alias
+
+    _lightning_alias.install()
+
+import lightning.pytorch as pl  # noqa: E402
+from _model_parallel_probe import Model, Samples, full_weights, reference  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
+
+ShardPlusModelParallelStrategy, ShardPlusStrategy = (
+    lightning_shardplus.ShardPlusModelParallelStrategy,
+    lightning_shardplus.ShardPlusStrategy,
+)
 
 
 class Replicated(Model):
