@@ -152,7 +152,8 @@ class ShardPlusModelParallelStrategy(ShardPlusDataSide, ModelParallelStrategy):
     @override
     def _processes_launcher(self) -> Any:
         """Lightning's subprocess launcher for ``"popen"`` (or none, under torchrun), else its multiprocessing one."""
-        if self.start_method == "popen" or self.cluster_environment.creates_processes_externally:
+        environment = self.cluster_environment
+        if self.start_method == "popen" or environment is None or environment.creates_processes_externally:
             return super()._processes_launcher()
         if self._process_launcher is None:
             self._process_launcher = _lightning.process_launcher(self, self.start_method)
