@@ -6,6 +6,7 @@ counted and reduced over it, never over the world (which would count each tensor
 from __future__ import annotations
 
 import copy
+import sys
 from typing import Any, NamedTuple
 
 import torch.distributed as dist
@@ -55,31 +56,37 @@ def data_parallel_size(trainer: Any) -> int:
 
 def read_by_data_parallel_rank(dataloader: Any, data_parallel: DataParallel, world_size: int) -> None:
     """Stream readers that shard by ``torch.distributed``'s world read by the data-parallel rank instead, so that
-    tensor-parallel peers read the same samples: litdata's ``StreamingDataset`` is given the data-parallel rank and size
-    (its public ``distributed_env``); Mosaic's ``StreamingDataset`` must be built with ``replication`` = the
-    tensor-parallel size (a ``ValueError`` says so otherwise). A no-op where every rank is a data-parallel rank.
+    tensor-parallel peers read the same samples: litdata's ``StreamingDataset`` (and subclasses) is given the
+    data-parallel rank and size (its public ``distributed_env``); Mosaic's ``StreamingDataset`` must be built with
+    ``replication`` = the tensor-parallel size, and litdata's combined and parallel datasets are refused (a
+    ``ValueError`` says so). A no-op where every rank is a data-parallel rank.
 
     Example: on a 2 x 2 mesh, global ranks 2 and 3 read litdata's shard 1 of 2."""
-    dataset = getattr(dataloader, "dataset", None)
-    if data_parallel.size == world_size or dataset is None:
+    dataset, peers = getattr(dataloader, "dataset", None), world_size // data_parallel.size
+    if peers == 1 or dataset is None:
         return
-    library, peers = type(dataset).__module__.split(".")[0], world_size // data_parallel.size
-    env = getattr(dataset, "distributed_env", None)
-    if library == "litdata" and hasattr(env, "global_rank"):
+    litdata, mosaic = sys.modules.get("litdata"), sys.modules.get("streaming")  # (imported where a dataset is one)
+    if litdata is not None and isinstance(dataset, litdata.StreamingDataset):
+        env = copy.copy(dataset.distributed_env)
         nodes = min(env.num_nodes, data_parallel.size)
-        env = copy.copy(env)
         env.world_size, env.global_rank = data_parallel.size, data_parallel.rank
         env.num_nodes = nodes if data_parallel.size % nodes == 0 else 1
         dataset.distributed_env = env
-    elif library == "litdata":
+    elif litdata is not None and isinstance(dataset, _litdata_wrappers(litdata)):
         raise ValueError(
             f"a litdata {type(dataset).__name__} under model parallel ({peers} tensor-parallel peers per data-parallel "
             "rank): its datasets would shard by torch.distributed's world, so the peers would read different "
             "samples. Use one litdata StreamingDataset per loader (it is given the data-parallel rank)."
         )
-    elif library == "streaming" and (getattr(dataset, "replication", None) or 1) != peers:
+    elif mosaic is not None and isinstance(dataset, mosaic.StreamingDataset) and (dataset.replication or 1) != peers:
         raise ValueError(
             f"Mosaic StreamingDataset(replication={dataset.replication!r}) under model parallel with {peers} "
             "tensor-parallel peers per data-parallel rank: the peers would read different samples. Build it with "
             f"replication={peers} (Mosaic then gives consecutive ranks, the tensor-parallel peers, the same samples)."
         )
+
+
+def _litdata_wrappers(litdata: Any) -> tuple[type, ...]:
+    """litdata's datasets over several ``StreamingDataset``s (public where this litdata has them)."""
+    names = ("CombinedStreamingDataset", "ParallelStreamingDataset")
+    return tuple(getattr(litdata, name) for name in names if hasattr(litdata, name))

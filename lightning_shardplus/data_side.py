@@ -25,7 +25,7 @@ from lightning_shardplus.launch import (
     check_fit,
     check_trainer_call,
     export_rank_variables,
-    unshare_metric_states,
+    unshare_memory,
 )
 from lightning_shardplus.loaders import gather_predictions
 from lightning_shardplus.uneven import silence_litdata_drop_last_warning
@@ -111,7 +111,7 @@ class ShardPlusDataSide(ParallelStrategy):
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         if self.start_method in ("spawn", "forkserver") and self.root_device.type == "cpu":
-            unshare_metric_states(self.lightning_module)
+            unshare_memory(self.lightning_module)
         self._components = RunComponents.build(self.config, trainer, self._distributed_setup())
         self._components.load_states(self._checkpointed)
         super().setup(trainer)

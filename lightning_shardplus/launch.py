@@ -157,11 +157,16 @@ def export_rank_variables(environment: ClusterEnvironment, local_world_size: int
     return remove
 
 
-def unshare_metric_states(module: torch.nn.Module) -> None:
-    """Give each torchmetrics ``Metric`` of ``module`` state tensors of its own, in a worker started by spawn on CPU.
-    torch passes the launching process's tensors to such workers in shared memory; Lightning copies the parameters
-    and buffers, not a Metric's states (plain attributes): every worker would update one tensor, and the sync would
-    count the sum once per worker (``strategy="ddp_spawn"`` does)."""
+def unshare_memory(module: torch.nn.Module) -> None:
+    """Give ``module`` tensors of its own in a worker started by spawn or forkserver on CPU: torch passes the launching
+    process's tensors to such workers in shared memory, so every worker would update one tensor. Lightning copies the
+    parameters and buffers under spawn only (``_disable_module_memory_sharing``): under forkserver each optimizer step
+    was applied once per worker. A torchmetrics ``Metric``'s states are plain attributes, copied by neither: its sum
+    counted once per worker (as under ``strategy="ddp_spawn"``). DTensors (model parallel) are new storage already."""
+    with torch.no_grad():
+        for tensor in (*module.parameters(), *module.buffers()):
+            if not hasattr(tensor, "full_tensor"):
+                tensor.data = tensor.data.clone()
     for metric in module.modules():
         if isinstance(metric, Metric):
             for name, value in metric.metric_state.items():

@@ -16,6 +16,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
 from torchmetrics import Metric
 from typing_extensions import override
 
@@ -112,6 +113,13 @@ class ShardPlusModelParallelStrategy(ShardPlusDataSide, ModelParallelStrategy):
     ) -> None:
         refuse_ddp_only(ddp_only)
         check_choice("start_method", start_method, START_METHODS)
+        if start_method != "popen" and not hasattr(torch.nn.Module, "register_state_dict_post_hook"):
+            raise RuntimeError(
+                f"start_method={start_method!r} needs torch 2.5 or newer under model parallel (the weights are "
+                "gathered for the launching process through `register_state_dict_post_hook`); this is "
+                f"{torch.__version__}. "
+                "Use start_method='popen'."
+            )
         if start_method != "popen" and (gap := _lightning.lightning_gaps().get("start_method")):
             raise RuntimeError(
                 f"start_method={start_method!r} cannot run here: Lightning {_lightning.pl.__version__} moved its "
@@ -157,15 +165,8 @@ class ShardPlusModelParallelStrategy(ShardPlusDataSide, ModelParallelStrategy):
             return super()._processes_launcher()
         if self._process_launcher is None:
             self._process_launcher = _lightning.process_launcher(self, self.start_method)
+            self._process_launcher.launch = LaunchGatheringWeights(self._process_launcher.launch)
         return self._process_launcher
-
-    @override
-    def teardown(self) -> None:
-        """Also, launched by fork or spawn: Lightning sends rank 0's ``state_dict()`` (which every rank computes) to the
-        launching process, whose module is not sharded; from now on it holds whole tensors, gathered on every rank."""
-        if self.start_method != "popen" and self.lightning_module is not None:
-            self.lightning_module.register_state_dict_post_hook(_whole_tensors)
-        super().teardown()
 
     @override
     def _distributed_setup(self) -> DistributedSetup:
@@ -253,11 +254,41 @@ class ShardPlusModelParallelStrategy(ShardPlusDataSide, ModelParallelStrategy):
     predict_step = partialmethod(_evaluation_step, "predict_step")
 
 
-def _whole_tensors(module: torch.nn.Module, state_dict: dict[str, Any], prefix: str, metadata: Any) -> None:
-    """A ``state_dict`` post-hook: each DTensor (an FSDP2 or tensor-parallel shard) gathered whole, on every rank."""
+class LaunchGatheringWeights:
+    """A fork/spawn launcher's ``launch`` whose workers, once a fit returned, gather the module's weights whole for the
+    launching process: Lightning's launcher then computes ``state_dict()`` on every rank and sends rank 0's to the
+    launching process, whose module is not sharded. Nothing of yours runs after that in a worker. (A class: the spawn
+    launcher pickles it.)"""
+
+    def __init__(self, launch: Any) -> None:
+        self.launch = launch
+
+    def __call__(self, function: Any, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        return self.launch(_FitThenGather(function, trainer), *args, trainer=trainer, **kwargs)
+
+
+class _FitThenGather:
+    """The Trainer function a worker runs; after a fit, ``state_dict()`` gathers each DTensor whole (a collective on
+    every rank), kept on CPU on local rank 0, whose copy Lightning sends."""
+
+    def __init__(self, function: Any, trainer: Any) -> None:
+        self.function, self.trainer = function, trainer
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        result = self.function(*args, **kwargs)
+        if self.trainer.state.fn == TrainerFn.FITTING:
+            keep = self.trainer.local_rank == 0
+            self.trainer.lightning_module.register_state_dict_post_hook(partial(_whole_tensors, keep))
+        return result
+
+
+def _whole_tensors(keep: bool, module: torch.nn.Module, state_dict: dict[str, Any], prefix: str, _: Any) -> None:
+    """A ``state_dict`` post-hook: each DTensor (an FSDP2 or tensor-parallel shard) gathered whole on every rank, one
+    at a time; on the rank that ``keep``s them, every tensor on CPU."""
     for key, value in state_dict.items():
-        if hasattr(value, "full_tensor"):
-            state_dict[key] = value.full_tensor()
+        whole = value.full_tensor() if hasattr(value, "full_tensor") else value
+        if keep and isinstance(whole, torch.Tensor):
+            state_dict[key] = whole.cpu()
 
 
 MODEL_PARALLEL_NAMES = {

@@ -26,6 +26,16 @@ ShardPlusModelParallelStrategy, ShardPlusStrategy = (
 )
 
 
+class RankZeroStateDict(pl.Callback):
+    """Rank 0 alone reads the module's state_dict at the end of the fit, as scripts do: no collective may hide in it."""
+
+    def on_fit_end(self, trainer, pl_module, stage=None) -> None:
+        if trainer.is_global_zero:
+            pl_module.state_dict()
+
+    teardown = on_fit_end
+
+
 class Replicated(Model):
     """The probe's model without sharding (DDP)."""
 
@@ -44,7 +54,7 @@ if __name__ == "__main__":
         chosen, model = ShardPlusStrategy(aggregation_frequency=2, start_method=start_method), Replicated()
     trainer = pl.Trainer(
         accelerator="cpu", devices=dp * tp, strategy=chosen, max_epochs=1, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[RankZeroStateDict()],
     )  # fmt: skip
     trainer.fit(model, DataLoader(Samples(4 * dp), batch_size=2))  # one optimizer step on every sample
     validated = trainer.validate(model, DataLoader(Samples(2 * dp - 1), batch_size=2), verbose=False)

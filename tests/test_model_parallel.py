@@ -150,6 +150,11 @@ def test_ddp_only_arguments_are_refused_saying_why():
         ShardPlusModelParallelStrategy(uneven_inputs="wait")
     with pytest.raises(ValueError, match=r"`start_method`='thread' is not valid"):
         ShardPlusModelParallelStrategy(start_method="thread")
+    with pytest.MonkeyPatch.context() as patch:  # torch 2.4: no public state_dict post-hook to gather the weights with
+        patch.delattr(torch.nn.Module, "register_state_dict_post_hook")
+        with pytest.raises(RuntimeError, match=r"start_method='spawn' needs torch 2.5 or newer under model parallel"):
+            ShardPlusModelParallelStrategy(start_method="spawn")
+        ShardPlusModelParallelStrategy()
     assert not torch.distributed.is_initialized()
 
 
@@ -256,14 +261,17 @@ def test_the_pytorch_lightning_side_fits_with_the_mirrors_strategy(tmp_path):
         pytest.param("model_parallel", "fork", 2, 2, marks=pytest.mark.compat),  # (each release's core check)
         ("model_parallel", "spawn", 2, 1),
         ("ddp", "spawn", 2, 1),
+        ("ddp", "forkserver", 2, 1),
     ],
 )
 def test_a_fork_or_spawn_launch_trains_validates_and_gives_the_launching_process_the_whole_weights(
     tmp_path, strategy, start_method, dp, tp
 ):
     # Lightning's multiprocessing launcher sends rank 0's state_dict to the launching process, whose module is not
-    # sharded (without the gathered tensors it could not load rank 0's shards); spawned CPU workers get the Metric's
-    # state tensor in shared memory (without their own copies the Metric's sum would count twice, as under ddp_spawn)
+    # sharded (without the gathered tensors it could not load rank 0's shards), and only then: rank 0 alone reads the
+    # state_dict in on_fit_end and teardown; spawned CPU workers get the Metric's state tensor in shared memory
+    # (without their own copies the Metric's sum would count twice, as under ddp_spawn), forkserver ones the
+    # parameters too (each step would be applied once per worker)
     script = PROBE.parent / "_process_launch_probe.py"
     _launch(script, tmp_path, strategy, start_method, dp, tp, tmp_path / "found.json")
     found = json.loads((tmp_path / "found.json").read_text())

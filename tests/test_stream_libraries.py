@@ -385,8 +385,11 @@ def test_litdata_datasets_are_given_the_data_parallel_rank_and_combined_ones_ref
 
     from lightning_shardplus.data_parallel import DataParallel, read_by_data_parallel_rank
 
+    class Subclassed(StreamingDataset):  # litdata's way to customize a stream: read by the data-parallel rank too
+        pass
+
     data = _write_ids("litdata", tmp_path / "data", 10)
-    loader = DataLoader(StreamingDataset(str(data)), batch_size=2)
+    loader = DataLoader(Subclassed(str(data)), batch_size=2)
     read_by_data_parallel_rank(loader, DataParallel(4, 3), 4)  # every rank a data-parallel rank: as litdata found it
     assert (loader.dataset.distributed_env.world_size, loader.dataset.distributed_env.global_rank) == (1, 0)
     read_by_data_parallel_rank(loader, DataParallel(2, 1), 4)  # global rank 2 or 3 of a 2 x 2 mesh
