@@ -43,3 +43,35 @@ def test_only_a_spawned_workers_abort_at_exit_is_rerun(tmp_path, signal, stderr,
     )  # fmt: skip
     summary = result.stdout.strip().splitlines()[-1]
     assert "1 failed" in summary and (f"{reruns} rerun" in summary) == bool(reruns), result.stdout[-2000:]
+
+
+SCRIPT_TEST = '''
+import subprocess
+import sys
+
+
+def test_script():
+    code = "import os, sys; sys.stderr.write(%r); sys.stderr.flush(); os.abort()" % {stderr!r}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr  # as the tests' script helpers assert
+'''
+
+
+@pytest.mark.compat
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("stderr", "reruns"),
+    [("`Trainer.fit` stopped.\nterminate called without an active exception\n", 1), ("something else\n", 0)],
+    ids=["abort-at-exit", "another-abort"],
+)
+def test_a_scripts_abort_at_exit_is_rerun_too(tmp_path, stderr, reruns):
+    pytest.importorskip("pytest_rerunfailures")  # in the compatibility stage's `oldest` environment
+    (tmp_path / "test_it.py").write_text(SCRIPT_TEST.format(stderr=stderr))
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "_exit_abort", "--reruns", "1",
+         "--only-rerun", "WorkerAbortedAtExit", "test_it.py"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+        env=os.environ | {"PYTHONPATH": str(Path(__file__).parent)},
+    )  # fmt: skip
+    summary = result.stdout.strip().splitlines()[-1]
+    assert "1 failed" in summary and (f"{reruns} rerun" in summary) == bool(reruns), result.stdout[-2000:]
