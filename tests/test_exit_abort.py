@@ -21,6 +21,18 @@ def test_worker():
 '''
 
 
+def _assert_reruns(tmp_path: Path, reruns: int) -> None:
+    """Run ``tmp_path/test_it.py`` (one failing test) under the rerun guard; it failed, rerun ``reruns`` times."""
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "_exit_abort", "--reruns", "1",
+         "--only-rerun", "WorkerAbortedAtExit", "test_it.py"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+        env=os.environ | {"PYTHONPATH": str(Path(__file__).parent)},
+    )  # fmt: skip
+    summary = result.stdout.strip().splitlines()[-1]
+    assert "1 failed" in summary and (f"{reruns} rerun" in summary) == bool(reruns), result.stdout[-2000:]
+
+
 @pytest.mark.compat
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
@@ -35,14 +47,7 @@ def test_worker():
 def test_only_a_spawned_workers_abort_at_exit_is_rerun(tmp_path, signal, stderr, reruns):
     pytest.importorskip("pytest_rerunfailures")  # in the compatibility stage's `oldest` environment
     (tmp_path / "test_it.py").write_text(TEST.format(signal=signal, stderr=stderr))
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "_exit_abort", "--reruns", "1",
-         "--only-rerun", "WorkerAbortedAtExit", "test_it.py"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=120,
-        env=os.environ | {"PYTHONPATH": str(Path(__file__).parent)},
-    )  # fmt: skip
-    summary = result.stdout.strip().splitlines()[-1]
-    assert "1 failed" in summary and (f"{reruns} rerun" in summary) == bool(reruns), result.stdout[-2000:]
+    _assert_reruns(tmp_path, reruns)
 
 
 SCRIPT_TEST = '''
@@ -67,11 +72,4 @@ def test_script():
 def test_a_scripts_abort_at_exit_is_rerun_too(tmp_path, stderr, reruns):
     pytest.importorskip("pytest_rerunfailures")  # in the compatibility stage's `oldest` environment
     (tmp_path / "test_it.py").write_text(SCRIPT_TEST.format(stderr=stderr))
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "_exit_abort", "--reruns", "1",
-         "--only-rerun", "WorkerAbortedAtExit", "test_it.py"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=120,
-        env=os.environ | {"PYTHONPATH": str(Path(__file__).parent)},
-    )  # fmt: skip
-    summary = result.stdout.strip().splitlines()[-1]
-    assert "1 failed" in summary and (f"{reruns} rerun" in summary) == bool(reruns), result.stdout[-2000:]
+    _assert_reruns(tmp_path, reruns)
