@@ -371,6 +371,20 @@ def test_litdata_reads_by_the_data_parallel_rank_under_tensor_parallel(tmp_path)
     _assert_read_by_data_parallel_rank(_run_streams(tmp_path, "litdata"))
 
 
+@needs_litdata
+@pytest.mark.timeout(400)
+def test_a_litdata_stream_resumes_mid_epoch_where_it_was_under_tensor_parallel(tmp_path):
+    from test_model_parallel import _launch
+
+    data = _write_ids("litdata", tmp_path / "data", 20)
+    _launch(Path(__file__).parent / "_model_parallel_stream_resume.py", tmp_path, 2, 2, data, tmp_path)
+    found = [json.loads((tmp_path / f"found.{rank}.json").read_text()) for rank in range(4)]
+    for rank, result in enumerate(found):
+        shard = list(range(10 * (rank // 2), 10 * (rank // 2) + 10))  # data-parallel rank's half, peers alike
+        assert result["whole"] == shard
+        assert result["resumed"] == shard[4:]  # after 2 optimizer steps of 2 samples: the rest, once
+
+
 @needs_mosaic
 @pytest.mark.timeout(400)
 def test_mosaic_needs_replication_by_the_tensor_parallel_size_and_reads_by_the_data_parallel_rank_with_it(tmp_path):

@@ -1,0 +1,45 @@
+"""``python tests/_model_parallel_stream_resume.py DP TP DATA DIR``: a litdata stream (``StreamingDataLoader``) under
+``ShardPlusModelParallelStrategy`` on a DP x TP mesh: an uninterrupted 1-epoch fit saves a distributed checkpoint at
+optimizer step 2, and a new fit resumes from it; every rank writes what each fit read to ``DIR/found.<rank>.json``."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch.distributed as dist
+from _model_parallel_streams import StreamModel, collate
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from lightning_shardplus import ShardPlusModelParallelStrategy
+
+
+class ResumableStreamModel(StreamModel):
+    """Its training stream through litdata's own loader, which has a ``state_dict``."""
+
+    def train_dataloader(self):
+        from litdata import StreamingDataLoader, StreamingDataset
+
+        return StreamingDataLoader(StreamingDataset(self.data), batch_size=2, collate_fn=collate)
+
+
+def fit(dp: int, tp: int, data: str, folder: Path, ckpt_path: Path | None = None) -> list[int]:
+    save = ckpt_path is None
+    callbacks = [ModelCheckpoint(folder, "{step}", every_n_train_steps=2, save_top_k=-1)] if save else []
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=dp * tp, max_epochs=1, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, callbacks=callbacks, enable_checkpointing=save,
+        strategy=ShardPlusModelParallelStrategy(dp, tp, save_distributed_checkpoint=True),
+    )  # fmt: skip
+    model = ResumableStreamModel("litdata", data)
+    trainer.fit(model, ckpt_path=ckpt_path)
+    return model.seen
+
+
+if __name__ == "__main__":
+    dp, tp, data, folder = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], Path(sys.argv[4])
+    whole = fit(dp, tp, data, folder)
+    resumed = fit(dp, tp, data, folder, ckpt_path=folder / "step=2.ckpt")
+    (folder / f"found.{dist.get_rank()}.json").write_text(json.dumps({"whole": whole, "resumed": resumed}))
