@@ -6,6 +6,7 @@ strategy corrects each window's gradient, since Lightning divides a short last w
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -16,6 +17,15 @@ from torch.utils.data import DataLoader
 
 from lightning_shardplus import _lightning
 from lightning_shardplus.data_parallel import data_parallel_size
+
+try:  # public from torch 2.6: before, FSDP2's units cannot be told, and a window's gradients are not read under it
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import distribute_tensor
+except ImportError:
+    FSDPModule = distribute_tensor = None  # type: ignore[assignment,misc]
+
+# Whether a checkpoint inside a window can hold the window's gradients under FSDP2 (through its public unshard)
+FSDP2_WINDOW_GRADIENTS_READABLE = FSDPModule is not None
 
 
 def window_length(micro_batches_done: int, frequency: int) -> int:
@@ -74,8 +84,8 @@ class GradientAggregation:
     """Aggregation windows for one fit: ``trainer.accumulate_grad_batches`` is ``frequency`` until :meth:`close`,
     and :meth:`wrap_closure` corrects each window's gradient. ``ranks_correction(aggregated, average)`` corrects
     it further where some ranks had no data (``uneven.EvenSteps.gradient_correction``). ``window_gradients``: a
-    checkpoint inside a window holds each rank's gradient so far (False under model parallel, where FSDP2 keeps a
-    window's unsharded gradients to itself: a resume there warns that the window's step lacks them)."""
+    checkpoint inside a window holds each rank's gradient so far (False where they cannot be read: a resume there
+    warns that the window's step lacks them)."""
 
     def __init__(
         self,
@@ -162,13 +172,17 @@ class GradientAggregation:
         if done is None or not self.window_gradients:
             return None
         module = self.trainer.lightning_module
-        local = {name: p.grad.detach().cpu().clone() for name, p in module.named_parameters() if p.grad is not None}
+        with unsharded_parameters(module):
+            local = {name: whole(p.grad).cpu().clone() for name, p in module.named_parameters() if p.grad is not None}
         per_rank: list[Any] | None = [local]
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
             per_rank = [None] * world if rank == 0 else None
             torch.distributed.gather_object(local, per_rank, dst=0)
-        return None if per_rank is None else window_entry(done, self.micro_batches_per_step, per_rank)
+        if per_rank is None or not all(per_rank):
+            # none read: FSDP2 with a `reduce_dtype` accumulates in a buffer of its own (the resume warns)
+            return None
+        return window_entry(done, self.micro_batches_per_step, per_rank)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """The window state of a checkpoint being resumed; its gradients are restored when training starts."""
@@ -192,8 +206,9 @@ class GradientAggregation:
             rank_zero_warn(
                 f"shardplus: resumed after micro-batch {done} of the epoch, inside an aggregation window of "
                 f"{frequency}, from a checkpoint without the gradients accumulated in that window (written by "
-                "another strategy or an older lightning_shardplus): the window's optimizer step lacks them, so the "
-                "run does not equal an uninterrupted one."
+                "another strategy, or under FSDP2 where they cannot be read: a `reduce_dtype` of its own, torch "
+                "older than 2.6): the window's optimizer step lacks them, so the run does not equal an "
+                "uninterrupted one."
             )
             return
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
@@ -203,6 +218,26 @@ class GradientAggregation:
 
 
 CHECKPOINT_KEY = "shardplus_aggregation_window"
+
+
+@contextmanager
+def unsharded_parameters(module: torch.nn.Module) -> Iterator[None]:
+    """Inside, ``module``'s FSDP2 units are unsharded (``FSDPModule.unshard``, a collective over the data-parallel
+    ranks): each parameter is whole, and its ``.grad`` is this rank's gradient accumulated so far in an aggregation
+    window (FSDP2 reduces none inside it). Nothing to do for a module without FSDP2, whose parameters are whole."""
+    units = [unit for unit in module.modules() if isinstance(unit, FSDPModule)] if FSDPModule is not None else []
+    for unit in units:
+        unit.unshard()
+    try:
+        yield
+    finally:
+        for unit in units:
+            unit.reshard()
+
+
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` detached, a tensor-parallel ``DTensor`` gathered whole (a collective over its mesh)."""
+    return (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).detach()
 
 
 def window_entry(micro_batches_done: int, frequency: int, per_rank: list[dict[str, torch.Tensor]]) -> dict[str, Any]:
@@ -242,17 +277,21 @@ def restore_window_gradients(
             "process starts from the mean of the gradients the checkpoint's processes had accumulated, and the rest "
             "of the window is resharded; the run equals no uninterrupted one."
         )
-    parameters = dict(module.named_parameters())
-    misfits = [name for name, g in gradients.items() if name not in parameters or parameters[name].shape != g.shape]
+    shapes = {name: p.shape for name, p in module.named_parameters()}
+    misfits = [name for name, g in gradients.items() if name not in shapes or shapes[name] != g.shape]
     if misfits:
         return f"the checkpoint's accumulated gradient of {misfits[0]!r} does not fit this model: none is restored."
-    for name, gradient in gradients.items():
-        parameter = parameters[name]
-        gradient = gradient.to(device=parameter.device, dtype=parameter.dtype)
-        if parameter.grad is None:
-            parameter.grad = gradient
-        else:
-            parameter.grad.copy_(gradient)
+    with unsharded_parameters(module):
+        parameters = dict(module.named_parameters())
+        for name, gradient in gradients.items():
+            parameter = parameters[name]
+            gradient = gradient.to(device=parameter.device, dtype=parameter.dtype)
+            if hasattr(parameter, "device_mesh"):  # tensor parallel: this rank's part of the whole gradient
+                gradient = distribute_tensor(gradient, parameter.device_mesh, parameter.placements)
+            if parameter.grad is None:
+                parameter.grad = gradient
+            else:
+                parameter.grad.copy_(gradient)
     return message
 
 

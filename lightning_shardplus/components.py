@@ -13,7 +13,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_shardplus import _lightning, aggregation, compression, fusion, sharding
-from lightning_shardplus.aggregation import GradientAggregation
+from lightning_shardplus.aggregation import FSDP2_WINDOW_GRADIENTS_READABLE, GradientAggregation
 from lightning_shardplus.compression import CommunicationHook
 from lightning_shardplus.config import ShardPlusConfig
 from lightning_shardplus.data_parallel import DataParallel
@@ -87,7 +87,8 @@ class RunComponents:
             )
             parts.aggregation = GradientAggregation(
                 trainer, config.aggregation_frequency, config.average_aggregated_gradients,
-                ranks_correction=parts.even.gradient_correction, window_gradients=setup.ddp,
+                ranks_correction=parts.even.gradient_correction,
+                window_gradients=setup.ddp or FSDP2_WINDOW_GRADIENTS_READABLE,
             )  # fmt: skip
             if not setup.ddp:
                 return parts

@@ -1,22 +1,27 @@
 """Mid-epoch resume under ``ShardPlusModelParallelStrategy`` (``python tests/_model_parallel_resume.py DP TP DIR``):
 with DP x TP as saved (``DIR`` empty) an uninterrupted 2-epoch fit saves at optimizer step 4 (inside epoch 1), in a
 distributed and in a full checkpoint, and a new fit resumes from each; with another DP (``DIR`` holding those
-checkpoints) only the resumes run. Every rank writes what it read after the resume to ``DIR/found.<DP>.<rank>.json``."""
+checkpoints) only the resumes run. As saved, also with ``aggregation_frequency=2``: a checkpoint inside a window
+(after epoch 1's first micro-batch) and a resume from it, also with FSDP2 reducing in float64 (whose window gradients
+cannot be read: the resume warns). Every rank writes what it read after the resume to
+``DIR/found.<DP>.<rank>.json``."""
 
 from __future__ import annotations
 
 import json
 import sys
+import warnings
 from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from _model_parallel_probe import Model, Samples, full_weights
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch.utils.data import DataLoader
 
 from lightning_shardplus import ShardPlusModelParallelStrategy
+from lightning_shardplus.aggregation import FSDP2_WINDOW_GRADIENTS_READABLE
 
 
 class MomentumModel(Model):
@@ -27,16 +32,43 @@ class MomentumModel(Model):
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
 
 
+class ReduceDtypeModel(MomentumModel):
+    """FSDP2 reducing in float64: it accumulates a window's gradients in a buffer of its own, not on the parameters."""
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        policy = MixedPrecisionPolicy(reduce_dtype=torch.float64)
+        for module in (self.l1, self.l2, self):
+            fully_shard(module, mesh=self.device_mesh["data_parallel"], mp_policy=policy)
+
+
+class SaveInsideWindow(Callback):
+    """A checkpoint after epoch 1's first micro-batch: inside an aggregation window of 2."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.current_epoch == 1 and batch_idx == 0:
+            trainer.save_checkpoint(self.path)
+
+
 def main(dp: int, tp: int, folder: Path) -> None:
-    def fit(distributed: bool, ckpt_path: Path | None = None, save: bool = False) -> Model:
+    def fit(distributed: bool, ckpt_path: Path | None = None, save: bool = False, window: bool = False,
+            model_class: type[Model] = MomentumModel) -> Model:  # fmt: skip
         callbacks = [ModelCheckpoint(folder / f"distributed={distributed}", "{step}", every_n_train_steps=4,
-                                     save_top_k=-1)] if save else []  # fmt: skip
+                                     save_top_k=-1)] if save and not window else []  # fmt: skip
+        if save and window:
+            callbacks = [SaveInsideWindow(folder / f"window {model_class.__name__} distributed={distributed}.ckpt")]
         trainer = pl.Trainer(
             accelerator="cpu", devices=dp * tp, max_epochs=2, logger=False, enable_progress_bar=False,
-            enable_model_summary=False, callbacks=callbacks, enable_checkpointing=save,
-            strategy=ShardPlusModelParallelStrategy(dp, tp, save_distributed_checkpoint=distributed),
+            enable_model_summary=False, callbacks=callbacks, enable_checkpointing=save and not window,
+            strategy=ShardPlusModelParallelStrategy(
+                dp, tp, save_distributed_checkpoint=distributed, aggregation_frequency=2 if window else 1
+            ),
         )  # fmt: skip
-        model = MomentumModel()
+        model = model_class()
         trainer.fit(model, DataLoader(Samples(10), batch_size=2, shuffle=True), ckpt_path=ckpt_path)
         return model
 
@@ -48,6 +80,20 @@ def main(dp: int, tp: int, folder: Path) -> None:
             found[f"uninterrupted distributed={distributed}"] = {"seen": whole.seen, "weights": full_weights(whole)}
         resumed = fit(distributed, ckpt_path=saved)
         found[f"resumed distributed={distributed}"] = {"seen": resumed.seen, "weights": full_weights(resumed)}
+        window = folder / f"window MomentumModel distributed={distributed}.ckpt"
+        if FSDP2_WINDOW_GRADIENTS_READABLE and not window.exists():
+            whole = fit(distributed, save=True, window=True)
+            found[f"window uninterrupted distributed={distributed}"] = {"weights": full_weights(whole)}
+            resumed = fit(distributed, ckpt_path=window, window=True)
+            weights = full_weights(resumed)
+            found[f"window resumed distributed={distributed}"] = {"seen": resumed.seen, "weights": weights}
+    window = folder / "window ReduceDtypeModel distributed=True.ckpt"
+    if FSDP2_WINDOW_GRADIENTS_READABLE and not window.exists():
+        fit(True, save=True, window=True, model_class=ReduceDtypeModel)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fit(True, ckpt_path=window, window=True, model_class=ReduceDtypeModel)
+        found["reduce_dtype: warned"] = any("without the gradients accumulated" in str(w.message) for w in caught)
     (folder / f"found.{dp}.{dist.get_rank()}.json").write_text(json.dumps(found))
 
 

@@ -1,4 +1,5 @@
-"""``python tests/_model_parallel_stream_resume.py DP TP DATA DIR``: a litdata stream (``StreamingDataLoader``) under
+"""``python tests/_model_parallel_stream_resume.py DP TP DATA DIR SHUFFLE WORKERS``: a litdata stream
+(``StreamingDataLoader``, shuffled if SHUFFLE is 1, with WORKERS loader processes) under
 ``ShardPlusModelParallelStrategy`` on a DP x TP mesh: an uninterrupted 1-epoch fit saves a distributed checkpoint at
 optimizer step 2, and a new fit resumes from it; every rank writes what each fit read to ``DIR/found.<rank>.json``."""
 
@@ -19,13 +20,18 @@ from lightning_shardplus import ShardPlusModelParallelStrategy
 class ResumableStreamModel(StreamModel):
     """Its training stream through litdata's own loader, which has a ``state_dict``."""
 
+    def __init__(self, data: str, shuffle: bool, workers: int) -> None:
+        super().__init__("litdata", data)
+        self.shuffle, self.workers = shuffle, workers
+
     def train_dataloader(self):
         from litdata import StreamingDataLoader, StreamingDataset
 
-        return StreamingDataLoader(StreamingDataset(self.data), batch_size=2, collate_fn=collate)
+        dataset = StreamingDataset(self.data, shuffle=self.shuffle, seed=7)
+        return StreamingDataLoader(dataset, batch_size=2, collate_fn=collate, num_workers=self.workers)
 
 
-def fit(dp: int, tp: int, data: str, folder: Path, ckpt_path: Path | None = None) -> list[int]:
+def fit(dp: int, tp: int, data: str, folder: Path, shuffle: bool, workers: int, ckpt_path: Path | None = None):
     save = ckpt_path is None
     callbacks = [ModelCheckpoint(folder, "{step}", every_n_train_steps=2, save_top_k=-1)] if save else []
     trainer = pl.Trainer(
@@ -33,13 +39,14 @@ def fit(dp: int, tp: int, data: str, folder: Path, ckpt_path: Path | None = None
         enable_model_summary=False, callbacks=callbacks, enable_checkpointing=save,
         strategy=ShardPlusModelParallelStrategy(dp, tp, save_distributed_checkpoint=True),
     )  # fmt: skip
-    model = ResumableStreamModel("litdata", data)
+    model = ResumableStreamModel(data, shuffle, workers)
     trainer.fit(model, ckpt_path=ckpt_path)
     return model.seen
 
 
 if __name__ == "__main__":
     dp, tp, data, folder = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], Path(sys.argv[4])
-    whole = fit(dp, tp, data, folder)
-    resumed = fit(dp, tp, data, folder, ckpt_path=folder / "step=2.ckpt")
+    shuffle, workers = sys.argv[5] == "1", int(sys.argv[6])
+    whole = fit(dp, tp, data, folder, shuffle, workers)
+    resumed = fit(dp, tp, data, folder, shuffle, workers, ckpt_path=folder / "step=2.ckpt")
     (folder / f"found.{dist.get_rank()}.json").write_text(json.dumps({"whole": whole, "resumed": resumed}))

@@ -17,6 +17,7 @@ import torch
 import lightning_shardplus
 from lightning_shardplus import ShardPlusDataModule, ShardPlusModelParallelStrategy
 from lightning_shardplus._lightning import release
+from lightning_shardplus.aggregation import FSDP2_WINDOW_GRADIENTS_READABLE
 
 PROBE = Path(__file__).parent / "_model_parallel_probe.py"
 needs_torch_2_4 = pytest.mark.skipif(
@@ -115,7 +116,8 @@ def test_the_data_side_holds_over_the_data_parallel_ranks(tmp_path, dp, tp):
 @needs_torch_2_4
 @pytest.mark.timeout(600)
 def test_a_mid_epoch_resume_reads_what_the_uninterrupted_run_read_next_on_any_data_parallel_size(tmp_path):
-    """Saved at optimizer step 4 (one batch into epoch 1) on 2 x 2, in a distributed and a full checkpoint."""
+    """Saved at optimizer step 4 (one batch into epoch 1) on 2 x 2, in a distributed and a full checkpoint; and inside
+    an aggregation window (FSDP2 holds its gradients unsharded until the window's reduce-scatter)."""
     resume = PROBE.parent / "_model_parallel_resume.py"
     _launch(resume, tmp_path, 2, 2, tmp_path)
     _launch(resume, tmp_path, 3, 1, tmp_path)
@@ -127,10 +129,17 @@ def test_a_mid_epoch_resume_reads_what_the_uninterrupted_run_read_next_on_any_da
             resumed = same[rank][f"resumed distributed={distributed}"]
             assert resumed["seen"] == whole[rank]["seen"][7:]  # 5 per epoch, 2 read in epoch 1 before the save
             assert _close(resumed["weights"], whole[rank]["weights"])
+        for rank in range(4 if FSDP2_WINDOW_GRADIENTS_READABLE else 0):  # inside an aggregation window: its
+            # gradients so far restored, to the same weights
+            resumed = same[rank][f"window resumed distributed={distributed}"]
+            assert resumed["seen"] == whole[rank]["seen"][7:]  # the same position as the step-4 save
+            assert _close(resumed["weights"], same[rank][f"window uninterrupted distributed={distributed}"]["weights"])
         # 3 data-parallel ranks: every remaining sample of the epoch once
         remaining = [i for rank in (0, 2) for i in whole[rank]["seen"][7:]]
         read = [i for rank in range(3) for i in other[rank][f"resumed distributed={distributed}"]["seen"]]
         assert sorted(read) == sorted(remaining) and len(set(read)) == 6
+    # FSDP2 keeps a window's float64 gradients to itself: not restored, and said
+    assert same[0].get("reduce_dtype: warned", not FSDP2_WINDOW_GRADIENTS_READABLE)
 
 
 def test_ddp_only_arguments_are_refused_saying_why():

@@ -373,16 +373,20 @@ def test_litdata_reads_by_the_data_parallel_rank_under_tensor_parallel(tmp_path)
 
 @needs_litdata
 @pytest.mark.timeout(400)
-def test_a_litdata_stream_resumes_mid_epoch_where_it_was_under_tensor_parallel(tmp_path):
+@pytest.mark.parametrize(("shuffle", "workers"), [(False, 0), (True, 2)], ids=["in-order", "shuffled-2-workers"])
+def test_a_litdata_stream_resumes_mid_epoch_where_it_was_under_tensor_parallel(tmp_path, shuffle, workers):
     from test_model_parallel import _launch
 
     data = _write_ids("litdata", tmp_path / "data", 20)
-    _launch(Path(__file__).parent / "_model_parallel_stream_resume.py", tmp_path, 2, 2, data, tmp_path)
+    probe = Path(__file__).parent / "_model_parallel_stream_resume.py"
+    _launch(probe, tmp_path, 2, 2, data, tmp_path, int(shuffle), workers)
     found = [json.loads((tmp_path / f"found.{rank}.json").read_text()) for rank in range(4)]
     for rank, result in enumerate(found):
-        shard = list(range(10 * (rank // 2), 10 * (rank // 2) + 10))  # data-parallel rank's half, peers alike
-        assert result["whole"] == shard
-        assert result["resumed"] == shard[4:]  # after 2 optimizer steps of 2 samples: the rest, once
+        assert result == found[rank - rank % 2]  # tensor-parallel peers read alike, in both fits
+        assert result["resumed"] == result["whole"][4:]  # after 2 optimizer steps of 2 samples: the rest, once
+        if not shuffle:
+            assert result["whole"] == list(range(10 * (rank // 2), 10 * (rank // 2) + 10))  # its half, in order
+    assert sorted(found[0]["whole"] + found[2]["whole"]) == list(range(20))  # every sample once per epoch
 
 
 @needs_mosaic
