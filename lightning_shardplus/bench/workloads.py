@@ -63,6 +63,8 @@ def default_configs() -> list[BenchConfig]:
         BenchConfig(
             "shardplus-plain", shardplus(average_training_metrics=False), count_gradients=False, scaling_report=False
         ),
+        # plain ddp again (an A/A row): its paired ratio to "ddp" is the benchmark's own bias and spread here
+        BenchConfig("ddp-again", lambda: DDPStrategy(start_method="fork"), scaling_report=False),
         # the same data as one stream per rank (equal lengths, so that plain ddp runs too): "shardplus-stream"
         # against "ddp-stream" is the cost of the uneven-inputs agreement (one all-reduce of one integer per
         # micro-batch); "ddp-stream" against "ddp" is the iterable loader's own
