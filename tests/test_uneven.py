@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_shardplus import ShardPlusStrategy
 from lightning_shardplus.data_parallel import DataParallel
-from lightning_shardplus.uneven import NO_BATCH, EvenSteps, zero_loss
+from lightning_shardplus.uneven import AGREEMENT_BLOCK, NO_BATCH, EvenSteps, zero_loss
 
 DIM = 4
 
@@ -287,6 +287,11 @@ def count_all_reduces(monkeypatch):
     monkeypatch.setattr(dist, "all_reduce", counted)
 
 
+def agreements(micro_batches: int) -> int:
+    """The agreement's all_reduces in one pass over streams of ``micro_batches`` micro-batches (the longest)."""
+    return micro_batches // AGREEMENT_BLOCK + 1
+
+
 class CountingRegression(Regression):
     def setup(self, stage):  # before the first pass fetches (and agrees on) its first batches
         self.calls_at_start = ALL_REDUCES["calls"]
@@ -300,15 +305,17 @@ class CountingRegression(Regression):
 @pytest.mark.parametrize(
     ("lengths", "settings", "per_epoch"),
     [
-        # one agreement per micro-batch, and the last one, that finds no data; the averaged metrics one per step
-        ([28, 9], {}, lambda micro_batches, steps: micro_batches + 1 + steps),
-        ([5, 16, 30], {}, lambda micro_batches, steps: micro_batches + 1 + steps),
-        ([28, 9], {"ddp_comm_hook": uncounted_allreduce_hook}, lambda micro_batches, steps: micro_batches + 1 + steps),
-        ([28, 9], {"average_training_metrics": False}, lambda micro_batches, steps: micro_batches + 1),
-        ([28, 9], {"aggregation_frequency": 2}, lambda micro_batches, steps: micro_batches + 1 + steps),
+        # one agreement per block of AGREEMENT_BLOCK micro-batches, up to the one that finds a micro-batch without
+        # data on every rank; the averaged metrics one per step
+        ([28, 9], {}, lambda m, steps: agreements(m) + steps),
+        ([5, 16, 30], {}, lambda m, steps: agreements(m) + steps),
+        ([28, 9], {"ddp_comm_hook": uncounted_allreduce_hook}, lambda m, steps: agreements(m) + steps),
+        ([28, 9], {"average_training_metrics": False}, lambda m, steps: agreements(m)),
+        ([28, 9], {"aggregation_frequency": 2}, lambda m, steps: agreements(m) + steps),
+        ([32, 9], {}, lambda m, steps: agreements(m) + steps),  # 8 micro-batches: 2 blocks + 1
     ],
 )
-def test_the_agreement_takes_one_all_reduce_per_micro_batch_and_the_metrics_one_per_step(
+def test_the_agreement_takes_one_all_reduce_per_block_of_micro_batches_and_the_metrics_one_per_step(
     tmp_path, count_all_reduces, lengths, settings, per_epoch
 ):
     out = tmp_path / "records"
