@@ -404,7 +404,8 @@ def test_the_model_parallel_pair_runs_in_one_launch_and_reports_paired_ratios_on
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((tmp_path / "j").read_text())
     assert report["baseline"] == "model_parallel"
-    assert list(report["results"]) == ["model_parallel", "shardplus_model_parallel", "shardplus_model_parallel-plain"]
+    rows = ["model_parallel", "shardplus_model_parallel", "shardplus_model_parallel-plain", "model_parallel-again"]
+    assert list(report["results"]) == rows
     assert report["results"]["model_parallel"]["paired_ratio_to_baseline"] == 1.0
     assert all(len(row["runs"]) == 2 and min(row["runs"]) > 0 for row in report["results"].values())
     assert done.stdout.count("| shardplus_model_parallel |") == 1  # the table, printed by rank 0 alone

@@ -32,11 +32,13 @@ ROWS = {
     "shardplus_model_parallel-plain": lambda devices: ShardPlusModelParallelStrategy(
         devices, 1, average_training_metrics=False
     ),
+    # ModelParallelStrategy again (an A/A row): what the benchmark reads when there is no difference at all
+    "model_parallel-again": lambda devices: ModelParallelStrategy(devices, 1),
 }
 
 
 def run_model_parallel(args: argparse.Namespace) -> dict[str, Any] | None:
-    """``args.repeats`` rounds of both rows (alternating order); the report on rank 0, None on the others."""
+    """``args.repeats`` rounds of every row (alternating order); the report on rank 0, None on the others."""
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in ROWS}
     for repeat in range(args.repeats):
         for name in ROWS if repeat % 2 == 0 else reversed(ROWS):
