@@ -16,7 +16,7 @@ from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
 from lightning_shardplus import _lightning
-from lightning_shardplus.data_parallel import data_parallel_size
+from lightning_shardplus.data_parallel import DataParallel, data_parallel_size
 
 try:  # public from torch 2.6: before, FSDP2's units cannot be told, and a window's gradients are not read under it
     from torch.distributed.fsdp import FSDPModule
@@ -84,8 +84,8 @@ class GradientAggregation:
     """Aggregation windows for one fit: ``trainer.accumulate_grad_batches`` is ``frequency`` until :meth:`close`,
     and :meth:`wrap_closure` corrects each window's gradient. ``ranks_correction(aggregated, average)`` corrects
     it further where some ranks had no data (``uneven.EvenSteps.gradient_correction``). ``window_gradients``: a
-    checkpoint inside a window holds each rank's gradient so far (False where they cannot be read: a resume there
-    warns that the window's step lacks them)."""
+    checkpoint inside a window holds the window's gradients so far (False where they cannot be read: a resume there
+    warns that the window's step lacks them): each rank's under DDP, their sum over ``data_parallel`` under FSDP2."""
 
     def __init__(
         self,
@@ -94,9 +94,10 @@ class GradientAggregation:
         average: bool,
         ranks_correction: Callable[[int, bool], float] | None = None,
         window_gradients: bool = True,
+        data_parallel: DataParallel | None = None,
     ) -> None:
         self.trainer, self.average, self.ranks_correction = trainer, average, ranks_correction
-        self.window_gradients = window_gradients
+        self.window_gradients, self.data_parallel = window_gradients, data_parallel
         self._user_accumulate = trainer.accumulate_grad_batches
         self._checkpointed: dict[str, Any] | None = None  # the window state of a checkpoint being resumed
         self._announced = False
@@ -166,23 +167,22 @@ class GradientAggregation:
         return done if done % frequency and done < trainer.num_training_batches else None
 
     def state_dict(self) -> dict[str, Any] | None:
-        """Inside a window, every rank's accumulated gradient (each its own, under ``no_sync``) gathered on rank 0: a
-        collective, called on every rank. None at optimizer-step boundaries and on ranks other than 0."""
+        """Inside a window, the gradients accumulated so far on rank 0: every rank's own (DDP, under ``no_sync``), or
+        under FSDP2 their sum over the data-parallel ranks. A collective, called on every rank. None at
+        optimizer-step boundaries and on ranks other than 0."""
         done = self._inside_window()
         if done is None or not self.window_gradients:
             return None
         module = self.trainer.lightning_module
-        with unsharded_parameters(module):
-            local = {name: whole(p.grad).cpu().clone() for name, p in module.named_parameters() if p.grad is not None}
+        if self.data_parallel is not None:
+            return data_parallel_sum_entry(module, self.data_parallel, done, self.micro_batches_per_step)
+        local = {name: p.grad.detach().cpu().clone() for name, p in module.named_parameters() if p.grad is not None}
         per_rank: list[Any] | None = [local]
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
             per_rank = [None] * world if rank == 0 else None
             torch.distributed.gather_object(local, per_rank, dst=0)
-        if per_rank is None or not all(per_rank):
-            # none read: FSDP2 with a `reduce_dtype` accumulates in a buffer of its own (the resume warns)
-            return None
-        return window_entry(done, self.micro_batches_per_step, per_rank)
+        return None if per_rank is None else window_entry(done, self.micro_batches_per_step, per_rank)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """The window state of a checkpoint being resumed; its gradients are restored when training starts."""
@@ -211,8 +211,9 @@ class GradientAggregation:
                 "uninterrupted one."
             )
             return
-        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-        message = restore_window_gradients(trainer.lightning_module, entry, done, frequency, rank, trainer.world_size)
+        rank = self.data_parallel.rank if self.data_parallel is not None else trainer.global_rank
+        replicas = data_parallel_size(trainer)
+        message = restore_window_gradients(trainer.lightning_module, entry, done, frequency, rank, replicas)
         if message is not None:
             rank_zero_warn(f"shardplus: {message}")
 
@@ -220,24 +221,65 @@ class GradientAggregation:
 CHECKPOINT_KEY = "shardplus_aggregation_window"
 
 
+def parameters_by_unit(module: torch.nn.Module) -> list[tuple[Any, list[str]]]:
+    """``module``'s parameter names grouped by the FSDP2 unit that manages them (the innermost one above each), in
+    ``named_parameters`` order; None for those of no unit, which are whole."""
+    units = {path: unit for path, unit in module.named_modules() if FSDPModule and isinstance(unit, FSDPModule)}
+    groups: dict[str | None, list[str]] = {}
+    for name, _ in module.named_parameters():
+        path = name.rpartition(".")[0]
+        while path and path not in units:
+            path = path.rpartition(".")[0]
+        groups.setdefault(path if path in units else None, []).append(name)
+    return [(units.get(path) if path is not None else None, names) for path, names in groups.items()]
+
+
 @contextmanager
-def unsharded_parameters(module: torch.nn.Module) -> Iterator[None]:
-    """Inside, ``module``'s FSDP2 units are unsharded (``FSDPModule.unshard``, a collective over the data-parallel
-    ranks): each parameter is whole, and its ``.grad`` is this rank's gradient accumulated so far in an aggregation
-    window (FSDP2 reduces none inside it). Nothing to do for a module without FSDP2, whose parameters are whole."""
-    units = [unit for unit in module.modules() if isinstance(unit, FSDPModule)] if FSDPModule is not None else []
-    for unit in units:
-        unit.unshard()
+def unsharded(unit: Any) -> Iterator[None]:
+    """Inside, the FSDP2 ``unit`` is unsharded (``FSDPModule.unshard``, public; an all-gather over the data-parallel
+    ranks): its parameters are whole, and their ``.grad`` is this rank's gradient accumulated so far in an
+    aggregation window (FSDP2 reduces none inside it). Nothing to do for ``None``."""
+    if unit is None:
+        yield
+        return
+    unit.unshard()
     try:
         yield
     finally:
-        for unit in units:
-            unit.reshard()
+        unit.reshard()
 
 
-def whole(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` detached, a tensor-parallel ``DTensor`` gathered whole (a collective over its mesh)."""
-    return (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).detach()
+@torch.no_grad()
+def data_parallel_sum_entry(
+    module: torch.nn.Module, data_parallel: DataParallel, done: int, frequency: int
+) -> dict[str, Any] | None:
+    """The checkpoint entry of a save inside a window under FSDP2: the gradients accumulated so far, summed over the
+    data-parallel ranks (what the window's reduce-scatter would sum), whole, on CPU, on rank 0; one unit unsharded
+    and one gradient reduced at a time. None on other ranks, and where FSDP2 keeps them in a buffer of its own (a
+    ``reduce_dtype`` of its own: no parameter has ``.grad``; the resume then warns)."""
+    sums, read = {}, torch.zeros(1, device=next(module.parameters()).device)
+    root, is_root = data_parallel.global_rank(0), torch.distributed.get_rank() == 0
+    for unit, names in parameters_by_unit(module):
+        with unsharded(unit):
+            for name in names:
+                parameter = module.get_parameter(name)
+                if parameter.grad is not None:
+                    read += 1
+                grad = parameter.grad if parameter.grad is not None else torch.zeros_like(parameter)
+                # a copy: a replicated DTensor's full_tensor() is its local tensor, and reduce writes into its input
+                whole = (grad.full_tensor() if hasattr(grad, "full_tensor") else grad).detach().clone()
+                torch.distributed.reduce(whole, dst=root, group=data_parallel.group)
+                if is_root:
+                    sums[name] = whole.cpu()
+    torch.distributed.all_reduce(read, op=torch.distributed.ReduceOp.MAX)
+    if not is_root or not read.item():
+        return None
+    return {
+        "micro_batches_done": done,
+        "aggregation_frequency": frequency,
+        "world_size": data_parallel.size,
+        "data_parallel_sum": sums,
+    }
 
 
 def window_entry(micro_batches_done: int, frequency: int, per_rank: list[dict[str, torch.Tensor]]) -> dict[str, Any]:
@@ -264,34 +306,39 @@ def restore_window_gradients(
             f"after micro-batch {entry.get('micro_batches_done')}, this run resumes a window of {frequency} after "
             f"micro-batch {micro_batches_done}: they are not restored, and the window's step lacks them."
         )
-    per_rank = entry["per_rank"]
-    message = None
-    if len(per_rank) == world_size:
-        gradients = per_rank[rank]
+    if "data_parallel_sum" in entry:  # FSDP2: every rank starts from the mean, which the reduce-scatter sums back
+        saved, per_rank = entry["world_size"], [entry["data_parallel_sum"]]
+        gradients = {name: total / saved for name, total in entry["data_parallel_sum"].items()}
     else:
-        # a rank without a parameter's gradient (unused there) contributed zero
-        names = set().union(*per_rank)
-        gradients = {name: sum(g[name] for g in per_rank if name in g) / len(per_rank) for name in names}
+        saved, per_rank = len(entry["per_rank"]), entry["per_rank"]
+        names = [name for name, _ in module.named_parameters() if any(name in g for g in per_rank)]
+        # on another world size: the mean, a rank without a parameter's gradient (unused there) contributing zero
+        gradients = per_rank[rank] if saved == world_size else {
+            name: sum(g[name] for g in per_rank if name in g) / saved for name in names
+        }  # fmt: skip
+    message = None
+    if saved != world_size:
         message = (
-            f"resumed inside an aggregation window saved on {len(per_rank)} processes, on {world_size}: every "
+            f"resumed inside an aggregation window saved on {saved} processes, on {world_size}: every "
             "process starts from the mean of the gradients the checkpoint's processes had accumulated, and the rest "
             "of the window is resharded; the run equals no uninterrupted one."
         )
     shapes = {name: p.shape for name, p in module.named_parameters()}
-    misfits = [name for name, g in gradients.items() if name not in shapes or shapes[name] != g.shape]
+    saved_shapes = {name: g.shape for g in per_rank for name, g in g.items()}  # the same on every rank
+    misfits = [name for name, shape in saved_shapes.items() if name not in shapes or shapes[name] != shape]
     if misfits:
         return f"the checkpoint's accumulated gradient of {misfits[0]!r} does not fit this model: none is restored."
-    with unsharded_parameters(module):
-        parameters = dict(module.named_parameters())
-        for name, gradient in gradients.items():
-            parameter = parameters[name]
-            gradient = gradient.to(device=parameter.device, dtype=parameter.dtype)
-            if hasattr(parameter, "device_mesh"):  # tensor parallel: this rank's part of the whole gradient
-                gradient = distribute_tensor(gradient, parameter.device_mesh, parameter.placements)
-            if parameter.grad is None:
-                parameter.grad = gradient
-            else:
-                parameter.grad.copy_(gradient)
+    for unit, names in parameters_by_unit(module):
+        with unsharded(unit):
+            for name in (name for name in names if name in gradients):
+                parameter = module.get_parameter(name)
+                gradient = gradients[name].to(device=parameter.device, dtype=parameter.dtype)
+                if hasattr(parameter, "device_mesh"):  # tensor parallel: this rank's part (a collective over its mesh)
+                    gradient = distribute_tensor(gradient, parameter.device_mesh, parameter.placements)
+                if parameter.grad is None:
+                    parameter.grad = gradient
+                else:
+                    parameter.grad.copy_(gradient)
     return message
 
 

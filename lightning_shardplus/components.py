@@ -89,6 +89,7 @@ class RunComponents:
                 trainer, config.aggregation_frequency, config.average_aggregated_gradients,
                 ranks_correction=parts.even.gradient_correction,
                 window_gradients=setup.ddp or FSDP2_WINDOW_GRADIENTS_READABLE,
+                data_parallel=None if setup.ddp else setup.data_parallel,
             )  # fmt: skip
             if not setup.ddp:
                 return parts

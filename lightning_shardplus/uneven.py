@@ -23,8 +23,9 @@ from lightning_shardplus.data_parallel import DataParallel
 UnevenInputs = Literal["join", "drop"]
 UNEVEN_INPUTS: tuple[str, ...] = ("join", "drop")
 
-# Micro-batches agreed on in one all_reduce: each rank holds up to this many batches fetched ahead. Per micro-batch
-# the decision is the same as agreeing on each alone; the collective, which costs host CPU on gloo, runs 1/4 as often.
+# Micro-batches agreed on in one all_reduce: each rank fetches this many batches ahead, and holds up to 2 more from
+# the block being trained. Per micro-batch the decision is the same as agreeing on each alone; the collective, which
+# costs host CPU on gloo, runs 1/4 as often.
 AGREEMENT_BLOCK = 4
 
 
@@ -239,7 +240,7 @@ class EvenSteps:
             *counts, lacking = block.count.tolist()
             if self.keeps_stand_in and block.batches:
                 self.stand_in = block.batches[0]
-            if lacking and counts[0]:
+            if lacking and counts[0] and self.policy == "join":  # ("drop" stops before any rank lacks a batch)
                 self._share_stand_in()
             current = block
             for j, with_data in enumerate(counts):

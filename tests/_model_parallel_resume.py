@@ -3,8 +3,8 @@ with DP x TP as saved (``DIR`` empty) an uninterrupted 2-epoch fit saves at opti
 distributed and in a full checkpoint, and a new fit resumes from each; with another DP (``DIR`` holding those
 checkpoints) only the resumes run. As saved, also with ``aggregation_frequency=2``: a checkpoint inside a window
 (after epoch 1's first micro-batch) and a resume from it, also with FSDP2 reducing in float64 (whose window gradients
-cannot be read: the resume warns). Every rank writes what it read after the resume to
-``DIR/found.<DP>.<rank>.json``."""
+cannot be read: the resume warns); with another DP, a resume from that window checkpoint too. Every rank writes
+what it read after the resume to ``DIR/found.<DP>.<rank>.json``."""
 
 from __future__ import annotations
 
@@ -87,6 +87,12 @@ def main(dp: int, tp: int, folder: Path) -> None:
             resumed = fit(distributed, ckpt_path=window, window=True)
             weights = full_weights(resumed)
             found[f"window resumed distributed={distributed}"] = {"seen": resumed.seen, "weights": weights}
+        elif FSDP2_WINDOW_GRADIENTS_READABLE and distributed:  # another data-parallel size: the mean, said
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                resumed = fit(distributed, ckpt_path=window, window=True)
+            said = any("saved on 2 processes, on 3" in str(w.message) for w in caught)
+            found["window resumed elsewhere"] = {"seen": resumed.seen, "warned": said}
     window = folder / "window ReduceDtypeModel distributed=True.ckpt"
     if FSDP2_WINDOW_GRADIENTS_READABLE and not window.exists():
         fit(True, save=True, window=True, model_class=ReduceDtypeModel)

@@ -138,6 +138,9 @@ def test_a_mid_epoch_resume_reads_what_the_uninterrupted_run_read_next_on_any_da
         remaining = [i for rank in (0, 2) for i in whole[rank]["seen"][7:]]
         read = [i for rank in range(3) for i in other[rank][f"resumed distributed={distributed}"]["seen"]]
         assert sorted(read) == sorted(remaining) and len(set(read)) == 6
+    if FSDP2_WINDOW_GRADIENTS_READABLE:  # inside a window, on 3 x 1: the window's mean gradient, with a warning
+        read = [i for rank in range(3) for i in other[rank]["window resumed elsewhere"]["seen"]]
+        assert sorted(read) == sorted(remaining) and other[0]["window resumed elsewhere"]["warned"]
     # FSDP2 keeps a window's float64 gradients to itself: not restored, and said
     assert same[0].get("reduce_dtype: warned", not FSDP2_WINDOW_GRADIENTS_READABLE)
 

@@ -66,8 +66,8 @@ def default_configs() -> list[BenchConfig]:
         # plain ddp again (an A/A row): its paired ratio to "ddp" is the benchmark's own bias and spread here
         BenchConfig("ddp-again", lambda: DDPStrategy(start_method="fork"), scaling_report=False),
         # the same data as one stream per rank (equal lengths, so that plain ddp runs too): "shardplus-stream"
-        # against "ddp-stream" is the cost of the uneven-inputs agreement (one all-reduce of one integer per
-        # micro-batch); "ddp-stream" against "ddp" is the iterable loader's own
+        # against "ddp-stream" is the cost of the uneven-inputs agreement (one all-reduce of 5 integers per block
+        # of 4 micro-batches) and of the averaged metrics; "ddp-stream" against "ddp" is the iterable loader's own
         BenchConfig(
             "ddp-stream",
             lambda: DDPStrategy(start_method="fork"),
