@@ -21,7 +21,11 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch.utils.data import DataLoader
 
 from lightning_shardplus import ShardPlusModelParallelStrategy
+from lightning_shardplus._lightning import RESUMES_INSIDE_A_WINDOW
 from lightning_shardplus.aggregation import FSDP2_WINDOW_GRADIENTS_READABLE
+
+# torch 2.6 (FSDP2's public unshard) and Lightning 2.5 (a resume inside a window at its micro-batch)
+WINDOWS = FSDP2_WINDOW_GRADIENTS_READABLE and RESUMES_INSIDE_A_WINDOW
 
 
 class MomentumModel(Model):
@@ -81,20 +85,20 @@ def main(dp: int, tp: int, folder: Path) -> None:
         resumed = fit(distributed, ckpt_path=saved)
         found[f"resumed distributed={distributed}"] = {"seen": resumed.seen, "weights": full_weights(resumed)}
         window = folder / f"window MomentumModel distributed={distributed}.ckpt"
-        if FSDP2_WINDOW_GRADIENTS_READABLE and not window.exists():
+        if WINDOWS and not window.exists():
             whole = fit(distributed, save=True, window=True)
             found[f"window uninterrupted distributed={distributed}"] = {"weights": full_weights(whole)}
             resumed = fit(distributed, ckpt_path=window, window=True)
             weights = full_weights(resumed)
             found[f"window resumed distributed={distributed}"] = {"seen": resumed.seen, "weights": weights}
-        elif FSDP2_WINDOW_GRADIENTS_READABLE and distributed:  # another data-parallel size: the mean, said
+        elif WINDOWS and distributed:  # another data-parallel size: the mean, said
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 resumed = fit(distributed, ckpt_path=window, window=True)
             said = any("saved on 2 processes, on 3" in str(w.message) for w in caught)
             found["window resumed elsewhere"] = {"seen": resumed.seen, "warned": said}
     window = folder / "window ReduceDtypeModel distributed=True.ckpt"
-    if FSDP2_WINDOW_GRADIENTS_READABLE and not window.exists():
+    if WINDOWS and not window.exists():
         fit(True, save=True, window=True, model_class=ReduceDtypeModel)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
