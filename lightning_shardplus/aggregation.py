@@ -255,24 +255,25 @@ def data_parallel_sum_entry(
 ) -> dict[str, Any] | None:
     """The checkpoint entry of a save inside a window under FSDP2: the gradients accumulated so far, summed over the
     data-parallel ranks (what the window's reduce-scatter would sum), whole, on CPU, on rank 0; one unit unsharded
-    and one gradient reduced at a time. None on other ranks, and where FSDP2 keeps them in a buffer of its own (a
-    ``reduce_dtype`` of its own: no parameter has ``.grad``; the resume then warns)."""
-    sums, read = {}, torch.zeros(1, device=next(module.parameters()).device)
-    root, is_root = data_parallel.global_rank(0), torch.distributed.get_rank() == 0
+    and one gradient reduced at a time. None on other ranks, and where FSDP2 keeps a unit's gradients in a buffer of
+    its own (a ``reduce_dtype`` of the unit's own): on some rank, a unit with trainable parameters has no ``.grad``
+    on any of them (the resume then warns)."""
+    sums, root, is_root = {}, data_parallel.global_rank(0), torch.distributed.get_rank() == 0
+    unread = torch.zeros(1, device=next(module.parameters()).device)  # units whose gradients are not on `.grad`
     for unit, names in parameters_by_unit(module):
         with unsharded(unit):
-            for name in names:
-                parameter = module.get_parameter(name)
-                if parameter.grad is not None:
-                    read += 1
+            parameters = [module.get_parameter(name) for name in names]
+            trainable = [p for p in parameters if p.requires_grad]
+            unread += unit is not None and bool(trainable) and all(p.grad is None for p in trainable)
+            for name, parameter in zip(names, parameters, strict=True):
                 grad = parameter.grad if parameter.grad is not None else torch.zeros_like(parameter)
                 # a copy: a replicated DTensor's full_tensor() is its local tensor, and reduce writes into its input
                 whole = (grad.full_tensor() if hasattr(grad, "full_tensor") else grad).detach().clone()
                 torch.distributed.reduce(whole, dst=root, group=data_parallel.group)
                 if is_root:
                     sums[name] = whole.cpu()
-    torch.distributed.all_reduce(read, op=torch.distributed.ReduceOp.MAX)
-    if not is_root or not read.item():
+    torch.distributed.all_reduce(unread, op=torch.distributed.ReduceOp.MAX)
+    if not is_root or unread.item():
         return None
     return {
         "micro_batches_done": done,

@@ -2,9 +2,9 @@
 with DP x TP as saved (``DIR`` empty) an uninterrupted 2-epoch fit saves at optimizer step 4 (inside epoch 1), in a
 distributed and in a full checkpoint, and a new fit resumes from each; with another DP (``DIR`` holding those
 checkpoints) only the resumes run. As saved, also with ``aggregation_frequency=2``: a checkpoint inside a window
-(after epoch 1's first micro-batch) and a resume from it, also with FSDP2 reducing in float64 (whose window gradients
-cannot be read: the resume warns); with another DP, a resume from that window checkpoint too. Every rank writes
-what it read after the resume to ``DIR/found.<DP>.<rank>.json``."""
+(after epoch 1's first micro-batch) and a resume from it, also with FSDP2 reducing one unit in float64 (whose
+window gradients cannot be read: the resume warns); with another DP, a resume from that window checkpoint too. Every
+rank writes what it read after the resume to ``DIR/found.<DP>.<rank>.json``."""
 
 from __future__ import annotations
 
@@ -37,14 +37,16 @@ class MomentumModel(Model):
 
 
 class ReduceDtypeModel(MomentumModel):
-    """FSDP2 reducing in float64: it accumulates a window's gradients in a buffer of its own, not on the parameters."""
+    """FSDP2 reducing ``l1`` in float64: it accumulates that unit's window gradients in a buffer of its own, not on the
+    parameters (``l2``'s stay readable)."""
 
     def configure_model(self) -> None:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        policy = MixedPrecisionPolicy(reduce_dtype=torch.float64)
-        for module in (self.l1, self.l2, self):
-            fully_shard(module, mesh=self.device_mesh["data_parallel"], mp_policy=policy)
+        mesh = self.device_mesh["data_parallel"]
+        fully_shard(self.l1, mesh=mesh, mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float64))
+        for module in (self.l2, self):
+            fully_shard(module, mesh=mesh)
 
 
 class SaveInsideWindow(Callback):

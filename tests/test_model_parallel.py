@@ -143,7 +143,7 @@ def test_a_mid_epoch_resume_reads_what_the_uninterrupted_run_read_next_on_any_da
     if WINDOWS:  # inside a window, on 3 x 1: the window's mean gradient, with a warning
         read = [i for rank in range(3) for i in other[rank]["window resumed elsewhere"]["seen"]]
         assert sorted(read) == sorted(remaining) and other[0]["window resumed elsewhere"]["warned"]
-    # FSDP2 keeps a window's float64 gradients to itself: not restored, and said
+    # FSDP2 keeps one unit's float64 window gradients to itself: none restored (not the others' alone), and said
     assert same[0].get("reduce_dtype: warned", not WINDOWS)
 
 
