@@ -380,13 +380,23 @@ def test_a_litdata_stream_resumes_mid_epoch_where_it_was_under_tensor_parallel(t
     data = _write_ids("litdata", tmp_path / "data", 20)
     probe = Path(__file__).parent / "_model_parallel_stream_resume.py"
     _launch(probe, tmp_path, 2, 2, data, tmp_path, int(shuffle), workers)
-    found = [json.loads((tmp_path / f"found.{rank}.json").read_text()) for rank in range(4)]
+    found = [json.loads((tmp_path / f"found.2.{rank}.json").read_text()) for rank in range(4)]
     for rank, result in enumerate(found):
         assert result == found[rank - rank % 2]  # tensor-parallel peers read alike, in both fits
         assert result["resumed"] == result["whole"][4:]  # after 2 optimizer steps of 2 samples: the rest, once
         if not shuffle:
             assert result["whole"] == list(range(10 * (rank // 2), 10 * (rank // 2) + 10))  # its half, in order
     assert sorted(found[0]["whole"] + found[2]["whole"]) == list(range(20))  # every sample once per epoch
+    # the same checkpoint on 3 data-parallel ranks: litdata's elastic resume reads every remaining sample, and again
+    # fewer than one batch per rank of those read before (it rounds its position down to whole batches of every rank)
+    _launch(probe, tmp_path, 3, 1, data, tmp_path, int(shuffle), workers)
+    elsewhere = [json.loads((tmp_path / f"found.3.{rank}.json").read_text()) for rank in range(3)]
+    read = {i for result in elsewhere for i in result["resumed"]}
+    remaining = found[0]["whole"][4:] + found[2]["whole"][4:]
+    assert remaining and set(remaining) <= read and len(read) - len(remaining) < 3 * 2
+    assert elsewhere[0]["trained"] == len(read)  # each once
+    assert "litdata spreads the rest of the epoch over them" in elsewhere[0]["said"][0]
+    assert [result["said"] for result in found] == [[]] * 4  # on the same mesh: nothing to say
 
 
 @needs_mosaic

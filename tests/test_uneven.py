@@ -354,6 +354,31 @@ def test_map_style_loaders_and_single_processes_are_not_wrapped():
     assert EvenSteps("join", DataParallel(1, 0)).wrap(DataLoader(RankStream([3]))).__class__ is DataLoader
 
 
+class StatefulStream(DataLoader):
+    """A stream's loader with a ``state_dict`` that is not litdata's: what it was told to load."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.loaded = []
+
+    def state_dict(self):
+        return {"position": 0}
+
+    def load_state_dict(self, state):
+        self.loaded.append(state)
+
+
+def test_a_stream_checkpoint_of_another_world_size_restarts_the_epoch_where_the_loader_is_not_litdatas():
+    # litdata's StreamingDataLoader goes on through its elastic resume: tests/test_stream_libraries.py (2 x 2 to 3)
+    loader = EvenSteps("join", DataParallel(3, 1)).wrap(StatefulStream(RankStream([3])))
+    saved = {"shardplus_per_rank": [{"state": {"position": 4}, "ran_out": False, "batches": 2}] * 2}
+    with pytest.warns(UserWarning, match="positions of 2 ranks, this run has 3: the streams start again from the"):
+        loader.load_state_dict(saved)
+    assert loader.loader.loaded == []
+    loader.load_state_dict({"shardplus_per_rank": [{"state": {"position": k}, "ran_out": False} for k in range(3)]})
+    assert loader.loader.loaded == [{"position": 1}]  # its own, on the same world size
+
+
 def test_the_loss_of_a_rank_without_data_has_a_zero_gradient_for_every_parameter():
     module = nn.Sequential(nn.Linear(3, 2), nn.BatchNorm1d(2))
     zero_loss(module).backward()
