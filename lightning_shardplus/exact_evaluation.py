@@ -127,10 +127,12 @@ ExactEvaluation = _ExactEvaluation
 def counted_nowhere(module: pl.LightningModule, drop_logs: bool = True) -> Iterator[None]:
     """A step run only for its collectives (model parallel: a stand-in batch): its torchmetrics Metrics keep the states
     they had (list states by a copy of the list, tensors by a clone), its buffers their values (BatchNorm's running
-    statistics), and with ``drop_logs`` what it logs is dropped."""
+    statistics: copies put in their place, for the step's backward may still need the tensors it updated), and with
+    ``drop_logs`` what it logs is dropped."""
     metrics = [m for m in module.modules() if isinstance(m, Metric)]
     saved = [{k: list(v) if isinstance(v, list) else v.clone() for k, v in m.metric_state.items()} for m in metrics]
-    buffers = [(buffer, buffer.clone()) for buffer in module.buffers()]
+    owned = [(owner, name, buffer) for owner in module.modules() for name, buffer in owner.named_buffers(recurse=False)]
+    buffers = [(owner, name, buffer.clone()) for owner, name, buffer in owned]
     if drop_logs:
         module.log = lambda *args, **kwargs: None  # type: ignore[method-assign]  (`log_dict` calls it too)
     try:
@@ -141,9 +143,8 @@ def counted_nowhere(module: pl.LightningModule, drop_logs: bool = True) -> Itera
         for metric, state in zip(metrics, saved, strict=True):
             for name, value in state.items():
                 setattr(metric, name, value)
-        with torch.no_grad():
-            for buffer, value in buffers:
-                buffer.copy_(value)
+        for owner, name, value in buffers:
+            setattr(owner, name, value)
 
 
 def share_rank_zero_buffers(module: torch.nn.Module, ddp_kwargs: dict[str, Any]) -> None:

@@ -119,6 +119,19 @@ class Model(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
+class NormModel(Model):
+    """With a BatchNorm on the input in its loss (times 0: the weights are Model's): its running statistics count the
+    training batches with data, and a stand-in step's backward needs the ones its forward used."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = torch.nn.BatchNorm1d(4, affine=False)
+
+    def training_step(self, batch, batch_idx):
+        # (an input that requires grad: the norm's backward runs, as one with weights would)
+        return super().training_step(batch, batch_idx) + 0.0 * self.norm(batch[1].detach().requires_grad_()).sum()
+
+
 def full_weights(model: Model) -> list[list[float]]:
     """Every parameter whole (DTensors gathered: a collective on every rank)."""
     return [
@@ -175,7 +188,7 @@ def main(dp: int, tp: int, out: str) -> None:
         ("join", [6] + [2 * r for r in range(dp - 1)]),
         ("drop", [6] + [2 * r + 2 for r in range(dp - 1)]),
     ):
-        model, values = Model(), StepValues()
+        model, values = NormModel(), StepValues()
         trainer(uneven_inputs=policy, callbacks=[values]).fit(model, DataLoader(DataParallelStream(per_rank, tp), 2))
         offsets = [sum(per_rank[:r]) for r in range(dp)]
         batches = 3 if policy == "join" else min(n // 2 for n in per_rank)
@@ -183,7 +196,8 @@ def main(dp: int, tp: int, out: str) -> None:
             [offsets[r] + 2 * b + k for r in range(dp) if 2 * b < per_rank[r] for k in (0, 1)] for b in range(batches)
         ]
         found[policy] = {"samples": values.values, "weights": full_weights(model), "reference": reference(steps),
-                         "trained": model.samples_trained}  # fmt: skip
+                         "trained": model.samples_trained,
+                         "normalized": int(model.norm.num_batches_tracked)}  # fmt: skip
     # exact evaluation: shards of 2 and 1 samples, an empty one, none
     for n in (2 * dp - 1, 1, 0):
         found[f"validate{n}"] = trainer().validate(Model(), DataLoader(Samples(n), batch_size=2), verbose=False)

@@ -72,7 +72,7 @@ def test_the_data_side_holds_over_the_data_parallel_ranks(tmp_path, dp, tp):
     # a sync_dist sum is the global batch, never counted again per tensor-parallel copy
     shard = len(by_dp[0]["fit"]["seen"])  # 5 or 4, in batches of 2
     assert found[0]["fit"]["samples"] == [float(dp * min(2, shard - 2 * b)) for b in range(-(-shard // 2))]
-    for result in found:
+    for rank, result in enumerate(found):
         # a torchmetrics Metric counts each data-parallel rank's samples once (not once per tensor-parallel copy),
         # and none of a stand-in step's
         assert result["fit"]["trained"] == len(seen)
@@ -85,6 +85,8 @@ def test_the_data_side_holds_over_the_data_parallel_ranks(tmp_path, dp, tp):
         # the shortest stream (one step)
         assert result["join"]["samples"] == [2.0 * (dp - 1), 2.0, 2.0] if dp > 2 else [2.0, 2.0, 2.0]
         assert _close(result["join"]["weights"], result["join"]["reference"])
+        # a stand-in step's BatchNorm statistics are undone (after its backward, which needs them): its batches of 2
+        assert result["join"]["normalized"] == ([6] + [2 * r for r in range(dp - 1)])[rank // tp] // 2
         assert result["drop"]["samples"] == [2.0 * dp]
         assert _close(result["drop"]["weights"], result["drop"]["reference"])
         assert not _close(result["drop"]["reference"], result["initial"])
