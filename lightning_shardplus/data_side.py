@@ -6,7 +6,6 @@ strategy adds its gradient side: DDP's (``ShardPlusStrategy``) or FSDP2 and tens
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import partial
 from typing import Any
 
 import lightning.pytorch as pl
@@ -85,8 +84,13 @@ class ShardPlusDataSide(ParallelStrategy):
         worker starts (it keeps its type for Lightning)."""
         launcher = self._processes_launcher()
         if launcher is not None and not isinstance(launcher.launch, LaunchAfterCheck):
-            launcher.launch = LaunchAfterCheck(partial(check_trainer_call, self), launcher.launch)
+            launcher.launch = LaunchAfterCheck(self.check_trainer_call, launcher.launch)
         return launcher
+
+    def check_trainer_call(self, *call_args: Any, trainer: Any = None) -> None:
+        """Refuse a Trainer call that cannot work with this strategy (:func:`launch.check_trainer_call`), in the
+        launching process before any worker starts."""
+        check_trainer_call(self, *call_args, trainer=trainer)
 
     def _processes_launcher(self) -> Any:
         """What starts the processes: the launcher Lightning configured for the strategy."""

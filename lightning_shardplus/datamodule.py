@@ -36,8 +36,9 @@ def per_device_batch_size(global_batch_size: int, world_size: int) -> int:
     world_size = check_int("world_size", world_size, minimum=1)
     if global_batch_size < world_size:
         raise ValueError(
-            f"`global_batch_size`={global_batch_size} is smaller than the world size ({world_size} processes): "
-            f"every process needs at least one sample per step, so use global_batch_size >= {world_size}."
+            f"`global_batch_size`={global_batch_size} is smaller than the data-parallel size ({world_size} processes "
+            f"that read different samples): each needs at least one sample per step, so use global_batch_size >= "
+            f"{world_size}."
         )
     return global_batch_size // world_size
 
@@ -95,9 +96,9 @@ class ShardPlusDataModule(pl.LightningDataModule):
             if self.effective_global_batch_size != self.global_batch_size and self._warned_uneven != uneven:
                 self._warned_uneven = uneven
                 rank_zero_warn(
-                    f"global_batch_size={self.global_batch_size} is not divisible by the world size "
-                    f"({self.world_size}): each process uses {self.per_device_batch_size} samples per step, so the "
-                    f"effective global batch is {self.effective_global_batch_size}."
+                    f"global_batch_size={self.global_batch_size} is not divisible by the data-parallel size "
+                    f"({self.world_size}): each data-parallel process uses {self.per_device_batch_size} samples per "
+                    f"step, so the effective global batch is {self.effective_global_batch_size}."
                 )
 
     @property

@@ -22,6 +22,7 @@ from typing_extensions import override
 
 from lightning_shardplus import _lightning
 from lightning_shardplus._validation import (
+    check_bool,
     check_choice,
     check_int,
     check_process_group_backend,
@@ -136,10 +137,11 @@ class ShardPlusModelParallelStrategy(ShardPlusDataSide, ModelParallelStrategy):
             uneven_inputs=uneven_inputs,
         ))  # fmt: skip
         super().__init__(
-            data_parallel_size, tensor_parallel_size, bool(save_distributed_checkpoint), process_group_backend,
+            data_parallel_size, tensor_parallel_size,
+            check_bool("save_distributed_checkpoint", save_distributed_checkpoint), process_group_backend,
             process_group_timeout(timeout),
         )  # fmt: skip
-        self._data_parallel_given = data_parallel_size
+        self._data_parallel_given, self._tensor_parallel_given = data_parallel_size, tensor_parallel_size
         self._data_parallel_group: Any = None  # the mesh's data-parallel group, from `setup_environment` on
         self.start_method = start_method
         self._process_launcher: Any = None  # fork/spawn: Lightning's multiprocessing launcher, built once
@@ -167,6 +169,18 @@ class ShardPlusModelParallelStrategy(ShardPlusDataSide, ModelParallelStrategy):
             self._process_launcher = _lightning.process_launcher(self, self.start_method)
             self._process_launcher.launch = LaunchGatheringWeights(self._process_launcher.launch)
         return self._process_launcher
+
+    @override
+    def check_trainer_call(self, *call_args: Any, trainer: Any = None) -> None:
+        """Also: a mesh whose size is not the number of processes (Lightning would refuse it in every worker, once the
+        process group is up)."""
+        dp, tp, processes = self._data_parallel_given, self._tensor_parallel_given, self.num_nodes * self.num_processes
+        if "auto" not in (dp, tp) and dp * tp != processes:
+            raise ValueError(
+                f"`data_parallel_size`={dp} x `tensor_parallel_size`={tp} is a mesh of {dp * tp} processes, and the "
+                f"Trainer starts {processes} (devices x num_nodes): make the product equal the number of processes."
+            )
+        super().check_trainer_call(*call_args, trainer=trainer)
 
     @override
     def _distributed_setup(self) -> DistributedSetup:

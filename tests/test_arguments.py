@@ -256,7 +256,7 @@ def test_strategy_names_are_registered_with_their_start_methods():
         (0, 2, ValueError, r"`global_batch_size`=0.*>= 1"),
         (-8, 2, ValueError, r"`global_batch_size`=-8"),
         (2.5, 2, TypeError, r"`global_batch_size`=2.5"),
-        (3, 4, ValueError, r"`global_batch_size`=3 is smaller than the world size \(4 processes\).*>= 4"),
+        (3, 4, ValueError, r"`global_batch_size`=3 is smaller than the data-parallel size \(4 processes.*>= 4"),
     ],
 )
 def test_global_batch_size_is_checked(global_batch_size, world_size, error, message):
@@ -274,7 +274,7 @@ def test_per_device_batch_is_derived_from_the_world_size():
 
 def test_global_batch_below_world_size_fails_before_any_process_starts(tmp_path):
     trainer = cpu_trainer(ShardPlusStrategy(start_method="fork"), 3, max_epochs=1)
-    message = r"`global_batch_size`=2 is smaller than the world size \(3 processes\)"
+    message = r"`global_batch_size`=2 is smaller than the data-parallel size \(3 processes"
     with pytest.raises(ValueError, match=message):
         trainer.fit(
             RecordingModule(tmp_path), datamodule=ShardPlusDataModule(2, train_dataset=IndexedDataset(8))

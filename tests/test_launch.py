@@ -341,5 +341,5 @@ def test_the_spawn_and_forkserver_launchers_pickle_the_strategy_and_train(strate
     fitted.fit(model, SyntheticDataModule(global_batch_size=16, num_samples=64, val_samples=10, input_shape=(16,)))
     assert fitted.state.finished and "train_loss" in fitted.callback_metrics  # rank 0's, sent back
     assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))  # weights came back
-    with pytest.raises(ValueError, match=r"`global_batch_size`=1 is smaller than the world size \(2 processes\)"):
+    with pytest.raises(ValueError, match=r"`global_batch_size`=1 is smaller than the data-parallel size \(2 processes"):
         trainer().fit(model, ShardPlusDataModule(1, train_dataset=torch.utils.data.TensorDataset(torch.zeros(4, 16))))

@@ -160,6 +160,8 @@ def test_ddp_only_arguments_are_refused_saying_why():
         ShardPlusModelParallelStrategy(auto_tune_tensor_fusion=True)
     with pytest.raises(TypeError, match=r"unknown option `unevn_inputs`='join' \(did you mean `uneven_inputs`\?\)"):
         ShardPlusModelParallelStrategy(unevn_inputs="join")
+    with pytest.raises(TypeError, match=r"`save_distributed_checkpoint`='false' is not valid: expected True or False"):
+        ShardPlusModelParallelStrategy(save_distributed_checkpoint="false")  # (a YAML string would flip it)
     with pytest.raises(ValueError, match=r"`data_parallel_size`=0 is not valid: expected an integer >= 1"):
         ShardPlusModelParallelStrategy(data_parallel_size=0)
     with pytest.raises(ValueError, match=r"`uneven_inputs`='wait' is not valid"):
@@ -171,6 +173,17 @@ def test_ddp_only_arguments_are_refused_saying_why():
         with pytest.raises(RuntimeError, match=r"start_method='spawn' needs torch 2.5 or newer under model parallel"):
             ShardPlusModelParallelStrategy(start_method="spawn")
         ShardPlusModelParallelStrategy()
+    assert not torch.distributed.is_initialized()
+
+
+@needs_torch_2_4
+def test_a_mesh_of_another_size_than_the_processes_is_refused_before_any_starts():
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    trainer = pl.Trainer(accelerator="cpu", devices=3, strategy=ShardPlusModelParallelStrategy(2, 1), logger=False)
+    with pytest.raises(ValueError, match=r"`data_parallel_size`=2 x `tensor_parallel_size`=1 is a mesh of 2 processes, "
+                       r"and the Trainer starts 3 \(devices x num_nodes\)"):  # fmt: skip
+        trainer.fit(BoringModel())
     assert not torch.distributed.is_initialized()
 
 
@@ -219,6 +232,11 @@ def test_the_global_batch_is_divided_over_the_data_parallel_ranks_only():
     data = ShardPlusDataModule(global_batch_size=64, train_dataset=list(range(8)))
     data.trainer = trainer
     assert data.per_device_batch_size == 32 and data.effective_global_batch_size == 64
+    # the messages name the data-parallel size (2), not the world's 4 processes
+    with pytest.warns(UserWarning, match=r"global_batch_size=5 is not divisible by the data-parallel size \(2\)"):
+        ShardPlusDataModule(global_batch_size=5, train_dataset=list(range(8))).trainer = trainer
+    with pytest.raises(ValueError, match=r"`global_batch_size`=1 is smaller than the data-parallel size \(2 processes"):
+        ShardPlusDataModule(global_batch_size=1, train_dataset=list(range(8))).trainer = trainer
 
 
 MIRROR_FIT = """
