@@ -206,9 +206,9 @@ class GradientAggregation:
             rank_zero_warn(
                 f"shardplus: resumed after micro-batch {done} of the epoch, inside an aggregation window of "
                 f"{frequency}, from a checkpoint without the gradients accumulated in that window (written by "
-                "another strategy, or under FSDP2 where they cannot be read: a `reduce_dtype` of its own, torch "
-                "older than 2.6): the window's optimizer step lacks them, so the run does not equal an "
-                "uninterrupted one."
+                "another strategy, or under FSDP2 where they cannot be read: a unit with a `reduce_dtype` of its own "
+                "or that no micro-batch of the window used, torch older than 2.6): the window's optimizer step lacks "
+                "them, so the run does not equal an uninterrupted one."
             )
             return
         rank = self.data_parallel.rank if self.data_parallel is not None else trainer.global_rank

@@ -127,12 +127,10 @@ ExactEvaluation = _ExactEvaluation
 def counted_nowhere(module: pl.LightningModule, drop_logs: bool = True) -> Iterator[None]:
     """A step run only for its collectives (model parallel: a stand-in batch): its torchmetrics Metrics keep the states
     they had (list states by a copy of the list, tensors by a clone), its buffers their values (BatchNorm's running
-    statistics: copies put in their place, for the step's backward may still need the tensors it updated), and with
-    ``drop_logs`` what it logs is dropped."""
+    statistics), and with ``drop_logs`` what it logs is dropped."""
     metrics = [m for m in module.modules() if isinstance(m, Metric)]
     saved = [{k: list(v) if isinstance(v, list) else v.clone() for k, v in m.metric_state.items()} for m in metrics]
-    owned = [(owner, name, buffer) for owner in module.modules() for name, buffer in owner.named_buffers(recurse=False)]
-    buffers = [(owner, name, buffer.clone()) for owner, name, buffer in owned]
+    buffers = [(buffer, buffer.clone()) for buffer in module.buffers()]
     if drop_logs:
         module.log = lambda *args, **kwargs: None  # type: ignore[method-assign]  (`log_dict` calls it too)
     try:
@@ -143,8 +141,12 @@ def counted_nowhere(module: pl.LightningModule, drop_logs: bool = True) -> Itera
         for metric, state in zip(metrics, saved, strict=True):
             for name, value in state.items():
                 setattr(metric, name, value)
-        for owner, name, value in buffers:
-            setattr(owner, name, value)
+        # through `.data`, which autograd does not track: a training step's backward (on a loss times 0) still
+        # holds the tensors its forward used, and a tracked in-place write would make it fail; the buffers stay the
+        # same objects (shared ones, references elsewhere)
+        with torch.no_grad():
+            for buffer, value in buffers:
+                buffer.data.copy_(value)
 
 
 def share_rank_zero_buffers(module: torch.nn.Module, ddp_kwargs: dict[str, Any]) -> None:

@@ -174,8 +174,11 @@ class ShardPlusModelParallelStrategy(ShardPlusDataSide, ModelParallelStrategy):
     def check_trainer_call(self, *call_args: Any, trainer: Any = None) -> None:
         """Also: a mesh whose size is not the number of processes (Lightning would refuse it in every worker, once the
         process group is up)."""
-        dp, tp, processes = self._data_parallel_given, self._tensor_parallel_given, self.num_nodes * self.num_processes
-        if "auto" not in (dp, tp) and dp * tp != processes:
+        # "auto" as ModelParallelStrategy resolves it: data parallel over the nodes, tensor parallel within one
+        dp = self.num_nodes if self._data_parallel_given == "auto" else self._data_parallel_given
+        tp = self.num_processes if self._tensor_parallel_given == "auto" else self._tensor_parallel_given
+        processes = self.num_nodes * self.num_processes
+        if dp * tp != processes:
             raise ValueError(
                 f"`data_parallel_size`={dp} x `tensor_parallel_size`={tp} is a mesh of {dp * tp} processes, and the "
                 f"Trainer starts {processes} (devices x num_nodes): make the product equal the number of processes."

@@ -8,7 +8,6 @@ from __future__ import annotations
 import copy
 import itertools
 import logging
-import sys
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Literal, NamedTuple
@@ -114,9 +113,9 @@ class ResumableAgreedLoader(AgreedLoader):
         """This rank's loader state after the batches the loop has taken, and whether its stream had run out."""
         taken = self._owner.batches_taken
         if self._ran_out_at is not None and self._ran_out_at <= taken:
-            return {"state": self.loader.state_dict(), "ran_out": True, "batches": self._ran_out_at}
+            return {"state": self.loader.state_dict(), "ran_out": True}
         state = next((state for fetched, state in self._positions if fetched == taken), None)
-        return {"state": self.loader.state_dict() if state is None else state, "ran_out": False, "batches": taken}
+        return {"state": self.loader.state_dict() if state is None else state, "ran_out": False}
 
     def state_dict(self) -> dict[str, Any]:
         """Every rank's loader state after the batches trained so far, in rank order."""
@@ -125,48 +124,21 @@ class ResumableAgreedLoader(AgreedLoader):
         return {PER_RANK_KEY: states}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Load this rank's state. From a checkpoint of another world size, a litdata stream goes on through litdata's
-        elastic resume, from the position of the rank that had read the fewest batches; any other restarts its
-        epoch. Either with one warning."""
+        """Load this rank's state; a checkpoint of another world size restarts the streams with one warning."""
         states = state.get(PER_RANK_KEY) if isinstance(state, dict) else None
-        ranks = self._owner.world_size
-        saved = f"{len(states)} ranks" if isinstance(states, list) else "one loader state"
-        if isinstance(states, list) and len(states) == ranks:
-            own = states[self._owner.data_parallel.rank]
-        elif isinstance(states, list) and states and _restripes(self.loader, states):
-            own = {**min(states, key=lambda rank: rank["batches"]), "ran_out": False}
-            rank_zero_warn(
-                f"shardplus: the checkpoint holds the training streams' positions of {saved}, this run has {ranks}: "
-                "litdata spreads the rest of the epoch over them (its elastic resume), from the position of the rank "
-                "that had read the fewest batches. A few samples already read may be read again (litdata rounds the "
-                "position down to whole batches of every rank), and with litdata's `drop_last` (its default when "
-                "distributed) a few remaining ones are left out."
-            )
-        else:
+        if not isinstance(states, list) or len(states) != self._owner.world_size:
+            saved = f"{len(states)} ranks" if isinstance(states, list) else "one loader state"
             rank_zero_warn(
                 f"shardplus: the checkpoint holds the training streams' positions of {saved}, this run has "
-                f"{ranks}: the streams start again from the beginning of their epoch."
+                f"{self._owner.world_size}: the streams start again from the beginning of their epoch."
             )
             return
-        self.loader.load_state_dict(copy.deepcopy(own["state"]))
+        own = states[self._owner.data_parallel.rank]
+        self.loader.load_state_dict(own["state"])
         self._resume_exhausted, self._restored = own["ran_out"], copy.deepcopy(own["state"])
 
 
 PER_RANK_KEY = "shardplus_per_rank"
-
-
-def _restripes(loader: Any, states: list[Any]) -> bool:
-    """Whether ``loader`` resumes a state saved on another world size: litdata's ``StreamingDataLoader`` whose saved
-    dataset states carry litdata's elastic-resume fields (releases that lack them refuse another world size), with
-    each rank's batch count (checkpoints of earlier shardplus releases lack it)."""
-    litdata = sys.modules.get("litdata")
-    return (
-        litdata is not None
-        and isinstance(loader, litdata.StreamingDataLoader)
-        and all(isinstance(rank, dict) and "batches" in rank for rank in states)
-        and all(isinstance(rank["state"], dict) and "initial_world_size" in rank["state"].get("dataset", {})
-                for rank in states)
-    )
 
 
 class _Block(NamedTuple):

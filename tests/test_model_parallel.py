@@ -184,6 +184,9 @@ def test_a_mesh_of_another_size_than_the_processes_is_refused_before_any_starts(
     with pytest.raises(ValueError, match=r"`data_parallel_size`=2 x `tensor_parallel_size`=1 is a mesh of 2 processes, "
                        r"and the Trainer starts 3 \(devices x num_nodes\)"):  # fmt: skip
         trainer.fit(BoringModel())
+    trainer = pl.Trainer(accelerator="cpu", devices=4, strategy=ShardPlusModelParallelStrategy(tensor_parallel_size=3))
+    with pytest.raises(ValueError, match=r"`data_parallel_size`=1 x `tensor_parallel_size`=3 is a mesh of 3"):
+        trainer.fit(BoringModel())  # data parallel "auto": one per node, as Lightning resolves it
     assert not torch.distributed.is_initialized()
 
 
