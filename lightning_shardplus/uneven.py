@@ -127,11 +127,7 @@ class ResumableAgreedLoader(AgreedLoader):
         """Load this rank's state; a checkpoint of another world size restarts the streams with one warning."""
         states = state.get(PER_RANK_KEY) if isinstance(state, dict) else None
         if not isinstance(states, list) or len(states) != self._owner.world_size:
-            saved = f"{len(states)} ranks" if isinstance(states, list) else "one loader state"
-            rank_zero_warn(
-                f"shardplus: the checkpoint holds the training streams' positions of {saved}, this run has "
-                f"{self._owner.world_size}: the streams start again from the beginning of their epoch."
-            )
+            _warn_restart(states, self._owner.world_size)
             return
         own = states[self._owner.data_parallel.rank]
         self.loader.load_state_dict(own["state"])
@@ -139,6 +135,32 @@ class ResumableAgreedLoader(AgreedLoader):
 
 
 PER_RANK_KEY = "shardplus_per_rank"
+
+
+def _warn_restart(states: Any, ranks: int) -> None:
+    """The one warning of a checkpoint whose stream positions (``states``: per rank, or not) are not for ``ranks``."""
+    saved = f"{len(states)} ranks" if isinstance(states, list) else "one loader state"
+    rank_zero_warn(
+        f"shardplus: the checkpoint holds the training streams' positions of {saved}, this run has {ranks}: the "
+        "streams start again from the beginning of their epoch."
+    )
+
+
+class OneRankLoader(AgreedLoader):
+    """A training stream with a ``state_dict`` on a single rank: nothing to agree on, its state its own; a checkpoint
+    of several ranks' positions restarts the stream's epoch with one warning (the loader could not read it)."""
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.loader)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.loader.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if isinstance(state, dict) and PER_RANK_KEY in state:
+            _warn_restart(state[PER_RANK_KEY], 1)
+            return
+        self.loader.load_state_dict(state)
 
 
 class _Block(NamedTuple):
@@ -173,9 +195,12 @@ class EvenSteps:
         self.batches_taken = 0  # by the training loop in the current pass over the stream (see ``batch_taken``)
 
     def wrap(self, loader: Any) -> Any:
-        """``loader`` wrapped if it is a stream (and more than one rank runs), else ``loader`` itself."""
-        if self.world_size < 2 or not is_stream(loader):
+        """``loader`` wrapped if it is a stream (on one rank, if it has a ``state_dict``), else ``loader`` itself."""
+        if not is_stream(loader):
             return loader
+        resumable = hasattr(loader, "state_dict") and hasattr(loader, "load_state_dict")
+        if self.world_size < 2:
+            return OneRankLoader(loader, self) if resumable else loader
         if self.trainer is not None and not self.trainer.lightning_module.automatic_optimization:
             raise ValueError(
                 f"`uneven_inputs`={self.policy!r} needs automatic optimization for a training stream: "
@@ -183,7 +208,7 @@ class EvenSteps:
                 "rank the same number of batches yourself, or use a map-style dataset."
             )
         self._count_stream()
-        if hasattr(loader, "state_dict") and hasattr(loader, "load_state_dict"):
+        if resumable:
             return ResumableAgreedLoader(loader, self)
         if self.trainer is None or self.trainer.checkpoint_callbacks:  # only where a checkpoint can be saved
             rank_zero_warn(

@@ -377,6 +377,13 @@ def test_a_stream_checkpoint_of_another_world_size_restarts_the_epoch_with_a_war
     assert loader.loader.loaded == []
     loader.load_state_dict({"shardplus_per_rank": [{"state": {"position": k}, "ran_out": False} for k in range(3)]})
     assert loader.loader.loaded == [{"position": 1}]  # its own, on the same world size
+    # on one rank: nothing to agree on, the loader's own state; a checkpoint of 2 ranks restarts, said once
+    alone = EvenSteps("join", DataParallel(1, 0)).wrap(StatefulStream(RankStream([3]), batch_size=2))
+    assert [batch[2].tolist() for batch in alone] == [[0, 1], [2]] and alone.state_dict() == {"position": 0}
+    with pytest.warns(UserWarning, match="positions of 2 ranks, this run has 1: the streams start again from the"):
+        alone.load_state_dict(saved)
+    alone.load_state_dict({"position": 4})
+    assert alone.loader.loaded == [{"position": 4}]
 
 
 def test_the_loss_of_a_rank_without_data_has_a_zero_gradient_for_every_parameter():
