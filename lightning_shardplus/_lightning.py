@@ -337,6 +337,16 @@ def set_step_value(metric: ResultMetric, value: torch.Tensor | None) -> None:
             metric.value = value  # what `update` stores for on_step-only values
 
 
+def publish_step_values(trainer: pl.Trainer, results: _ResultCollection) -> None:
+    """Copy the training step values of ``results`` into ``callback_metrics``, ``progress_bar_metrics`` and
+    ``logged_metrics``, as Lightning does after each training batch (``_LoggerConnector.on_batch_end``): for values
+    written later, before validation or the epoch end read those (as ``LearningRateMonitor`` adds its own)."""
+    values = results.metrics(True)  # on_step: the step values, under the names Lightning gives them
+    trainer.callback_metrics.update(values["callback"])
+    trainer.progress_bar_metrics.update(values["pbar"])
+    trainer.logged_metrics.update(values["log"])
+
+
 def set_epoch_state(metric: ResultMetric, value: torch.Tensor, cumulated_batch_size: torch.Tensor | None) -> None:
     """Replace the epoch accumulation of ``metric`` (see :func:`epoch_state`)."""
     metric.value = value
@@ -387,6 +397,14 @@ def loggers_read_this_step(trainer: pl.Trainer, logs: bool | None = None) -> boo
     # not `or trainer.should_stop`, which Lightning adds: a rank may set it alone (it trains on to `min_epochs`), and
     # what is decided here must be the same on every rank (the names are checked at the epoch end anyway)
     return (trainer.fit_loop.epoch_loop._batches_that_stepped + 1) % every == 0  # private
+
+
+def checkpoints_within_epochs(checkpoint: Any) -> bool:
+    """Whether a ``ModelCheckpoint`` may save after a training batch (``every_n_train_steps`` or
+    ``train_time_interval``), reading ``callback_metrics`` there for its monitor and file name. Read from its public
+    ``state_key``, which spells both out (the attributes are private)."""
+    key = checkpoint.state_key  # "ModelCheckpoint{'monitor': ..., 'every_n_train_steps': 0, ...}"
+    return "'every_n_train_steps': 0," not in key or "'train_time_interval': None" not in key
 
 
 # ---------------------------------------------------------------- scaling report (`diagnostics.ScalingReport`)

@@ -1,7 +1,7 @@
 """Averaged training metrics: each tensor logged ``on_step`` in training is replaced, once per optimizer step, by its
-batch-weighted mean over the ranks that logged it (``sync_dist`` ones by their ``reduce_fx``). The step's collective
-starts when backward begins and is waited for where the values are first read; epoch values are each rank's
-running sums, reduced once at the epoch end. docs/training-metrics.md."""
+batch-weighted mean over the ranks that logged it (``sync_dist`` ones by their ``reduce_fx``), in the optimizer steps
+whose values something reads. The step's collective starts when backward begins and is waited for where the values
+are first read; epoch values are each rank's running sums, reduced once at the epoch end. docs/training-metrics.md."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from torch import Tensor
 from lightning_shardplus import _lightning, epoch_values
 from lightning_shardplus.data_parallel import DataParallel, data_parallel
 from lightning_shardplus.reduction_plan import Call, ReductionPlan
+from lightning_shardplus.step_readers import reads_every_step
 
 
 class MetricMismatchError(RuntimeError):
@@ -36,6 +37,8 @@ class _AverageTrainingMetrics(Callback):
         self._results: Any = None
         self._device = torch.device("cpu")
         self._data_parallel = DataParallel(1, 0)
+        self._read_every_step = False  # by the progress bar or a callback (see `reads_every_step`)
+        self._unread: tuple[Any, ...] | None = None  # the last optimizer step's state while nothing read its values
         self._layout: dict[str, tuple[str, bool]] | None = None  # key -> (reduction, late); agreed by every rank
         self._plans: dict[str, ReductionPlan] = {}  # "early", "late" and "all" of the layout
         self._latest: dict[str, tuple[str, bool, str]] = {}  # since the agreement: (reduction, late, label) per key
@@ -66,6 +69,7 @@ class _AverageTrainingMetrics(Callback):
         if self._data_parallel.size < 2:
             return
         self._device = trainer.strategy.root_device
+        self._read_every_step = reads_every_step(trainer)
         self._results = _lightning.training_results(trainer)
         self._restore = _lightning.intercept_training_logs(self._results, self._take, self._taken)
 
@@ -107,8 +111,12 @@ class _AverageTrainingMetrics(Callback):
         # the step's values logged so far are complete: start their reduction, to run while backward computes
         if self._restore is not None and not self._backward_began and _lightning.logs_this_step(trainer):
             self._backward_began = True  # in the last micro-batch of an aggregation window: what follows is late
-            if self._layout is not None and self._needs_early():
+            if self._layout is not None and self._needs_early() and self._read(trainer):
                 self._start("early")
+
+    def _read(self, trainer: pl.Trainer) -> bool:
+        """Whether something reads this optimizer step's values (the same answer on every rank)."""
+        return self._read_every_step or bool(trainer.loggers) and _lightning.loggers_read_this_step(trainer, True)
 
     def _needs_early(self) -> bool:
         """Whether a reduction starts when backward begins: for names logged before it, or as the step's one."""
@@ -143,6 +151,13 @@ class _AverageTrainingMetrics(Callback):
             self._window += [] if self._without_data else [self._calls]
             self._calls, self._before, self._without_data = {}, {}, False
             return
+        if self._layout is not None and not self._read(trainer):
+            # nothing reads them: each rank's own stay, reduced if validation or the epoch end come before the next step
+            self._unread = (self._calls, self._own, self._window, self._without_data)
+            self._last.update(self._own)
+            self._clear()
+            return
+        self._unread = None
         where = f"epoch {trainer.current_epoch}, batch {batch_idx}"
         try:
             if self._layout is None:  # the first step: the names are agreed, then reduced in one collective
@@ -159,6 +174,20 @@ class _AverageTrainingMetrics(Callback):
                 self._finish()
         finally:
             self._clear()
+
+    def _reduce_unread(self, trainer: pl.Trainer) -> None:
+        """Reduce the last optimizer step if nothing read it, before validation or the epoch end read its values."""
+        if self._unread is not None:
+            current = (self._calls, self._own, self._window, self._without_data, self._started)
+            (self._calls, self._own, self._window, self._without_data), self._unread = self._unread, None
+            self._start("all")
+            self._finish()
+            self._calls, self._own, self._window, self._without_data, self._started = current
+            _lightning.publish_step_values(trainer, self._results)
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._restore is not None:  # validation inside fit: its callbacks read `callback_metrics`
+            self._reduce_unread(trainer)
 
     def _finish(self) -> None:
         """Wait for the reductions in flight and write their values as the step values."""
@@ -223,6 +252,7 @@ class _AverageTrainingMetrics(Callback):
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._restore is None:
             return
+        self._reduce_unread(trainer)
         self._check_names(f"the end of epoch {trainer.current_epoch}")
         local = {key: self._metrics[key] for key in sorted(self._epoch_keys) if self._metrics[key].meta.on_epoch}
         # each name's reduction over the ranks as this rank last logged it (a name not yet agreed included)

@@ -568,3 +568,15 @@ def test_argparse_keeps_a_parsers_actions_in_actions():
     parser = argparse.ArgumentParser()
     action = parser.add_argument("--name", help="the help")
     assert action in _lightning.parser_actions(parser)
+
+
+def test_checkpoints_within_epochs_reads_the_model_checkpoint_arguments_that_save_after_a_batch():
+    # `_lightning.checkpoints_within_epochs` (the averaged metrics' readers): ModelCheckpoint keeps them private
+    from datetime import timedelta
+
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    assert not _lightning.checkpoints_within_epochs(ModelCheckpoint())
+    assert not _lightning.checkpoints_within_epochs(ModelCheckpoint(every_n_epochs=3, monitor="loss"))
+    assert _lightning.checkpoints_within_epochs(ModelCheckpoint(every_n_train_steps=3))
+    assert _lightning.checkpoints_within_epochs(ModelCheckpoint(train_time_interval=timedelta(minutes=1)))

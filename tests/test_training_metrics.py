@@ -449,6 +449,124 @@ def test_names_new_between_logging_steps_are_own_values_until_the_next_check(tmp
         assert [row["callback"]["loss"] for row in rows] == [(value(0, i) + value(1, i)) / 2 for i in range(4)]
 
 
+class CountsWithoutReading(Callback):
+    """Per batch, the collectives since ``on_train_batch_start``, without reading the step values (it says so:
+    ``reads_step_values = False``); ``callback_metrics`` where Lightning's own callbacks read them: when validation
+    starts and at the end of the epoch (after the averaging callback)."""
+
+    reads_step_values = False
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.start = dict(COUNTS)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        counts = {name: COUNTS[name] - self.start[name] for name in COUNTS}
+        write(self.directory / f"batches{trainer.global_rank}.jsonl", {"collectives": sum(counts.values())})
+
+    def on_validation_start(self, trainer, pl_module) -> None:
+        if trainer.sanity_checking:
+            return
+        row = {"batch": pl_module.batch_idx, "callback": scalars(trainer.callback_metrics)}
+        write(self.directory / f"validation{trainer.global_rank}.jsonl", row)
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        write(self.directory / f"end{trainer.global_rank}.jsonl", {"callback": scalars(trainer.callback_metrics)})
+
+
+class LossAndValidation(LoggingModule):
+    def log_values(self, r, i):
+        self.log("loss", value(r, i), on_epoch=True)
+
+    def val_dataloader(self):
+        return DataLoader(TensorDataset(torch.randn(4, 2)), batch_size=2)
+
+    def validation_step(self, batch, batch_idx):
+        pass
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_steps_nothing_reads_are_averaged_only_where_read(tmp_path, count_collectives, world_size):
+    # no progress bar and no callback that reads every step: the steps the logger reads (every 3rd) and the first
+    # (the names' agreement) run a collective, the others none; the last step before validation and the epoch's last
+    # are averaged where validation and the epoch end read them
+    sizes, batches = [2, 3, 5][:world_size], 8
+    fit(
+        tmp_path, LossAndValidation(sizes, batches), world_size, callbacks=[CountsWithoutReading(tmp_path)],
+        log_every_n_steps=3, val_check_interval=5, limit_val_batches=1,
+    )  # fmt: skip
+
+    def mean(i):
+        return weighted_mean([value(r, i) for r in range(world_size)], sizes)
+
+    everything = weighted_mean([value(r, i) for i in range(batches) for r in range(world_size)], sizes * batches)
+    for rank in range(world_size):
+        collectives = [row["collectives"] for row in read(tmp_path / f"batches{rank}.jsonl")]
+        assert collectives == [1, 0, 1, 0, 0, 1, 0, 0]
+        logged = [row for row in read(tmp_path / f"logger{rank}.jsonl") if "loss_step" in row["metrics"]]
+        assert [row["metrics"]["loss_step"] for row in logged] == pytest.approx([mean(2), mean(5)])
+        validation = read(tmp_path / f"validation{rank}.jsonl")
+        assert [row["batch"] for row in validation] == [4]
+        assert [row["callback"]["loss_step"] for row in validation] == pytest.approx([mean(4)])
+        end = read(tmp_path / f"end{rank}.jsonl")[0]["callback"]
+        assert end["loss_step"] == pytest.approx(mean(7))
+        assert end["loss_epoch"] == pytest.approx(everything)
+
+
+class LossAndConditionalName(LoggingModule):
+    def log_values(self, r, i):
+        self.log("loss", value(r, i))
+        if r == 1 and i == 1:
+            self.log("rare", value(r, i, 1), sync_dist=True, reduce_fx="max")
+
+
+@pytest.mark.timeout(120)
+def test_a_name_new_in_a_step_nothing_reads_is_agreed_at_the_epoch_end(tmp_path, count_collectives):
+    # rank 1 alone logs a name in a step nothing reads: it is announced when the epoch's last step is averaged and
+    # agreed there; ranks that never logged it do not show it
+    callbacks = [CountsWithoutReading(tmp_path)]
+    fit(tmp_path, LossAndConditionalName([2, 2], 4), 2, callbacks=callbacks, log_every_n_steps=50)
+    for rank in range(2):
+        assert [row["collectives"] for row in read(tmp_path / f"batches{rank}.jsonl")] == [1, 0, 0, 0]
+        end = read(tmp_path / f"end{rank}.jsonl")[0]["callback"]
+        assert end["loss"] == (value(0, 3) + value(1, 3)) / 2
+        assert end.get("rare") == (value(1, 1, 1) if rank == 1 else None)
+
+
+def test_what_reads_the_step_values_after_every_step():
+    from datetime import timedelta
+
+    from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, TQDMProgressBar
+
+    from lightning_shardplus.training_metrics import reads_every_step
+
+    class Reads(Callback):
+        def on_train_batch_end(self, trainer, *args) -> None:
+            print(trainer.callback_metrics)
+
+    class Says(Reads):
+        reads_step_values = False
+
+    class EpochOnly(Callback):
+        def on_train_epoch_end(self, trainer, pl_module) -> None:
+            print(trainer.callback_metrics)
+
+    def reads(*callbacks, **kwargs):
+        trainer = pl.Trainer(callbacks=list(callbacks), logger=False, **({"enable_progress_bar": False} | kwargs))
+        return reads_every_step(trainer)
+
+    assert reads(enable_progress_bar=True)  # the default progress bar refreshes every batch
+    assert not reads(TQDMProgressBar(refresh_rate=0), enable_progress_bar=True)
+    assert not reads()  # the default ModelCheckpoint saves at epoch ends
+    assert not reads(LearningRateMonitor(), EpochOnly(), Says(), ModelCheckpoint(every_n_epochs=2))
+    assert reads(Reads())
+    assert reads(ModelCheckpoint(every_n_train_steps=5))
+    assert reads(ModelCheckpoint(train_time_interval=timedelta(minutes=5)))
+
+
 class ExtremesInSomeSteps(LoggingModule):
     def __init__(self) -> None:
         super().__init__([2, 3], batches=6)
@@ -698,19 +816,22 @@ def test_metric_objects_rank_zero_only_and_late_values_are_left_to_lightning(tmp
 def test_bench_counts_the_collectives_of_the_metric_rows():
     from lightning_shardplus import bench
 
-    args = bench.parse_args(
-        ["--repeats=1", "--steps=3", "--warmup=1", "--global-batch-size=8", "--input-dim=4", "--hidden-dim=8"]
-        + ["--layers=1", "--configs=metrics16-nosync,metrics16-sync_dist,metrics16-averaged"]
-    )
-    report = bench.run(bench.select_configs(args.configs), args)
-    results = report["results"]
-    per_step = {name: (r["all_reduce_per_step"], r["barrier_per_step"]) for name, r in results.items()}
-    assert per_step == {
+    def per_step(*flags):
+        args = bench.parse_args(
+            ["--repeats=1", "--steps=3", "--warmup=1", "--global-batch-size=8", "--input-dim=4", "--hidden-dim=8"]
+            + ["--layers=1", "--configs=metrics16-nosync,metrics16-sync_dist,metrics16-averaged", *flags]
+        )
+        report = bench.run(bench.select_configs(args.configs), args)
+        assert "| metrics16-averaged |" in bench.format_table(report)
+        return {name: (r["all_reduce_per_step"], r["barrier_per_step"]) for name, r in report["results"].items()}
+
+    assert per_step("--read-every-step") == {
         "metrics16-nosync": (0, 0),  # (a)
         "metrics16-sync_dist": (16, 16),  # (b): Lightning syncs each value
         "metrics16-averaged": (1, 0),  # (c)
     }
-    assert "| metrics16-averaged |" in bench.format_table(report)
+    # without a reader (no logger, progress bar or callback reading): the averaged values wait for the epoch end
+    assert per_step()["metrics16-averaged"] == (0, 0)
 
 
 class WideManyMetrics(ManyMetrics):

@@ -78,6 +78,11 @@ def _add_matrix_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--quick", action="store_true", help="the whole matrix in short runs: about a minute on 2 CPU cores"
     )
+    parser.add_argument(
+        "--read-every-step", action="store_true",
+        help="add to every row a callback that reads callback_metrics after every batch (shardplus then averages "
+        "every step; without it nothing reads the step values and it averages them at the epoch end)",
+    )
     parser.add_argument("--plots", type=Path, default=None, help="write the two PNG plots to this directory")
     parser.add_argument("--markdown", action="store_true", help="also print the section of docs/performance.md")
     parser.add_argument(

@@ -50,6 +50,16 @@ def thread_callbacks(args: argparse.Namespace) -> list[Callback]:
     return [_Threads(args.threads)] if args.threads else []
 
 
+class ReadsEveryStep(Callback):
+    """Reads ``callback_metrics`` after every training batch, as a monitoring callback of your own may
+    (``--read-every-step``): shardplus then averages the logged values in every step."""
+
+    reads_step_values = True
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        trainer.callback_metrics  # noqa: B018 (the read is the point)
+
+
 class Throughput(Callback):
     """Times the optimizer steps after ``warmup`` on rank 0 and writes samples/s, seconds per step and the
     ``torch.distributed`` all_reduce and barrier calls per step (counted from the first timed step to the end of the
@@ -186,6 +196,7 @@ def run_once(config: BenchConfig, args: argparse.Namespace) -> dict[str, Any]:
             *([CommunicationCounter(directory / "counts")] if counted else []),
             *report,
             *thread_callbacks(args),
+            *([ReadsEveryStep()] if args.read_every_step else []),
         ]
         steps = workload.timed_steps + workload.warmup_steps
         with quiet_run():

@@ -85,7 +85,10 @@ def _phase_callback(out: Path) -> Any:
     from lightning.pytorch.callbacks import Callback
 
     class Phases(Callback):
-        """Labels the counts by phase; each rank writes its own at the end of the fit."""
+        """Labels the counts by phase; each rank writes its own at the end of the fit. It reads no logged value
+        (as a callback of Lightning's or shardplus's would not)."""
+
+        reads_step_values = False
 
         def __init__(self) -> None:
             self.steps = 0
@@ -96,6 +99,8 @@ def _phase_callback(out: Path) -> Any:
 
         def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
             self.steps += 1
+            if self.steps == trainer.num_training_batches:  # what follows is the epoch's end
+                _PHASE[0] = f"epoch_end@{trainer.current_epoch}"
 
         def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
             _PHASE[0] = f"epoch_end@{trainer.current_epoch}"  # the validation at a training epoch's end
