@@ -399,6 +399,13 @@ def loggers_read_this_step(trainer: pl.Trainer, logs: bool | None = None) -> boo
     return (trainer.fit_loop.epoch_loop._batches_that_stepped + 1) % every == 0  # private
 
 
+def ends_epoch(trainer: pl.Trainer) -> bool:
+    """Whether the training epoch ends after this batch: its last batch (Lightning's data fetcher has looked one
+    batch ahead), or ``max_steps`` reached (asked after the optimizer step)."""
+    last = trainer.fit_loop.epoch_loop.batch_progress.is_last_batch  # set before the batch runs
+    return bool(last) or 0 < trainer.max_steps <= trainer.global_step
+
+
 def checkpoints_within_epochs(checkpoint: Any) -> bool:
     """Whether a ``ModelCheckpoint`` may save after a training batch (``every_n_train_steps`` or
     ``train_time_interval``), reading ``callback_metrics`` there for its monitor and file name. Read from its public

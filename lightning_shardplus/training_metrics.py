@@ -37,8 +37,9 @@ class _AverageTrainingMetrics(Callback):
         self._results: Any = None
         self._device = torch.device("cpu")
         self._data_parallel = DataParallel(1, 0)
-        self._read_every_step = False  # by the progress bar or a callback (see `reads_every_step`)
+        self._readers: tuple[bool, bool, int] = (True, False, 0)  # every step?, loggers?, their interval; agreed
         self._unread: tuple[Any, ...] | None = None  # the last optimizer step's state while nothing read its values
+        self._stale: dict[str, list[Call]] = {}  # key -> its calls in the latest unread step that logged it
         self._layout: dict[str, tuple[str, bool]] | None = None  # key -> (reduction, late); agreed by every rank
         self._plans: dict[str, ReductionPlan] = {}  # "early", "late" and "all" of the layout
         self._latest: dict[str, tuple[str, bool, str]] = {}  # since the agreement: (reduction, late, label) per key
@@ -69,13 +70,14 @@ class _AverageTrainingMetrics(Callback):
         if self._data_parallel.size < 2:
             return
         self._device = trainer.strategy.root_device
-        self._read_every_step = reads_every_step(trainer)
+        self._readers = (reads_every_step(trainer), bool(trainer.loggers), trainer.log_every_n_steps)
         self._results = _lightning.training_results(trainer)
         self._restore = _lightning.intercept_training_logs(self._results, self._take, self._taken)
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._clear()  # a batch skipped by `on_train_batch_start` returning -1 stays out of the next epoch
         self._epoch_keys.clear()
+        self._unread, self._stale = None, {}
 
     def _take(self, log: _lightning.TrainingLog) -> bool:
         if not log.on_step or not log.is_tensor or log.rank_zero_only:
@@ -115,8 +117,9 @@ class _AverageTrainingMetrics(Callback):
                 self._start("early")
 
     def _read(self, trainer: pl.Trainer) -> bool:
-        """Whether something reads this optimizer step's values (the same answer on every rank)."""
-        return self._read_every_step or bool(trainer.loggers) and _lightning.loggers_read_this_step(trainer, True)
+        """Whether something reads this optimizer step's values (the same answer on every rank): see step_readers."""
+        every, logs, _ = self._readers
+        return every or logs and _lightning.loggers_read_this_step(trainer, True) or _lightning.ends_epoch(trainer)
 
     def _needs_early(self) -> bool:
         """Whether a reduction starts when backward begins: for names logged before it, or as the step's one."""
@@ -126,6 +129,8 @@ class _AverageTrainingMetrics(Callback):
         """Start reducing this step's calls in ``phase``'s plan (every rank, in the same order)."""
         plan, self._started = self._plans[phase], True
         calls = self._window + ([] if self._without_data else [self._calls])
+        logged = {key for micro_batch in calls for key in micro_batch}  # else the latest unread calls, if any
+        calls += [{key: call} for key, stale in self._stale.items() if key not in logged for call in stale]
         placed = [
             (key, call) for micro_batch in calls for key, call in micro_batch.items()
             if plan.entries.get(key) == call.reduction and (phase != "early" or not call.late)
@@ -152,9 +157,12 @@ class _AverageTrainingMetrics(Callback):
             self._calls, self._before, self._without_data = {}, {}, False
             return
         if self._layout is not None and not self._read(trainer):
-            # nothing reads them: each rank's own stay, reduced if validation or the epoch end come before the next step
+            # nothing reads them: each rank's own stay, reduced if validation comes before the next step
             self._unread = (self._calls, self._own, self._window, self._without_data)
-            self._last.update(self._own)
+            if not self._without_data:
+                self._last.update(self._own)
+                for key in {key for micro_batch in self._window + [self._calls] for key in micro_batch}:
+                    self._stale[key] = [mb[key] for mb in self._window + [self._calls] if key in mb]
             self._clear()
             return
         self._unread = None
@@ -174,20 +182,18 @@ class _AverageTrainingMetrics(Callback):
                 self._finish()
         finally:
             self._clear()
+            self._stale = {}
 
-    def _reduce_unread(self, trainer: pl.Trainer) -> None:
-        """Reduce the last optimizer step if nothing read it, before validation or the epoch end read its values."""
-        if self._unread is not None:
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Validation inside fit (its callbacks read `callback_metrics`): reduce the last step if nothing read it."""
+        if self._restore is not None and self._unread is not None:
             current = (self._calls, self._own, self._window, self._without_data, self._started)
             (self._calls, self._own, self._window, self._without_data), self._unread = self._unread, None
             self._start("all")
             self._finish()
             self._calls, self._own, self._window, self._without_data, self._started = current
+            self._stale = {}
             _lightning.publish_step_values(trainer, self._results)
-
-    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._restore is not None:  # validation inside fit: its callbacks read `callback_metrics`
-            self._reduce_unread(trainer)
 
     def _finish(self) -> None:
         """Wait for the reductions in flight and write their values as the step values."""
@@ -231,7 +237,10 @@ class _AverageTrainingMetrics(Callback):
         """Every rank: the names logged since the last agreement join the layout; a name reduced differently on
         different ranks raises :class:`MetricMismatchError`."""
         gathered: list[Any] = [None] * self._data_parallel.size
-        dist.all_gather_object(gathered, self._latest, group=self._data_parallel.group)
+        dist.all_gather_object(gathered, (self._latest, self._readers), group=self._data_parallel.group)
+        if len({readers for _, readers in gathered}) > 1:  # Trainers configured differently per rank: every step
+            self._readers = (True, False, 0)
+        gathered = [latest for latest, _ in gathered]
         reductions: dict[str, set[str]] = {}
         for key, (reduction, _, _) in (item for latest in gathered for item in latest.items()):
             reductions.setdefault(key, set()).add(reduction)
@@ -252,7 +261,6 @@ class _AverageTrainingMetrics(Callback):
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._restore is None:
             return
-        self._reduce_unread(trainer)
         self._check_names(f"the end of epoch {trainer.current_epoch}")
         local = {key: self._metrics[key] for key in sorted(self._epoch_keys) if self._metrics[key].meta.on_epoch}
         # each name's reduction over the ranks as this rank last logged it (a name not yet agreed included)

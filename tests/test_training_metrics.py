@@ -490,9 +490,9 @@ class LossAndValidation(LoggingModule):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_steps_nothing_reads_are_averaged_only_where_read(tmp_path, count_collectives, world_size):
-    # no progress bar and no callback that reads every step: the steps the logger reads (every 3rd) and the first
-    # (the names' agreement) run a collective, the others none; the last step before validation and the epoch's last
-    # are averaged where validation and the epoch end read them
+    # no progress bar and no callback that reads every step: the steps the logger reads (every 3rd), the first (the
+    # names' agreement) and the epoch's last run a collective, the others none; the last step before validation is
+    # averaged when validation starts
     sizes, batches = [2, 3, 5][:world_size], 8
     fit(
         tmp_path, LossAndValidation(sizes, batches), world_size, callbacks=[CountsWithoutReading(tmp_path)],
@@ -505,7 +505,7 @@ def test_steps_nothing_reads_are_averaged_only_where_read(tmp_path, count_collec
     everything = weighted_mean([value(r, i) for i in range(batches) for r in range(world_size)], sizes * batches)
     for rank in range(world_size):
         collectives = [row["collectives"] for row in read(tmp_path / f"batches{rank}.jsonl")]
-        assert collectives == [1, 0, 1, 0, 0, 1, 0, 0]
+        assert collectives == [1, 0, 1, 0, 0, 1, 0, 1]
         logged = [row for row in read(tmp_path / f"logger{rank}.jsonl") if "loss_step" in row["metrics"]]
         assert [row["metrics"]["loss_step"] for row in logged] == pytest.approx([mean(2), mean(5)])
         validation = read(tmp_path / f"validation{rank}.jsonl")
@@ -516,30 +516,66 @@ def test_steps_nothing_reads_are_averaged_only_where_read(tmp_path, count_collec
         assert end["loss_epoch"] == pytest.approx(everything)
 
 
-class LossAndConditionalName(LoggingModule):
+class SometimesLogged(LoggingModule):
+    """``rare`` at batches ``at`` (rank r: reduced as ``reductions[r]``); ``loss`` every batch of 8."""
+
+    def __init__(self, reductions: list[str], at: tuple[int, ...]) -> None:
+        super().__init__([2, 2], batches=8)
+        self.reductions, self.at = reductions, at
+
     def log_values(self, r, i):
         self.log("loss", value(r, i))
-        if r == 1 and i == 1:
-            self.log("rare", value(r, i, 1), sync_dist=True, reduce_fx="max")
+        if i in self.at:
+            reduction = self.reductions[r]
+            self.log("rare", value(r, i, 1), sync_dist=reduction != "mean", reduce_fx=reduction)
 
 
 @pytest.mark.timeout(120)
-def test_a_name_new_in_a_step_nothing_reads_is_agreed_at_the_epoch_end(tmp_path, count_collectives):
-    # rank 1 alone logs a name in a step nothing reads: it is announced when the epoch's last step is averaged and
-    # agreed there; ranks that never logged it do not show it
+def test_a_name_logged_only_in_steps_nothing_reads_shows_its_mean_where_it_is_read(tmp_path, count_collectives):
+    # `rare` is logged in batch 5, which nothing reads; the logger reads batch 7 (log_every_n_steps=4), where no rank
+    # logs it: it shows the mean of each rank's latest value (batch 5), as it did when every step was averaged
     callbacks = [CountsWithoutReading(tmp_path)]
-    fit(tmp_path, LossAndConditionalName([2, 2], 4), 2, callbacks=callbacks, log_every_n_steps=50)
+    fit(tmp_path, SometimesLogged(["mean", "mean"], at=(0, 5)), 2, callbacks=callbacks, log_every_n_steps=4)
     for rank in range(2):
-        assert [row["collectives"] for row in read(tmp_path / f"batches{rank}.jsonl")] == [1, 0, 0, 0]
+        assert [row["collectives"] for row in read(tmp_path / f"batches{rank}.jsonl")] == [1, 0, 0, 1, 0, 0, 0, 1]
+        logged = [row["metrics"] for row in read(tmp_path / f"logger{rank}.jsonl") if "loss" in row["metrics"]]
+        means = [(value(0, i, 1) + value(1, i, 1)) / 2 for i in (0, 5)]
+        assert [row["rare"] for row in logged] == means  # batches 3 and 7
         end = read(tmp_path / f"end{rank}.jsonl")[0]["callback"]
-        assert end["loss"] == (value(0, 3) + value(1, 3)) / 2
-        assert end.get("rare") == (value(1, 1, 1) if rank == 1 else None)
+        assert end["rare"] == means[1]
+        assert end["loss"] == (value(0, 7) + value(1, 7)) / 2
+
+
+@pytest.mark.timeout(120)
+def test_a_name_reduced_differently_in_steps_nothing_reads_raises_at_the_epoch_end(tmp_path):
+    # announced in the collective of the next averaged step (the epoch's last), compared at the epoch end
+    callbacks = [CountsWithoutReading(tmp_path)]
+    with pytest.raises(Exception, match=r"at the end of epoch 0.*`rare` \(from training_step\) \(reduced as max\)"):
+        fit(tmp_path, SometimesLogged(["mean", "max"], at=(5,)), 2, callbacks=callbacks, log_every_n_steps=50)
+
+
+class ReadsOnRankZero(Callback):
+    """A reader on rank 0 only (as `enable_progress_bar=(rank == 0)` would make one)."""
+
+    def setup(self, trainer, pl_module, stage) -> None:
+        self.reads_step_values = trainer.global_rank == 0
+
+
+@pytest.mark.timeout(120)
+def test_ranks_whose_trainers_read_differently_average_every_step(tmp_path, count_collectives):
+    # rank 0 reads every step, rank 1 nothing: the first step's agreement finds it, and every rank averages every step
+    callbacks = [CountsWithoutReading(tmp_path), ReadsOnRankZero()]
+    fit(tmp_path, SometimesLogged(["mean", "mean"], at=()), 2, callbacks=callbacks, log_every_n_steps=50)
+    for rank in range(2):
+        assert [row["collectives"] for row in read(tmp_path / f"batches{rank}.jsonl")] == [1] * 8
+        assert read(tmp_path / f"end{rank}.jsonl")[0]["callback"]["loss"] == (value(0, 7) + value(1, 7)) / 2
 
 
 def test_what_reads_the_step_values_after_every_step():
     from datetime import timedelta
 
-    from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, TQDMProgressBar
+    from lightning.pytorch.callbacks import LambdaCallback, LearningRateMonitor, ModelCheckpoint, TQDMProgressBar
+    from lightning.pytorch.utilities.types import LRSchedulerConfig
 
     from lightning_shardplus.training_metrics import reads_every_step
 
@@ -554,9 +590,30 @@ def test_what_reads_the_step_values_after_every_step():
         def on_train_epoch_end(self, trainer, pl_module) -> None:
             print(trainer.callback_metrics)
 
-    def reads(*callbacks, **kwargs):
+    class EveryStepCheckpoint(ModelCheckpoint):  # a subclass of your own, with a per-batch hook
+        def on_train_batch_end(self, trainer, *args) -> None:
+            super().on_train_batch_end(trainer, *args)
+
+    class ReadsAfterEachBatch(pl.LightningModule):
+        def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+            print(self.trainer.callback_metrics)
+
+    def reads(*callbacks, module=None, schedulers=(), **kwargs):
         trainer = pl.Trainer(callbacks=list(callbacks), logger=False, **({"enable_progress_bar": False} | kwargs))
+        if module is not None:
+            trainer.strategy.connect(module)
+        trainer.strategy.lr_scheduler_configs = list(schedulers)
         return reads_every_step(trainer)
+
+    optimizer = torch.optim.SGD(nn.Linear(1, 1).parameters(), lr=0.1)
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer)
+    assert reads(schedulers=[LRSchedulerConfig(plateau, interval="step", reduce_on_plateau=True, monitor="loss")])
+    assert not reads(schedulers=[LRSchedulerConfig(plateau, interval="epoch", reduce_on_plateau=True, monitor="l")])
+    assert reads(module=ReadsAfterEachBatch())
+    assert not reads(module=LoggingModule([2, 2]))  # its hooks log (on_train_batch_start): not read
+    assert reads(LambdaCallback(on_train_batch_end=print))
+    assert not reads(LambdaCallback(on_train_epoch_end=print))
+    assert reads(EveryStepCheckpoint())
 
     assert reads(enable_progress_bar=True)  # the default progress bar refreshes every batch
     assert not reads(TQDMProgressBar(refresh_rate=0), enable_progress_bar=True)
@@ -946,6 +1003,25 @@ def test_a_rank_without_data_contributes_to_no_value_whatever_hooks_it_runs(tmp_
         end = read(tmp_path / f"end{rank}.jsonl")[0]["callback"]
         calls = [value(r, i, HOOKS["after_backward"]) for r in range(len(lengths)) for i in range(lengths[r])]
         assert end["after_backward_epoch"] == pytest.approx(sum(calls) / len(calls), rel=1e-6)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("lengths", "window"), [([3, 0], 1), ([5, 2, 0], 2)])
+def test_with_join_and_nothing_reading_the_last_step_shows_the_ranks_with_data(tmp_path, lengths, window):
+    # no step is read but the first and the epoch's last (Lightning's loader knows it is the last on every rank)
+    strategy = ShardPlusStrategy(start_method="fork", uneven_inputs="join", aggregation_frequency=window)
+    callbacks = [CountsWithoutReading(tmp_path)]
+    fit(tmp_path, LogsInEveryHook(lengths), len(lengths), strategy, callbacks=callbacks, log_every_n_steps=50)
+    batches = max(lengths)
+    last = list(range(batches - (batches - 1) % window - 1, batches))  # the last window's micro-batches
+    for rank in range(len(lengths)):
+        end = read(tmp_path / f"end{rank}.jsonl")[0]["callback"]
+        for name, micro_batches in {"loss": last, "batch_start": last, "before_optimizer_step": last[-1:]}.items():
+            with_data = [value(r, i, HOOKS[name]) for i in micro_batches for r in range(len(lengths)) if i < lengths[r]]
+            if name == "loss" and lengths[rank] == 0:
+                assert name not in end
+            else:
+                assert end[name] == pytest.approx(sum(with_data) / len(with_data), rel=1e-6), name
 
 
 class SumsEveryCall(LoggingModule):

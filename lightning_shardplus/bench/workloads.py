@@ -57,8 +57,9 @@ def default_configs() -> list[BenchConfig]:
 
     return [
         BenchConfig("ddp", lambda: DDPStrategy(start_method="fork"), scaling_report=False),
-        # shardplus against ddp: its defaults (averaged training metrics: one all_reduce per step), and without
-        # any extra feature; neither runs the counting hook nor the ScalingReport
+        # shardplus against ddp: its defaults (averaged training metrics: nothing here reads the step values, so no
+        # all_reduce per step; one per step with --read-every-step), and without any extra feature; neither runs the
+        # counting hook nor the ScalingReport
         BenchConfig("shardplus", shardplus(), count_gradients=False, scaling_report=False),
         BenchConfig(
             "shardplus-plain", shardplus(average_training_metrics=False), count_gradients=False, scaling_report=False
@@ -67,7 +68,8 @@ def default_configs() -> list[BenchConfig]:
         BenchConfig("ddp-again", lambda: DDPStrategy(start_method="fork"), scaling_report=False),
         # the same data as one stream per rank (equal lengths, so that plain ddp runs too): "shardplus-stream"
         # against "ddp-stream" is the cost of the uneven-inputs agreement (one all-reduce of 5 integers per block
-        # of 4 micro-batches) and of the averaged metrics; "ddp-stream" against "ddp" is the iterable loader's own
+        # of 4 micro-batches) and of the averaged metrics (as above); "ddp-stream" against "ddp" is the iterable
+        # loader's own
         BenchConfig(
             "ddp-stream",
             lambda: DDPStrategy(start_method="fork"),
