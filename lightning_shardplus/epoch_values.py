@@ -41,6 +41,17 @@ def combine(entry: dict[str, Any], values: torch.Tensor, counts: torch.Tensor, p
     return getattr(values, reduction)()
 
 
+def combine_training(
+    entry: dict[str, Any], values: torch.Tensor, counts: torch.Tensor, present: torch.Tensor
+) -> torch.Tensor:
+    """A training value's: a mean over every rank's samples; a ``sync_dist`` sum/max/min over the ranks (``entry``'s
+    ``over_ranks``); any other (Lightning's epoch aggregation of one rank's calls) averaged over the ranks that
+    logged it."""
+    if entry["reduction"] == "mean" or entry.get("over_ranks") == entry["reduction"]:
+        return combine(entry, values, counts, present)
+    return values[present > 0].mean()
+
+
 def list_state_layouts(metric: Metric) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Trailing shape and dtype of each list ("cat") state of ``metric`` that holds data on this rank. A rank
     without data has empty lists, which torchmetrics gathers as a 1-d float tensor: for 2-d or integer states

@@ -26,8 +26,8 @@ class MetricMismatchError(RuntimeError):
 
 
 class _AverageTrainingMetrics(Callback):
-    """Replaces the training values logged on each rank by their reduction over the ranks, once per optimizer step;
-    put first in the Trainer's callbacks (by the strategy), before any other callback reads the metrics."""
+    """Replaces the training values logged on each rank by their reduction over the ranks, in each optimizer step
+    something reads; put first in the Trainer's callbacks (by the strategy), before any other callback reads them."""
 
     def __init__(self) -> None:
         self._reset()
@@ -159,10 +159,9 @@ class _AverageTrainingMetrics(Callback):
         if self._layout is not None and not self._read(trainer):
             # nothing reads them: each rank's own stay, reduced if validation comes before the next step
             self._unread = (self._calls, self._own, self._window, self._without_data)
-            if not self._without_data:
-                self._last.update(self._own)
-                for key in {key for micro_batch in self._window + [self._calls] for key in micro_batch}:
-                    self._stale[key] = [mb[key] for mb in self._window + [self._calls] if key in mb]
+            step = self._window + ([] if self._without_data else [self._calls])
+            self._stale |= {key: [calls[key] for calls in step if key in calls] for key in set().union(*step)}
+            self._last.update({} if self._without_data else self._own)
             self._clear()
             return
         self._unread = None
@@ -191,8 +190,7 @@ class _AverageTrainingMetrics(Callback):
             (self._calls, self._own, self._window, self._without_data), self._unread = self._unread, None
             self._start("all")
             self._finish()
-            self._calls, self._own, self._window, self._without_data, self._started = current
-            self._stale = {}
+            self._calls, self._own, self._window, self._without_data, self._started, self._stale = *current, {}
             _lightning.publish_step_values(trainer, self._results)
 
     def _finish(self) -> None:
@@ -267,17 +265,8 @@ class _AverageTrainingMetrics(Callback):
         reductions = {key: reduction for key, (reduction, _) in (self._layout or {}).items()}
         reductions |= {key: reduction for key, (reduction, _, _) in self._latest.items()}
         notes = {key: {"over_ranks": reductions.get(key, "mean")} for key in local}
-        epoch_values.reduce_epoch_values(
-            trainer, pl_module, self._results, local, self._epoch_value, _lightning.synced_by_shardplus, notes
-        )
-
-    @staticmethod
-    def _epoch_value(entry: dict[str, Any], values: Tensor, counts: Tensor, present: Tensor) -> Tensor:
-        """A mean over every rank's samples; a ``sync_dist`` sum/max/min over the ranks; any other value (Lightning's
-        epoch aggregation of this rank's calls) averaged over the ranks that logged it."""
-        if entry["reduction"] == "mean" or entry.get("over_ranks") == entry["reduction"]:
-            return epoch_values.combine(entry, values, counts, present)
-        return values[present > 0].mean()
+        combine, synced = epoch_values.combine_training, _lightning.synced_by_shardplus
+        epoch_values.reduce_epoch_values(trainer, pl_module, self._results, local, combine, synced, notes)
 
     def _stop(self, *_: Any, **__: Any) -> None:
         if self._restore is not None:

@@ -97,10 +97,12 @@ def _phase_callback(out: Path) -> Any:
             _PHASE[0] = f"step@{trainer.current_epoch}"
             self.steps = 0
 
-        def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
-            self.steps += 1
-            if self.steps == trainer.num_training_batches:  # what follows is the epoch's end
+        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+            if batch_idx + 1 == trainer.num_training_batches:  # the last step: the epoch's end reads its values
                 _PHASE[0] = f"epoch_end@{trainer.current_epoch}"
+
+        def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+            self.steps += _PHASE[0].startswith("step@")  # the steps before the last
 
         def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
             _PHASE[0] = f"epoch_end@{trainer.current_epoch}"  # the validation at a training epoch's end
