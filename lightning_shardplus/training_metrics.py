@@ -129,8 +129,9 @@ class _AverageTrainingMetrics(Callback):
         """Start reducing this step's calls in ``phase``'s plan (every rank, in the same order)."""
         plan, self._started = self._plans[phase], True
         calls = self._window + ([] if self._without_data else [self._calls])
-        logged = {key for micro_batch in calls for key in micro_batch}  # else the latest unread calls, if any
-        calls += [{key: call} for key, stale in self._stale.items() if key not in logged for call in stale]
+        stale = {} if self._without_data else self._stale  # names not logged here: their latest unread calls
+        logged = {key for micro_batch in self._window + [self._calls] for key in micro_batch}
+        calls += [{key: call} for key, latest in stale.items() if key not in logged for call in latest]
         placed = [
             (key, call) for micro_batch in calls for key, call in micro_batch.items()
             if plan.entries.get(key) == call.reduction and (phase != "early" or not call.late)

@@ -1006,7 +1006,7 @@ def test_a_rank_without_data_contributes_to_no_value_whatever_hooks_it_runs(tmp_
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize(("lengths", "window"), [([3, 0], 1), ([5, 2, 0], 2)])
+@pytest.mark.parametrize(("lengths", "window"), [([3, 0], 1), ([5, 2, 0], 2), ([6, 3], 1)])
 def test_with_join_and_nothing_reading_the_last_step_shows_the_ranks_with_data(tmp_path, lengths, window):
     # no step is read but the first and the epoch's last (Lightning's loader knows it is the last on every rank)
     strategy = ShardPlusStrategy(start_method="fork", uneven_inputs="join", aggregation_frequency=window)
