@@ -5,7 +5,7 @@ are first read; epoch values are each rank's running sums, reduced once at the e
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
@@ -17,12 +17,11 @@ from torch import Tensor
 
 from lightning_shardplus import _lightning, epoch_values
 from lightning_shardplus.data_parallel import DataParallel, data_parallel
+from lightning_shardplus.metric_mismatch import MetricMismatchError, describe_mismatch
 from lightning_shardplus.reduction_plan import Call, ReductionPlan
 from lightning_shardplus.step_readers import reads_every_step
 
-
-class MetricMismatchError(RuntimeError):
-    """Ranks logged one name with different reductions (``reduce_fx``/``sync_dist``); raised on every rank."""
+STALE = "\0stale:"  # in a reduction after unread steps, the section of each name's latest unread calls
 
 
 class _AverageTrainingMetrics(Callback):
@@ -40,6 +39,7 @@ class _AverageTrainingMetrics(Callback):
         self._readers: tuple[bool, bool, int] = (True, False, 0)  # every step?, loggers?, their interval; agreed
         self._unread: tuple[Any, ...] | None = None  # the last optimizer step's state while nothing read its values
         self._stale: dict[str, list[Call]] = {}  # key -> its calls in the latest unread step that logged it
+        self._after_unread = False  # an unread step came since the last reduction: its section rides along
         self._layout: dict[str, tuple[str, bool]] | None = None  # key -> (reduction, late); agreed by every rank
         self._plans: dict[str, ReductionPlan] = {}  # "early", "late" and "all" of the layout
         self._latest: dict[str, tuple[str, bool, str]] = {}  # since the agreement: (reduction, late, label) per key
@@ -77,7 +77,7 @@ class _AverageTrainingMetrics(Callback):
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._clear()  # a batch skipped by `on_train_batch_start` returning -1 stays out of the next epoch
         self._epoch_keys.clear()
-        self._unread, self._stale = None, {}
+        self._unread, self._stale, self._after_unread = None, {}, False
 
     def _take(self, log: _lightning.TrainingLog) -> bool:
         if not log.on_step or not log.is_tensor or log.rank_zero_only:
@@ -127,11 +127,10 @@ class _AverageTrainingMetrics(Callback):
 
     def _start(self, phase: str) -> None:
         """Start reducing this step's calls in ``phase``'s plan (every rank, in the same order)."""
-        plan, self._started = self._plans[phase], True
+        plan, self._started = self._plans[phase + "+stale" * self._after_unread], True
         calls = self._window + ([] if self._without_data else [self._calls])
-        stale = {} if self._without_data else self._stale  # names not logged here: their latest unread calls
-        logged = {key for micro_batch in self._window + [self._calls] for key in micro_batch}
-        calls += [{key: call} for key, latest in stale.items() if key not in logged for call in latest]
+        stale = {} if self._without_data or not self._after_unread else self._stale  # a rank without data adds none
+        calls += [{STALE + key: call} for key, latest in stale.items() for call in latest]
         placed = [
             (key, call) for micro_batch in calls for key, call in micro_batch.items()
             if plan.entries.get(key) == call.reduction and (phase != "early" or not call.late)
@@ -163,6 +162,7 @@ class _AverageTrainingMetrics(Callback):
             step = self._window + ([] if self._without_data else [self._calls])
             self._stale |= {key: [calls[key] for calls in step if key in calls] for key in set().union(*step)}
             self._last.update({} if self._without_data else self._own)
+            self._after_unread = True
             self._clear()
             return
         self._unread = None
@@ -177,22 +177,34 @@ class _AverageTrainingMetrics(Callback):
                 if self._plans["late"].entries:
                     self._start("late")
             self._finish()
-            if _lightning.loggers_read_this_step(trainer, logs=True) and self._check_names(where):
-                self._start("all")  # every name logged in this step, in the new layout
-                self._finish()
+            if _lightning.loggers_read_this_step(trainer, logs=True) or _lightning.ends_epoch(trainer):
+                self._check_and_reduce_again(where)
         finally:
             self._clear()
-            self._stale = {}
+            self._stale, self._after_unread = {}, False
 
-    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Validation inside fit (its callbacks read `callback_metrics`): reduce the last step if nothing read it."""
-        if self._restore is not None and self._unread is not None:
-            current = (self._calls, self._own, self._window, self._without_data, self._started)
-            (self._calls, self._own, self._window, self._without_data), self._unread = self._unread, None
+    def _check_and_reduce_again(self, where: str) -> None:
+        """Where the host reads the values anyway: if a rank logged a name outside the layout, agree on the names
+        anew and reduce the step again in the new layout."""
+        if self._check_names(where):
             self._start("all")
             self._finish()
-            self._calls, self._own, self._window, self._without_data, self._started, self._stale = *current, {}
-            _lightning.publish_step_values(trainer, self._results)
+
+    def _reduce_unread(self, trainer: pl.Trainer, where: str) -> None:
+        """Reduce the last optimizer step if nothing read it, where validation or the epoch end read its values."""
+        if self._restore is None or self._unread is None:
+            return
+        current = (self._calls, self._own, self._window, self._without_data, self._started)
+        (self._calls, self._own, self._window, self._without_data), self._unread = self._unread, None
+        self._start("all")
+        self._finish()
+        self._check_and_reduce_again(where)
+        self._calls, self._own, self._window, self._without_data, self._started = current
+        self._stale, self._after_unread = {}, False
+        _lightning.publish_step_values(trainer, self._results)
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._reduce_unread(trainer, f"the validation in epoch {trainer.current_epoch}")
 
     def _finish(self) -> None:
         """Wait for the reductions in flight and write their values as the step values."""
@@ -218,11 +230,14 @@ class _AverageTrainingMetrics(Callback):
             on = (local.dtype, local.device)
             if (vector := converted.get(on)) is None:
                 vector = converted[on] = values.to(dtype=local.dtype, device=local.device)
-            i = plan.position[key]
+            i, j = plan.position[key], plan.position.get(STALE + key)
             if call is not None and not self._without_data:  # its own value is in it
                 step = vector[i]
-            else:  # where some rank logged it
-                step = torch.where(calls[i].to(local.device) > 0, vector[i], local.reshape(()))
+            else:  # where some rank logged it in the step, else in earlier unread steps, else its last value
+                shown = local.reshape(())
+                if j is not None:
+                    shown = torch.where(calls[j].to(local.device) > 0, vector[j], shown)
+                step = torch.where(calls[i].to(local.device) > 0, vector[i], shown)
             self._last[key] = step.reshape(local.shape)
             _lightning.set_step_value(metric, self._last[key])
 
@@ -250,16 +265,18 @@ class _AverageTrainingMetrics(Callback):
         for key, (reduction, late, _) in (item for latest in gathered for item in latest.items()):
             layout[key] = (reduction, late or layout.get(key) == (reduction, True))  # once late, late
         self._layout, self._latest, self._unplaced = layout, {}, False
-        in_phase = {"early": (False,), "late": (True,), "all": (False, True)}
-        self._plans = {
-            phase: ReductionPlan({k: r for k, (r, late) in layout.items() if late in lates}, self._device)
-            for phase, lates in in_phase.items()
-        }
+        self._plans = {}
+        for phase, lates in {"early": (False,), "late": (True,), "all": (False, True)}.items():
+            entries = {k: r for k, (r, late) in layout.items() if late in lates}
+            self._plans[phase] = ReductionPlan(entries, self._device)
+            with_stale = entries | {STALE + key: reduction for key, reduction in entries.items()}
+            self._plans[phase + "+stale"] = ReductionPlan(with_stale, self._device)
         return True
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._restore is None:
             return
+        self._reduce_unread(trainer, f"the end of epoch {trainer.current_epoch}")
         self._check_names(f"the end of epoch {trainer.current_epoch}")
         local = {key: self._metrics[key] for key in sorted(self._epoch_keys) if self._metrics[key].meta.on_epoch}
         # each name's reduction over the ranks as this rank last logged it (a name not yet agreed included)
@@ -280,20 +297,3 @@ class _AverageTrainingMetrics(Callback):
 # The name to import. The class's own name is private so that the `shardplus` command (jsonargparse) does not
 # offer it among the callbacks to add: the strategy adds it where it applies.
 AverageTrainingMetrics = _AverageTrainingMetrics
-
-
-def describe_mismatch(per_rank: Sequence[Sequence[tuple[str, str, str]]], where: str) -> str:
-    """The error text for ranks that reduce a name differently (``per_rank[r]``: rank r's (key, reduction, label))."""
-    sets = [set(entries) for entries in per_rank]
-    common = set.intersection(*sets) if sets else set()
-    lines = []
-    for key, reduction, label in sorted(set().union(*sets) - common):
-        on = [rank for rank, entries in enumerate(sets) if (key, reduction, label) in entries]
-        off = [rank for rank in range(len(sets)) if rank not in on]
-        lines.append(f"{label} (reduced as {reduction}): logged on rank(s) {on}, not on rank(s) {off}")
-    detail = "; ".join(lines) if lines else "the ranks' metric names differ"
-    return (
-        f"shardplus: ranks reduce a training metric differently at {where}, so it cannot be averaged without mixing "
-        f"unrelated values: {detail}. Log a name with the same reduce_fx and sync_dist on every rank, log "
-        "rank-specific values with `rank_zero_only=True`, or set `average_training_metrics=False`."
-    )

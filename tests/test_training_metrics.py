@@ -547,11 +547,60 @@ def test_a_name_logged_only_in_steps_nothing_reads_shows_its_mean_where_it_is_re
 
 
 @pytest.mark.timeout(120)
-def test_a_name_reduced_differently_in_steps_nothing_reads_raises_at_the_epoch_end(tmp_path):
-    # announced in the collective of the next averaged step (the epoch's last), compared at the epoch end
+def test_a_name_reduced_differently_in_steps_nothing_reads_raises_at_the_next_averaged_step(tmp_path):
+    # announced in the collective of the next averaged step (the epoch's last, batch 7) and compared there
     callbacks = [CountsWithoutReading(tmp_path)]
-    with pytest.raises(Exception, match=r"at the end of epoch 0.*`rare` \(from training_step\) \(reduced as max\)"):
+    with pytest.raises(Exception, match=r"at epoch 0, batch 7.*`rare` \(from training_step\) \(reduced as max\)"):
         fit(tmp_path, SometimesLogged(["mean", "max"], at=(5,)), 2, callbacks=callbacks, log_every_n_steps=50)
+
+
+class LoggedAtDifferentBatches(LoggingModule):
+    """``part`` and a sync_dist max ``peak``: rank 1 at batch 4, rank 0 at batch 5; ``rare``: rank r at batch 3 + r."""
+
+    def __init__(self) -> None:
+        super().__init__([2, 2], batches=8)
+
+    def log_values(self, r, i):
+        self.log("loss", value(r, i))
+        if i == 5 - r:
+            self.log("part", value(r, i, 1))
+            self.log("peak", value(r, i, 2) * (10 if r else 1), sync_dist=True, reduce_fx="max")
+        if i == 3 + r:
+            self.log("rare", value(r, i, 3))
+
+
+@pytest.mark.timeout(120)
+def test_a_name_logged_in_a_read_step_shows_that_steps_ranks_and_else_each_ranks_latest(tmp_path):
+    # read steps: batches 0, 2, 5 (log_every_n_steps=3) and 7; at batch 5 rank 0 logs `part` and `peak`, which rank 1
+    # logged at the unread batch 4: the step's value is rank 0's (the ranks that logged it in the step, as when
+    # every step was averaged); `rare`, logged by no rank at batch 5, shows the mean of each rank's latest value
+    fit(tmp_path, LoggedAtDifferentBatches(), 2, callbacks=[CountsWithoutReading(tmp_path)], log_every_n_steps=3)
+    for rank in range(2):
+        logged = [row["metrics"] for row in read(tmp_path / f"logger{rank}.jsonl") if "loss" in row["metrics"]]
+        assert logged[1]["part"] == value(0, 5, 1) and logged[1]["peak"] == value(0, 5, 2)
+        assert logged[1]["rare"] == (value(0, 3, 3) + value(1, 4, 3)) / 2
+
+
+class StopsEachEpochEarly(LoggingModule):
+    """Ends each epoch before its batch 6 of 8 (``on_train_batch_start`` returns -1): Lightning's loader never
+    says which batch is the last."""
+
+    def log_values(self, r, i):
+        self.log("loss", value(r, i))
+
+    def on_train_batch_start(self, batch, batch_idx):
+        super().on_train_batch_start(batch, batch_idx)
+        return -1 if batch_idx == 6 else None
+
+
+@pytest.mark.timeout(120)
+def test_an_epoch_that_ends_early_reduces_its_last_step_at_its_end(tmp_path, count_collectives):
+    callbacks = [CountsWithoutReading(tmp_path)]
+    fit(tmp_path, StopsEachEpochEarly([2, 3], batches=8), 2, callbacks=callbacks, log_every_n_steps=50)
+    for rank in range(2):
+        assert [row["collectives"] for row in read(tmp_path / f"batches{rank}.jsonl")] == [1] + [0] * 5
+        end = read(tmp_path / f"end{rank}.jsonl")[0]["callback"]
+        assert end["loss"] == pytest.approx(weighted_mean([value(0, 5), value(1, 5)], [2, 3]))
 
 
 class ReadsOnRankZero(Callback):
@@ -737,14 +786,15 @@ class EveryKindAndAfterBackward(EveryKind):
 @pytest.mark.parametrize("extremes", [False, True])
 def test_training_steps_read_nothing_on_the_host(tmp_path, count_host_reads, count_collectives, module, extremes):
     # map-style data: `EvenSteps` (iterable data only) does not run; no logging step inside the epoch (the
-    # names are checked on the host at its end); the first step agrees on the names (`all_gather_object` reads
+    # names are checked on the host at its last step); the first step agrees on the names (`all_gather_object` reads
     # the host), the others read nothing and run one SUM all_reduce (plus a MAX one with max/min values, in flight
     # together), plus one SUM all_reduce of the value logged after backward
     callbacks = [Recorder(tmp_path), HostReads(tmp_path)]
     fit(tmp_path, module(extremes), 2, log_every_n_steps=50, callbacks=callbacks)
     sizes = [2, 3]
     for rank in range(2):
-        assert [row["reads"] for row in read(tmp_path / f"reads{rank}.jsonl")][1:] == [0] * 5
+        # the epoch's last step checks the names on the host (the one read the epoch end made before)
+        assert [row["reads"] for row in read(tmp_path / f"reads{rank}.jsonl")][1:] == [0] * 4 + [1]
         late = module is EveryKindAndAfterBackward
         expected = [1 + extremes] + [1 + extremes + late] * 5
         assert [row["collectives"] for row in read(tmp_path / f"batches{rank}.jsonl")] == expected
@@ -1129,7 +1179,8 @@ def test_a_name_whose_reduction_changes_between_checks_shows_its_own_value_not_n
     for rank in range(2):
         shown = [row["callback"]["peak"] for row in read(tmp_path / f"batches{rank}.jsonl")]
         means = [weighted_mean([value(0, i), value(1, i)], [2, 3]) for i in range(2)]
-        assert shown == pytest.approx(means + [value(rank, i) for i in (2, 3)], rel=1e-6)  # own until the check
+        # own until the check, at the epoch's last step (batch 3): from there the new way, the max over the ranks
+        assert shown == pytest.approx(means + [value(rank, 2), value(1, 3)], rel=1e-6)
 
 
 class CountsInTheLastStep(LoggingModule):
