@@ -267,7 +267,8 @@ def test_scale_bench_counts_what_shardplus_adds_over_ddp_at_two_processes(tmp_pa
     assert added["per_step"]["calls"] == 0
     assert added["per_epoch"]["calls"] >= 2  # that all_reduce and verify_sharding's digest at least
     epoch_end = row["shardplus"]["by_phase"]["epoch_end@1"]["all_reduce"]
-    assert epoch_end == [2, 8 * DIGEST_WIDTH + 8 * 5]  # the fixed-size digest, and 5 float64 for one logged mean
+    # the fixed-size digest, and for one logged mean 9 float64: its 4 and the section of the unread steps' latest 4
+    assert epoch_end == [2, 8 * DIGEST_WIDTH + 8 * 9]
     assert row["checkpoint_bytes"] > row["powersgd_rank_file_bytes"] > 0
     assert "| 2 |" in capsys.readouterr().out
     assert json.loads((tmp_path / "scale.json").read_text())["world_sizes"]["2"]["added"] == added
