@@ -119,7 +119,7 @@ class _AverageTrainingMetrics(Callback):
     def _read(self, trainer: pl.Trainer) -> bool:
         """Whether something reads this optimizer step's values (the same answer on every rank): see step_readers."""
         every, logs, _ = self._readers
-        return every or logs and _lightning.loggers_read_this_step(trainer, True) or _lightning.ends_epoch(trainer)
+        return every or (logs and _lightning.loggers_read_this_step(trainer, True)) or _lightning.ends_epoch(trainer)
 
     def _needs_early(self) -> bool:
         """Whether a reduction starts when backward begins: for names logged before it, or as the step's one."""
@@ -157,7 +157,7 @@ class _AverageTrainingMetrics(Callback):
             self._calls, self._before, self._without_data = {}, {}, False
             return
         if self._layout is not None and not self._read(trainer):
-            # nothing reads them: each rank's own stay, reduced if validation comes before the next step
+            # nothing reads them: each rank's own stay (reduced if validation or the epoch end come before the next)
             self._unread = (self._calls, self._own, self._window, self._without_data)
             step = self._window + ([] if self._without_data else [self._calls])
             self._stale |= {key: [calls[key] for calls in step if key in calls] for key in set().union(*step)}
