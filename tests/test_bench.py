@@ -4,6 +4,7 @@ measurement)."""
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import traceback
@@ -383,6 +384,48 @@ def test_the_table_shows_the_paired_ratio_with_its_interval_where_there_is_one()
     few = {"baseline": "ddp", "results": {"ddp": row(5, 1.0, None), "shardplus": row(5, 0.981, None)}}
     table = bench.format_table(few)
     assert "| 0.981 | " in table and "fewer than 6 runs per row (5)" in table
+
+
+def test_reports_of_one_command_pool_every_run_and_each_paired_ratio_within_its_own_report(tmp_path, capsys):
+    def report(ddp_runs, shardplus_runs, **settings):
+        def row(runs, paired):
+            return {"runs": runs, "median_ms_per_step": 1000 / runs[0], "paired_ratio_to_baseline": paired,
+                    "bytes_per_step": None, "rounds_per_step": None, "collectives_per_step": None,
+                    "all_reduce_per_step": 0, "barrier_per_step": 0}  # fmt: skip
+
+        paired = sorted(a / b for a, b in zip(shardplus_runs, ddp_runs, strict=True))[len(ddp_runs) // 2]
+        return {
+            "settings": {"repeats": len(ddp_runs), "steps": 200, "json": "x.json", **settings},
+            "machine": {"cpu": "test"}, "baseline": "ddp",
+            "results": {"ddp": row(ddp_runs, 1.0), "shardplus": row(shardplus_runs, paired)},
+        }  # fmt: skip
+
+    # a fast first report and a slow second one: each run is paired with ddp's run of its own round and report
+    first, second = report([200.0] * 7, [198.0] * 7), report([100.0] * 7, [101.0] * 6 + [50.0])
+    paths = [tmp_path / "a.json", tmp_path / "b.json"]
+    for path, written in zip(paths, (first, second), strict=True):
+        path.write_text(json.dumps(written))
+    pooled = bench.main(["--from-json", *map(str, paths)])
+    row = pooled["results"]["shardplus"]
+    assert row["runs"] == [198.0] * 7 + [101.0] * 6 + [50.0]
+    assert row["paired_ratio_per_report"] == [0.99, 1.01]
+    # 14 paired ratios: seven 0.99, six 1.01, one 0.5: the median 0.99; across reports (198 / 100) it would be 1.01
+    assert row["paired_ratio_to_baseline"] == pytest.approx(0.99)
+    assert row["paired_ratio_interval_95"] == pytest.approx((0.99, 1.01))
+    assert row["ratio_to_baseline"] == pytest.approx(statistics.median(row["runs"]) / 150.0)
+    assert pooled["settings"]["pooled_from"] == [str(path) for path in paths]
+    out = capsys.readouterr().out
+    assert f"pooled from 2 reports ({paths[0]}, {paths[1]}); each one's paired ratio: shardplus 0.990, 1.010" in out
+
+    other_steps = tmp_path / "c.json"
+    other_steps.write_text(json.dumps(report([100.0] * 7, [100.0] * 7, steps=100)))
+    differ = r"--from-json .*c.json: its settings differ from those of .*a.json in \['steps'\]"
+    with pytest.raises(ValueError, match=differ):
+        bench.main(["--from-json", str(paths[0]), str(other_steps)])
+    fewer_rows = {**first, "results": {"ddp": first["results"]["ddp"]}}
+    other_steps.write_text(json.dumps(fewer_rows))
+    with pytest.raises(ValueError, match=r"its rows \['ddp'\] are not those of"):
+        bench.main(["--from-json", str(paths[0]), str(other_steps)])
 
 
 def test_the_report_overhead_says_more_or_fewer_samples_per_second_never_a_negative_fewer():

@@ -24,7 +24,8 @@ forward, backward, exposed communication, optimizer; medians over the runs). The
 ``shardplus`` with the report: their ratio is the report's overhead. ``--quick`` runs the whole matrix in
 shorter runs (about a minute on 2 CPU cores); ``--json``, ``--plots DIR`` (two PNGs: samples/s per row with
 its spread, time per step by phase) and ``--markdown`` (the section of docs/performance.md) write the results;
-``--from-json`` renders a report written before without running anything. ``--accelerator gpu`` (or ``auto``
+``--from-json`` renders a report written before without running anything; given several reports of one command, it
+pools them (every run of each row: :mod:`lightning_shardplus.bench.pooled`). ``--accelerator gpu`` (or ``auto``
 with a GPU) runs one fork-launched process per GPU instead of CPU processes; the ScalingReport's figures are then
 host-side times.
 

@@ -15,6 +15,7 @@ from lightning_shardplus.bench.collective import format_collective_table, run_co
 from lightning_shardplus.bench.fusion import FUSION_SHAPES, run_fusion
 from lightning_shardplus.bench.host_syncs import HOST_SYNC_CONFIGS, format_host_sync_table, run_host_syncs
 from lightning_shardplus.bench.model_parallel import run_model_parallel
+from lightning_shardplus.bench.pooled import pool_reports
 from lightning_shardplus.bench.rewrap import REWRAP_HIDDEN, format_rewrap_table, run_rewrap
 from lightning_shardplus.bench.runner import keep_parent_single_threaded, run
 from lightning_shardplus.bench.sampler import SAMPLER_SIZES, run_sampler
@@ -86,8 +87,9 @@ def _add_matrix_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plots", type=Path, default=None, help="write the two PNG plots to this directory")
     parser.add_argument("--markdown", action="store_true", help="also print the section of docs/performance.md")
     parser.add_argument(
-        "--from-json", type=Path, default=None,
-        help="render a report written by --json (tables, --markdown, --plots) instead of running",
+        "--from-json", type=Path, nargs="+", default=None,
+        help="render a report written by --json (tables, --markdown, --plots) instead of running; several reports "
+        "of the same rows and settings: pooled into one (every run of each row)",
     )
     parser.add_argument(
         "--configs", default=None,
@@ -300,7 +302,8 @@ def _report(args: argparse.Namespace) -> dict[str, Any] | None:
     """The report ``args`` ask for: read from ``--from-json``, or run (sampler, re-wrap, collective, fusion, host
     synchronizations, or the matrix)."""
     if args.from_json is not None:
-        return json.loads(args.from_json.read_text())
+        reports = [json.loads(path.read_text()) for path in args.from_json]
+        return reports[0] if len(reports) == 1 else pool_reports(reports, [str(path) for path in args.from_json])
     if args.sampler:
         return run_sampler(args)
     if args.rewrap:

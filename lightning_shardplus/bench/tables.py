@@ -81,8 +81,21 @@ def format_table(report: dict[str, Any]) -> str:
             f"{_count(row['rounds_per_step'])} | {_count(row['collectives_per_step'])} | "
             f"{_count(row['all_reduce_per_step'])} | {_count(row['barrier_per_step'])} |"
         )
-    note = noise_note(report)
-    return "\n".join(lines + ([] if note is None else ["", note]))
+    notes = [note for note in (pooled_note(report), noise_note(report)) if note is not None]
+    return "\n".join(lines + ([""] if notes else []) + notes)
+
+
+def pooled_note(report: dict[str, Any]) -> str | None:
+    """For a report pooled from several (``--from-json A B ...``): from which, and each one's paired medians."""
+    sources = report.get("settings", {}).get("pooled_from")
+    if not sources:
+        return None
+    medians = "; ".join(
+        f"{name} " + ", ".join(f"{ratio:.3f}" for ratio in row["paired_ratio_per_report"])
+        for name, row in report["results"].items()
+        if name != report["baseline"]
+    )
+    return f"pooled from {len(sources)} reports ({', '.join(sources)}); each one's paired ratio: {medians}"
 
 
 def format_breakdown_table(report: dict[str, Any]) -> str:
