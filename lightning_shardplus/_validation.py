@@ -147,3 +147,13 @@ def _try_writing(path: Path, replaced: bool) -> None:
         for directory in reversed(created):
             with contextlib.suppress(OSError):
                 directory.rmdir()
+
+
+def class_name(instance: Any) -> str:
+    """The name of ``instance``'s class as its author wrote it, for messages: FSDP2's ``fully_shard`` swaps a module's
+    class for a subclass named ``FSDP<Name>`` (made in ``torch.distributed``), which no user wrote.
+
+    Example: ``class_name(fully_shard(Classifier()))`` is ``"Classifier"``, where ``type(...).__name__`` is
+    ``"FSDPClassifier"``."""
+    written = (klass for klass in type(instance).__mro__ if not klass.__module__.startswith("torch.distributed."))
+    return next(written).__name__

@@ -16,6 +16,7 @@ from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
 from lightning_shardplus import _lightning
+from lightning_shardplus._validation import class_name
 from lightning_shardplus.data_parallel import DataParallel, data_parallel_size
 
 try:  # public from torch 2.6: before, FSDP2's units cannot be told, and a window's gradients are not read under it
@@ -69,7 +70,7 @@ def check_aggregation(frequency: int, trainer: Any, model: Any | None, static_gr
         return
     if model is not None and not model.automatic_optimization:
         raise ValueError(
-            f"`aggregation_frequency`={frequency} needs automatic optimization, but {type(model).__name__} sets "
+            f"`aggregation_frequency`={frequency} needs automatic optimization, but {class_name(model)} sets "
             "`automatic_optimization = False`: use aggregation_frequency=1 and aggregate yourself (manual_backward "
             "inside `self.trainer.strategy.model.no_sync()` on all but the last micro-batch)."
         )

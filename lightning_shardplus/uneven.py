@@ -18,6 +18,7 @@ from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader, IterableDataset
 
+from lightning_shardplus._validation import class_name
 from lightning_shardplus.data_parallel import DataParallel
 
 UnevenInputs = Literal["join", "drop"]
@@ -204,7 +205,7 @@ class EvenSteps:
         if self.trainer is not None and not self.trainer.lightning_module.automatic_optimization:
             raise ValueError(
                 f"`uneven_inputs`={self.policy!r} needs automatic optimization for a training stream: "
-                f"{type(self.trainer.lightning_module).__name__} sets `automatic_optimization = False`. Give each "
+                f"{class_name(self.trainer.lightning_module)} sets `automatic_optimization = False`. Give each "
                 "rank the same number of batches yourself, or use a map-style dataset."
             )
         self._count_stream()

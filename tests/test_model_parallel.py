@@ -314,3 +314,33 @@ def test_a_fork_or_spawn_launch_trains_validates_and_gives_the_launching_process
     found = json.loads((tmp_path / "found.json").read_text())
     assert _close(found["weights"], found["reference"])  # the step of one process on the whole batch
     assert found["validate"] == [one_process(2 * dp - 1)]
+
+
+CLASS_NAME_SCRIPT = """
+import torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from lightning_shardplus._validation import class_name
+
+class Classifier(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 2)
+
+dist.init_process_group("gloo", init_method="file://" + __import__("sys").argv[1], rank=0, world_size=1)
+module = fully_shard(Classifier(), mesh=init_device_mesh("cpu", (1,)))
+print(type(module).__name__, class_name(module), class_name(Classifier()), class_name(torch.nn.Linear(1, 1)))
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.skipif(release(torch.__version__) < (2, 6), reason="fully_shard is public from torch 2.6")
+@pytest.mark.timeout(120)
+def test_messages_name_the_class_the_user_wrote_not_the_one_fully_shard_makes(tmp_path):
+    script = tmp_path / "name.py"
+    script.write_text(CLASS_NAME_SCRIPT)
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "store")], capture_output=True, text=True, timeout=100
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert done.stdout.split() == ["FSDPClassifier", "Classifier", "Classifier", "Linear"]
