@@ -8,9 +8,10 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.callbacks.progress import ProgressBar
+from lightning.pytorch.callbacks.progress import ProgressBar, TQDMProgressBar
 
 from lightning_shardplus import _lightning
+from lightning_shardplus.aggregation import micro_batches_per_step
 
 _PER_BATCH_HOOKS = (
     "on_train_batch_start", "on_train_batch_end", "on_before_backward", "on_after_backward",
@@ -19,32 +20,52 @@ _PER_BATCH_HOOKS = (
 _OURS_OR_LIGHTNINGS = ("lightning.", "pytorch_lightning.", "lightning_shardplus.")
 
 
-def reads_every_step(trainer: pl.Trainer) -> bool:
-    """Whether something may read the training values after any optimizer step: the progress bar, a
-    ``ModelCheckpoint`` that saves within epochs, a ``ReduceLROnPlateau`` stepped per step, the LightningModule's
-    ``on_train_batch_end``, or a callback with a per-batch hook of your own (unless its class says
-    ``reads_step_values = False``). Lightning's other callbacks and shardplus's read them at most at epoch ends.
+def reading_interval(trainer: pl.Trainer) -> int:
+    """How often something reads the training values between epoch ends, in training batches. 1: after every batch
+    (a progress bar, the LightningModule's ``on_train_batch_end``, a ``ModelCheckpoint`` that saves within epochs, a
+    ``ReduceLROnPlateau`` stepped per step, or a callback with a per-batch hook of your own unless its class says
+    ``reads_step_values = False``). ``k`` > 1: only a ``TQDMProgressBar(refresh_rate=k)``, which reads them after every
+    k-th batch and the epoch's last. 0: nothing; Lightning's other callbacks and shardplus's read them at most at
+    epoch ends. Read from the Trainer's configuration, not from what differs per rank (the bar's ``is_enabled``).
 
-    >>> reads_every_step(pl.Trainer(logger=False, enable_progress_bar=False))  # its ModelCheckpoint: at epoch ends
-    False
+    >>> reading_interval(pl.Trainer(logger=False, enable_progress_bar=False))  # its ModelCheckpoint: at epoch ends
+    0
     """
     module = trainer.lightning_module
     if module is not None and _yours(module, "on_train_batch_end"):
-        return True
+        return 1
     if any(config.reduce_on_plateau and config.interval == "step" for config in trainer.lr_scheduler_configs):
+        return 1
+    intervals = [_callback_interval(callback) for callback in trainer.callbacks]
+    return 1 if 1 in intervals else max(intervals, default=0)  # (Lightning allows one progress bar)
+
+
+def _callback_interval(callback: Any) -> int:
+    """How often ``callback`` reads the training values, in batches (0: at most at epoch ends)."""
+    if (declared := getattr(callback, "reads_step_values", None)) is not None:
+        return int(bool(declared))
+    if any(_yours(callback, hook) for hook in _PER_BATCH_HOOKS):
+        return 1
+    if isinstance(callback, ProgressBar):
+        rate = max(0, getattr(callback, "refresh_rate", 1))  # RichProgressBar reads every batch, whatever its rate
+        return rate if isinstance(callback, TQDMProgressBar) else int(rate > 0)
+    if isinstance(callback, ModelCheckpoint):
+        return int(_lightning.checkpoints_within_epochs(callback))
+    return 0
+
+
+def reads_this_step(trainer: pl.Trainer, interval: int, loggers: bool, _: int = 0) -> bool:
+    """Whether something reads the values of the optimizer step whose last batch runs now (the same answer on every
+    rank): a reader every batch; a reader every ``interval``-th batch (TQDM's refresh) at that batch or a later one
+    before the next step, as the values show until then (``TQDMProgressBar._should_update``: batch ``n``, from 1,
+    where ``n % interval == 0``); the ``loggers`` at their steps; the epoch's end."""
+    if interval == 1 or _lightning.ends_epoch(trainer):
         return True
-    for callback in trainer.callbacks:
-        if (declared := getattr(callback, "reads_step_values", None)) is not None:
-            reads = bool(declared)
-        else:
-            reads = any(_yours(callback, hook) for hook in _PER_BATCH_HOOKS)
-            if isinstance(callback, ProgressBar):
-                reads = reads or getattr(callback, "refresh_rate", 1) > 0
-            elif isinstance(callback, ModelCheckpoint):
-                reads = reads or _lightning.checkpoints_within_epochs(callback)
-        if reads:
-            return True
-    return False
+    if loggers and _lightning.loggers_read_this_step(trainer, True):
+        return True
+    last = _lightning.micro_batches_done_in_epoch(trainer)
+    shown_until = last + micro_batches_per_step(trainer) - 1  # the step's values show until the next step's
+    return interval > 1 and shown_until // interval * interval >= last
 
 
 def _yours(instance: Any, hook: str) -> bool:

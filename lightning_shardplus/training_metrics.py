@@ -19,7 +19,7 @@ from lightning_shardplus import _lightning, epoch_values
 from lightning_shardplus.data_parallel import DataParallel, data_parallel
 from lightning_shardplus.metric_mismatch import MetricMismatchError, describe_mismatch
 from lightning_shardplus.reduction_plan import Call, ReductionPlan
-from lightning_shardplus.step_readers import reads_every_step
+from lightning_shardplus.step_readers import reading_interval, reads_this_step
 
 STALE = "\0stale:"  # in a reduction after unread steps, the section of each name's latest unread calls
 
@@ -36,7 +36,7 @@ class _AverageTrainingMetrics(Callback):
         self._results: Any = None
         self._device = torch.device("cpu")
         self._data_parallel = DataParallel(1, 0)
-        self._readers: tuple[bool, bool, int] = (True, False, 0)  # every step?, loggers?, their interval; agreed
+        self._readers: tuple[int, bool, int] = (1, False, 0)  # read every k batches, loggers?, their interval; agreed
         self._unread: tuple[Any, ...] | None = None  # the last optimizer step's state while nothing read its values
         self._stale: dict[str, list[Call]] = {}  # key -> its calls in the latest unread step that logged it
         self._after_unread = False  # an unread step came since the last reduction: its section rides along
@@ -70,7 +70,7 @@ class _AverageTrainingMetrics(Callback):
         if self._data_parallel.size < 2:
             return
         self._device = trainer.strategy.root_device
-        self._readers = (reads_every_step(trainer), bool(trainer.loggers), trainer.log_every_n_steps)
+        self._readers = (reading_interval(trainer), bool(trainer.loggers), trainer.log_every_n_steps)
         self._results = _lightning.training_results(trainer)
         self._restore = _lightning.intercept_training_logs(self._results, self._take, self._taken)
 
@@ -118,8 +118,7 @@ class _AverageTrainingMetrics(Callback):
 
     def _read(self, trainer: pl.Trainer) -> bool:
         """Whether something reads this optimizer step's values (the same answer on every rank): see step_readers."""
-        every, logs, _ = self._readers
-        return every or (logs and _lightning.loggers_read_this_step(trainer, True)) or _lightning.ends_epoch(trainer)
+        return reads_this_step(trainer, *self._readers)
 
     def _needs_early(self) -> bool:
         """Whether a reduction starts when backward begins: for names logged before it, or as the step's one."""
@@ -253,7 +252,7 @@ class _AverageTrainingMetrics(Callback):
         gathered: list[Any] = [None] * self._data_parallel.size
         dist.all_gather_object(gathered, (self._latest, self._readers), group=self._data_parallel.group)
         if len({readers for _, readers in gathered}) > 1:  # Trainers configured differently per rank: every step
-            self._readers = (True, False, 0)
+            self._readers = (1, False, 0)
         gathered = [latest for latest, _ in gathered]
         reductions: dict[str, set[str]] = {}
         for key, (reduction, _, _) in (item for latest in gathered for item in latest.items()):

@@ -3,6 +3,7 @@ the logger, ``callback_metrics``, the collectives and the host reads are recorde
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import sys
@@ -14,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from _models import cpu_trainer, uncounted_allreduce_hook
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, TQDMProgressBar
 from lightning.pytorch.loggers import Logger
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -623,10 +624,10 @@ def test_ranks_whose_trainers_read_differently_average_every_step(tmp_path, coun
 def test_what_reads_the_step_values_after_every_step():
     from datetime import timedelta
 
-    from lightning.pytorch.callbacks import LambdaCallback, LearningRateMonitor, ModelCheckpoint, TQDMProgressBar
+    from lightning.pytorch.callbacks import LambdaCallback, LearningRateMonitor, ModelCheckpoint, RichProgressBar
     from lightning.pytorch.utilities.types import LRSchedulerConfig
 
-    from lightning_shardplus.training_metrics import reads_every_step
+    from lightning_shardplus.step_readers import reading_interval
 
     class Reads(Callback):
         def on_train_batch_end(self, trainer, *args) -> None:
@@ -652,7 +653,7 @@ def test_what_reads_the_step_values_after_every_step():
         if module is not None:
             trainer.strategy.connect(module)
         trainer.strategy.lr_scheduler_configs = list(schedulers)
-        return reads_every_step(trainer)
+        return reading_interval(trainer)
 
     optimizer = torch.optim.SGD(nn.Linear(1, 1).parameters(), lr=0.1)
     plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer)
@@ -664,13 +665,65 @@ def test_what_reads_the_step_values_after_every_step():
     assert not reads(LambdaCallback(on_train_epoch_end=print))
     assert reads(EveryStepCheckpoint())
 
-    assert reads(enable_progress_bar=True)  # the default progress bar refreshes every batch
+    assert reads(enable_progress_bar=True) == 1  # the default progress bar refreshes every batch
     assert not reads(TQDMProgressBar(refresh_rate=0), enable_progress_bar=True)
+    assert reads(TQDMProgressBar(refresh_rate=5), enable_progress_bar=True) == 5  # every 5th batch and the last
+    assert reads(TQDMProgressBar(refresh_rate=5), Reads(), enable_progress_bar=True) == 1
+    assert reads(TQDMProgressBar(refresh_rate=5), ModelCheckpoint(every_n_train_steps=5), enable_progress_bar=True) == 1
+    if importlib.util.find_spec("rich") is not None:  # it reads the values after every batch, whatever its rate
+        assert reads(RichProgressBar(refresh_rate=5), enable_progress_bar=True) == 1
     assert not reads()  # the default ModelCheckpoint saves at epoch ends
     assert not reads(LearningRateMonitor(), EpochOnly(), Says(), ModelCheckpoint(every_n_epochs=2))
     assert reads(Reads())
     assert reads(ModelCheckpoint(every_n_train_steps=5))
     assert reads(ModelCheckpoint(train_time_interval=timedelta(minutes=5)))
+
+
+class RecordingBar(TQDMProgressBar):
+    """Lightning's TQDM bar, writing what it reads each time it refreshes its values (rank 0: Lightning disables the
+    bar on the other ranks). No per-batch hook of its own: it reads every ``refresh_rate``-th batch, as Lightning's."""
+
+    def __init__(self, directory: Path, refresh_rate: int) -> None:
+        super().__init__(refresh_rate=refresh_rate)
+        self.directory = directory
+
+    def get_metrics(self, trainer, pl_module):
+        metrics = super().get_metrics(trainer, pl_module)
+        if trainer.training:
+            row = {"batch": pl_module.batch_idx, "metrics": {k: float(v) for k, v in metrics.items() if k != "v_num"}}
+            write(self.directory / f"bar{trainer.global_rank}.jsonl", row)
+        return metrics
+
+
+class ShownInTheBar(LoggingModule):
+    def log_values(self, r, i):
+        self.log("loss", value(r, i), prog_bar=True)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("frequency", "averaged_steps"), [(1, [0, 2, 5, 8, 9]), (2, [1, 5, 7, 9])])
+def test_a_progress_bar_refreshing_every_third_batch_reads_exact_means_and_only_its_steps_are_averaged(
+    tmp_path, count_collectives, frequency, averaged_steps
+):
+    # 10 batches per rank; the bar reads after batches 3, 6, 9 (from 1) and the last, 10. Averaged: the first step
+    # (the names agreed), each step whose values the bar reads (its last batch, or a batch before the next step's
+    # last), and the last. Aggregating 2 micro-batches, steps end at batches 2, 4, ..., 10: batch 3 shows step 2's
+    # values, 6 step 6's, 9 step 8's
+    strategy = ShardPlusStrategy(start_method="fork", aggregation_frequency=frequency)
+    callbacks = [CountsWithoutReading(tmp_path), RecordingBar(tmp_path, refresh_rate=3)]
+    module = ShownInTheBar([2, 3], batches=10)
+    fit(tmp_path, module, 2, strategy, callbacks=callbacks, enable_progress_bar=True, log_every_n_steps=50)
+    for rank in range(2):
+        counts = [row["collectives"] for row in read(tmp_path / f"batches{rank}.jsonl")]
+        assert [i for i, count in enumerate(counts) if count] == averaged_steps
+    read_by_bar = read(tmp_path / "bar0.jsonl")
+    assert [row["batch"] for row in read_by_bar] == [2, 5, 8, 9, 9]  # and once more at the epoch end
+    for row in read_by_bar:
+        step_end = row["batch"] // frequency * frequency + frequency - 1  # the batch that ends the step shown
+        step_end = step_end if step_end <= row["batch"] else step_end - frequency
+        window = range(step_end - frequency + 1, step_end + 1)
+        values = [value(r, i) for i in window for r in range(2)]
+        assert row["metrics"]["loss"] == pytest.approx(weighted_mean(values, [2, 3] * frequency))
 
 
 class ExtremesInSomeSteps(LoggingModule):

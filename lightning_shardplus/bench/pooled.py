@@ -52,4 +52,4 @@ def pool_reports(reports: list[dict[str, Any]], names: list[str]) -> dict[str, A
             "runs": runs,
             "paired_ratio_per_report": [own["paired_ratio_to_baseline"] for own in per_report],
         }
-    return {**first, "settings": {**first["settings"], "pooled_from": names}, "results": rows}
+    return {**first, "settings": {**settings, "pooled_from": names}, "results": rows}
