@@ -63,9 +63,11 @@ def reads_this_step(trainer: pl.Trainer, interval: int, loggers: bool, _: int = 
         return True
     if loggers and _lightning.loggers_read_this_step(trainer, True):
         return True
+    if interval < 2:
+        return False
     last = _lightning.micro_batches_done_in_epoch(trainer)
     shown_until = last + micro_batches_per_step(trainer) - 1  # the step's values show until the next step's
-    return interval > 1 and shown_until // interval * interval >= last
+    return shown_until // interval * interval >= last
 
 
 def _yours(instance: Any, hook: str) -> bool:
