@@ -4,11 +4,13 @@ their logging steps (``log_every_n_steps``); the rest is below. docs/training-me
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.callbacks.progress import ProgressBar, TQDMProgressBar
+from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 
 from lightning_shardplus import _lightning
 from lightning_shardplus.aggregation import micro_batches_per_step
@@ -25,8 +27,9 @@ def reading_interval(trainer: pl.Trainer) -> int:
     (a progress bar, the LightningModule's ``on_train_batch_end``, a ``ModelCheckpoint`` that saves within epochs, a
     ``ReduceLROnPlateau`` stepped per step, or a callback with a per-batch hook of your own unless its class says
     ``reads_step_values = False``). ``k`` > 1: only a ``TQDMProgressBar(refresh_rate=k)``, which reads them after every
-    k-th batch and the epoch's last. 0: nothing; Lightning's other callbacks and shardplus's read them at most at
-    epoch ends. Read from the Trainer's configuration, not from what differs per rank (the bar's ``is_enabled``).
+    k-th batch and its total (unless ``training_step`` takes ``dataloader_iter``: 1). 0: nothing; Lightning's other
+    callbacks and shardplus's read them at most at epoch ends. Read from the Trainer's configuration, not from what
+    differs per rank (the bar's ``is_enabled``).
 
     >>> reading_interval(pl.Trainer(logger=False, enable_progress_bar=False))  # its ModelCheckpoint: at epoch ends
     0
@@ -37,7 +40,20 @@ def reading_interval(trainer: pl.Trainer) -> int:
     if any(config.reduce_on_plateau and config.interval == "step" for config in trainer.lr_scheduler_configs):
         return 1
     intervals = [_callback_interval(callback) for callback in trainer.callbacks]
-    return 1 if 1 in intervals else max(intervals, default=0)  # (Lightning allows one progress bar)
+    interval = 1 if 1 in intervals else max(intervals, default=0)  # (Lightning allows one progress bar)
+    takes_iterator = module is not None and is_param_in_hook_signature(module.training_step, "dataloader_iter", True)
+    if interval > 1 and takes_iterator:  # as Lightning decides: the bar then counts the batches its own way
+        return 1
+    return interval
+
+
+def bar_total(trainer: pl.Trainer) -> int | None:
+    """The batch of this epoch (from 1) after which a ``TQDMProgressBar`` refreshes whatever its rate: its total,
+    set when the epoch starts (``max_steps`` may make it end before the loader's last batch); None without a bar or
+    a finite total. The same on every rank: read from the Trainer's counters, as the bar does."""
+    bar = trainer.progress_bar_callback
+    total = bar.total_train_batches if isinstance(bar, TQDMProgressBar) else None
+    return int(total) if total is not None and math.isfinite(total) else None
 
 
 def _callback_interval(callback: Any) -> int:
@@ -54,11 +70,11 @@ def _callback_interval(callback: Any) -> int:
     return 0
 
 
-def reads_this_step(trainer: pl.Trainer, interval: int, loggers: bool, _: int = 0) -> bool:
+def reads_this_step(trainer: pl.Trainer, interval: int, loggers: bool, total: int | None = None) -> bool:
     """Whether something reads the values of the optimizer step whose last batch runs now (the same answer on every
-    rank): a reader every batch; a reader every ``interval``-th batch (TQDM's refresh) at that batch or a later one
-    before the next step, as the values show until then (``TQDMProgressBar._should_update``: batch ``n``, from 1,
-    where ``n % interval == 0``); the ``loggers`` at their steps; the epoch's end."""
+    rank): a reader every batch; the ``loggers`` at their steps; the epoch's end; a reader every ``interval``-th
+    batch (TQDM's refresh: after batch ``n``, from 1, where ``n % interval == 0 or n == total``) at that batch or a
+    later one before the next step, as the step's values show until then."""
     if interval == 1 or _lightning.ends_epoch(trainer):
         return True
     if loggers and _lightning.loggers_read_this_step(trainer, True):
@@ -67,7 +83,7 @@ def reads_this_step(trainer: pl.Trainer, interval: int, loggers: bool, _: int = 
         return False
     last = _lightning.micro_batches_done_in_epoch(trainer)
     shown_until = last + micro_batches_per_step(trainer) - 1  # the step's values show until the next step's
-    return shown_until // interval * interval >= last
+    return shown_until // interval * interval >= last or (total is not None and last <= total <= shown_until)
 
 
 def _yours(instance: Any, hook: str) -> bool:

@@ -19,7 +19,7 @@ from lightning_shardplus import _lightning, epoch_values
 from lightning_shardplus.data_parallel import DataParallel, data_parallel
 from lightning_shardplus.metric_mismatch import MetricMismatchError, describe_mismatch
 from lightning_shardplus.reduction_plan import Call, ReductionPlan
-from lightning_shardplus.step_readers import reading_interval, reads_this_step
+from lightning_shardplus.step_readers import bar_total, reading_interval, reads_this_step
 
 STALE = "\0stale:"  # in a reduction after unread steps, the section of each name's latest unread calls
 
@@ -37,6 +37,7 @@ class _AverageTrainingMetrics(Callback):
         self._device = torch.device("cpu")
         self._data_parallel = DataParallel(1, 0)
         self._readers: tuple[int, bool, int] = (1, False, 0)  # read every k batches, loggers?, their interval; agreed
+        self._bar_total: int | None = None  # the batch of the epoch after which a TQDM bar refreshes, whatever its rate
         self._unread: tuple[Any, ...] | None = None  # the last optimizer step's state while nothing read its values
         self._stale: dict[str, list[Call]] = {}  # key -> its calls in the latest unread step that logged it
         self._after_unread = False  # an unread step came since the last reduction: its section rides along
@@ -78,6 +79,7 @@ class _AverageTrainingMetrics(Callback):
         self._clear()  # a batch skipped by `on_train_batch_start` returning -1 stays out of the next epoch
         self._epoch_keys.clear()
         self._unread, self._stale, self._after_unread = None, {}, False
+        self._bar_total = bar_total(trainer)  # as the bar reads it in its own epoch start, after this callback's
 
     def _take(self, log: _lightning.TrainingLog) -> bool:
         if not log.on_step or not log.is_tensor or log.rank_zero_only:
@@ -118,7 +120,7 @@ class _AverageTrainingMetrics(Callback):
 
     def _read(self, trainer: pl.Trainer) -> bool:
         """Whether something reads this optimizer step's values (the same answer on every rank): see step_readers."""
-        return reads_this_step(trainer, *self._readers)
+        return reads_this_step(trainer, *self._readers[:2], self._bar_total)
 
     def _needs_early(self) -> bool:
         """Whether a reduction starts when backward begins: for names logged before it, or as the step's one."""

@@ -644,6 +644,10 @@ def test_what_reads_the_step_values_after_every_step():
         def on_train_batch_end(self, trainer, *args) -> None:
             super().on_train_batch_end(trainer, *args)
 
+    class TakesTheIterator(pl.LightningModule):
+        def training_step(self, dataloader_iter):
+            return next(dataloader_iter)
+
     class ReadsAfterEachBatch(pl.LightningModule):
         def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
             print(self.trainer.callback_metrics)
@@ -670,6 +674,8 @@ def test_what_reads_the_step_values_after_every_step():
     assert reads(TQDMProgressBar(refresh_rate=5), enable_progress_bar=True) == 5  # every 5th batch and the last
     assert reads(TQDMProgressBar(refresh_rate=5), Reads(), enable_progress_bar=True) == 1
     assert reads(TQDMProgressBar(refresh_rate=5), ModelCheckpoint(every_n_train_steps=5), enable_progress_bar=True) == 1
+    # `training_step(dataloader_iter)`: the bar counts the fetcher's batches, not the loop's
+    assert reads(TQDMProgressBar(refresh_rate=5), module=TakesTheIterator(), enable_progress_bar=True) == 1
     if importlib.util.find_spec("rich") is not None:  # it reads the values after every batch, whatever its rate
         assert reads(RichProgressBar(refresh_rate=5), enable_progress_bar=True) == 1
     assert not reads()  # the default ModelCheckpoint saves at epoch ends
@@ -701,23 +707,33 @@ class ShownInTheBar(LoggingModule):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize(("frequency", "averaged_steps"), [(1, [0, 2, 5, 8, 9]), (2, [1, 5, 7, 9])])
+@pytest.mark.parametrize(
+    ("frequency", "max_steps", "averaged_steps", "read_at"),
+    [
+        (1, -1, [0, 2, 5, 8, 9], [2, 5, 8, 9, 9]),
+        (2, -1, [1, 5, 7, 9], [2, 5, 8, 9, 9]),
+        (2, 4, [1, 3, 5, 7], [2, 3, 5, 7]),
+    ],
+)
 def test_a_progress_bar_refreshing_every_third_batch_reads_exact_means_and_only_its_steps_are_averaged(
-    tmp_path, count_collectives, frequency, averaged_steps
+    tmp_path, count_collectives, frequency, max_steps, averaged_steps, read_at
 ):
-    # 10 batches per rank; the bar reads after batches 3, 6, 9 (from 1) and the last, 10. Averaged: the first step
-    # (the names agreed), each step whose values the bar reads (its last batch, or a batch before the next step's
-    # last), and the last. Aggregating 2 micro-batches, steps end at batches 2, 4, ..., 10: batch 3 shows step 2's
-    # values, 6 step 6's, 9 step 8's
+    # 10 batches per rank (batch index 0 - 9); the bar reads after batches 3, 6, 9 (from 1) and its total, 10, and
+    # once more at the epoch end. Averaged: the first step (the names agreed), each step whose values the bar reads
+    # (its last batch, or a batch before the next step's last), and the last. Aggregating 2 micro-batches, steps end
+    # at batches 2, 4, ..., 10: batch 3 shows step 2's values, 6 step 6's, 9 step 8's. With max_steps=4 (and
+    # max_epochs=-1, as Lightning sets it for max_steps alone) the bar's total is 4 batches: it reads after batch 4,
+    # a step averaged for that, while training goes on to batch 8 (4 optimizer steps)
     strategy = ShardPlusStrategy(start_method="fork", aggregation_frequency=frequency)
     callbacks = [CountsWithoutReading(tmp_path), RecordingBar(tmp_path, refresh_rate=3)]
     module = ShownInTheBar([2, 3], batches=10)
-    fit(tmp_path, module, 2, strategy, callbacks=callbacks, enable_progress_bar=True, log_every_n_steps=50)
+    limits = {"max_epochs": -1, "max_steps": max_steps} if max_steps > 0 else {}
+    fit(tmp_path, module, 2, strategy, callbacks=callbacks, enable_progress_bar=True, log_every_n_steps=50, **limits)
     for rank in range(2):
         counts = [row["collectives"] for row in read(tmp_path / f"batches{rank}.jsonl")]
         assert [i for i, count in enumerate(counts) if count] == averaged_steps
     read_by_bar = read(tmp_path / "bar0.jsonl")
-    assert [row["batch"] for row in read_by_bar] == [2, 5, 8, 9, 9]  # and once more at the epoch end
+    assert [row["batch"] for row in read_by_bar] == read_at
     for row in read_by_bar:
         step_end = row["batch"] // frequency * frequency + frequency - 1  # the batch that ends the step shown
         step_end = step_end if step_end <= row["batch"] else step_end - frequency
