@@ -426,6 +426,9 @@ def test_reports_of_one_command_pool_every_run_and_each_paired_ratio_within_its_
     other_steps.write_text(json.dumps(fewer_rows))
     with pytest.raises(ValueError, match=r"its rows \['ddp'\] are not those of"):
         bench.main(["--from-json", str(paths[0]), str(other_steps)])
+    other_steps.write_text(json.dumps({"settings": first["settings"], "sampler_rows": []}))
+    with pytest.raises(ValueError, match=r"c.json: several reports pool only the matrix's"):
+        bench.main(["--from-json", str(paths[0]), str(other_steps)])
 
 
 def test_the_report_overhead_says_more_or_fewer_samples_per_second_never_a_negative_fewer():

@@ -20,6 +20,9 @@ def pool_reports(reports: list[dict[str, Any]], names: list[str]) -> dict[str, A
     settings: per row, every run's samples/s, the median of every paired ratio (each run over the baseline's run of
     its round in its report) with its 95% interval, and the median of the reports' ms/step. Counts and breakdowns
     are the first report's."""
+    for name, report in zip(names, reports, strict=True):
+        if "baseline" not in report or "results" not in report:
+            raise ValueError(f"--from-json {name}: several reports pool only the matrix's (rows against a baseline)")
     first = reports[0]
     settings = {k: v for k, v in first["settings"].items() if k not in _PER_REPORT_SETTINGS}
     for name, report in zip(names[1:], reports[1:], strict=True):
