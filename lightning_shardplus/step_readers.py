@@ -70,7 +70,7 @@ def _callback_interval(callback: Any) -> int:
     return 0
 
 
-def reads_this_step(trainer: pl.Trainer, interval: int, loggers: bool, total: int | None = None) -> bool:
+def reads_this_step(trainer: pl.Trainer, interval: int, loggers: bool, total: int | None) -> bool:
     """Whether something reads the values of the optimizer step whose last batch runs now (the same answer on every
     rank): a reader every batch; the ``loggers`` at their steps; the epoch's end; a reader every ``interval``-th
     batch (TQDM's refresh: after batch ``n``, from 1, where ``n % interval == 0 or n == total``) at that batch or a

@@ -9,7 +9,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from lightning_shardplus.bench.runner import median_interval
+from lightning_shardplus.bench.runner import throughput_figures
 
 # what may differ between reports pooled: where they were written, and their rendering options
 _PER_REPORT_SETTINGS = ("json", "from_json", "plots", "markdown")
@@ -45,14 +45,8 @@ def pool_reports(reports: list[dict[str, Any]], names: list[str]) -> dict[str, A
         ]
         rows[row_name] = {
             **row,
-            "median_samples_per_s": statistics.median(runs),
-            "min_samples_per_s": min(runs),
-            "max_samples_per_s": max(runs),
+            **throughput_figures(runs, paired, baseline_median),
             "median_ms_per_step": statistics.median(own["median_ms_per_step"] for own in per_report),
-            "ratio_to_baseline": statistics.median(runs) / baseline_median,
-            "paired_ratio_to_baseline": statistics.median(paired),
-            "paired_ratio_interval_95": median_interval(paired),
-            "runs": runs,
             "paired_ratio_per_report": [own["paired_ratio_to_baseline"] for own in per_report],
         }
     return {**first, "settings": {**settings, "pooled_from": names}, "results": rows}

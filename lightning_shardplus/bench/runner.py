@@ -278,19 +278,27 @@ def ratio_row(runs: list[dict[str, Any]], baseline: float, baseline_runs: list[d
     values = [r["samples_per_s"] for r in runs]
     paired = [r["samples_per_s"] / b["samples_per_s"] for r, b in zip(runs, baseline_runs, strict=True)]
     return {
+        **throughput_figures(values, paired, baseline),
+        "median_ms_per_step": 1000 * statistics.median(r["s_per_step"] for r in runs),
+        **{f"{c}_per_step": _median_per_run([r[f"{c}_per_step"] for r in runs]) for c in _COLLECTIVES},
+        # the same in every run of a config (the counts do not depend on timing); the first run's
+        **{key: runs[0][key] for key in ("bytes_per_step", "rounds_per_step", "collectives_per_step")},
+        "breakdown_ms_per_micro_batch": _median_breakdown([r["scaling"] for r in runs]),
+    }
+
+
+def throughput_figures(values: list[float], paired: list[float], baseline: float) -> dict[str, Any]:
+    """A row's samples/s figures from its runs' ``values`` and their ``paired`` ratios to the baseline's run of the
+    same round: median, range, ratio to ``baseline`` (the baseline's median), the paired median and its interval."""
+    return {
         "median_samples_per_s": statistics.median(values),
         "min_samples_per_s": min(values),
         "max_samples_per_s": max(values),
-        "median_ms_per_step": 1000 * statistics.median(r["s_per_step"] for r in runs),
         "ratio_to_baseline": statistics.median(values) / baseline,
         "paired_ratio_to_baseline": statistics.median(paired),
         # where the median of the paired ratios lies with 95% confidence (None with fewer than 6 runs)
         "paired_ratio_interval_95": median_interval(paired),
-        **{f"{c}_per_step": _median_per_run([r[f"{c}_per_step"] for r in runs]) for c in _COLLECTIVES},
         "runs": values,
-        # the same in every run of a config (the counts do not depend on timing); the first run's
-        **{key: runs[0][key] for key in ("bytes_per_step", "rounds_per_step", "collectives_per_step")},
-        "breakdown_ms_per_micro_batch": _median_breakdown([r["scaling"] for r in runs]),
     }
 
 
