@@ -14,8 +14,8 @@ import argparse
 import lightning.pytorch as pl
 
 import lightning_shardplus
+from lightning_shardplus.data.uneven import NO_BATCH
 from lightning_shardplus.demo import ClassifierModule, DigitsStreamDataModule
-from lightning_shardplus.uneven import NO_BATCH
 
 
 class CountBatches(pl.Callback):

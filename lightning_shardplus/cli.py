@@ -11,9 +11,10 @@ from jsonargparse import ActionConfigFile, Namespace
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 import lightning_shardplus  # noqa: F401  (registers the strategy names)
-import lightning_shardplus.large_batch  # noqa: F401  (ScaleLearningRate and LARS among the callbacks and optimizers)
-from lightning_shardplus import _lightning
-from lightning_shardplus.config import closest_option, registered_names
+import lightning_shardplus.large_batch.scaling  # noqa: F401  (ScaleLearningRate and LARS among the callbacks and optimizers)
+from lightning_shardplus._compat import lightning as _lightning
+from lightning_shardplus.config import closest_option
+from lightning_shardplus.strategies import registry
 
 
 class ShardPlusArgumentParser(LightningArgumentParser):
@@ -35,7 +36,7 @@ class ShardPlusArgumentParser(LightningArgumentParser):
         """Parse a config; a shardplus name as the strategy becomes the class with that name's arguments, so that
         later ``--trainer.strategy.<option>`` arguments apply to it (jsonargparse takes them only on a class)."""
         cfg = super().parse_string(*args, **kwargs)
-        names = registered_names()
+        names = registry.entries("shardplus")
         for key in [key for key in cfg.keys() if key == "trainer.strategy" or key.endswith(".trainer.strategy")]:
             if isinstance(name := cfg[key], str) and name in names:
                 cfg[key] = Namespace(class_path=STRATEGY_CLASS, init_args=Namespace(**names[name][1]))

@@ -1,6 +1,6 @@
 """Where only ``pytorch_lightning`` is installed (the compatibility stage's run), the tests' ``lightning.pytorch``
 and ``lightning.fabric`` imports give ``pytorch_lightning`` and ``lightning_fabric``: the same tests, the other
-namespace (the package itself is then for ``pytorch_lightning``: ``lightning_shardplus._namespace``)."""
+namespace (the package itself is then for ``pytorch_lightning``: ``lightning_shardplus._compat.namespace``)."""
 
 import importlib
 import importlib.abc

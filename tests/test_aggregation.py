@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader
 
 import lightning_shardplus  # noqa: F401
 from lightning_shardplus import PaddedShardSampler, ShardPlusStrategy
-from lightning_shardplus.aggregation import gradient_correction, window_length
+from lightning_shardplus.data.aggregation import gradient_correction, window_length
 from lightning_shardplus.diagnostics import CommunicationCounter
 
 
@@ -362,7 +362,7 @@ def test_the_new_arguments_parse_from_the_cli(monkeypatch, capsys):
 
 
 def test_window_gradients_are_restored_per_rank_or_as_the_mean_on_another_world_size():
-    from lightning_shardplus.aggregation import restore_window_gradients, window_entry
+    from lightning_shardplus.data.aggregation import restore_window_gradients, window_entry
 
     module = nn.Linear(2, 1)
     # rank 1 had no gradient for the bias (unused there): it contributed zero

@@ -13,8 +13,9 @@ from lightning.pytorch.strategies import StrategyRegistry
 from torch.utils.data import DataLoader
 
 import lightning_shardplus  # noqa: F401
-from lightning_shardplus import ShardPlusDataModule, ShardPlusStrategy, SyntheticDataModule, _lightning
-from lightning_shardplus.datamodule import per_device_batch_size
+from lightning_shardplus import ShardPlusDataModule, ShardPlusStrategy, SyntheticDataModule
+from lightning_shardplus._compat import lightning as _lightning
+from lightning_shardplus.data.datamodule import per_device_batch_size
 
 
 @pytest.mark.parametrize(
@@ -128,7 +129,7 @@ def test_an_unknown_process_group_backend_fails_when_the_processes_start_before_
 
 
 def test_a_registered_third_party_backend_passes_the_launch_check():
-    from lightning_shardplus._validation import check_process_group_backend_known
+    from lightning_shardplus.config.validation import check_process_group_backend_known
 
     name = "shardplus_test_backend"
     if name not in dist.Backend.backend_list:
@@ -171,8 +172,7 @@ def test_numpy_numbers_are_numbers():
 def test_numpy_integers_are_integers():
     import numpy as np
 
-    from lightning_shardplus import PaddedShardSampler
-    from lightning_shardplus.callbacks import ScaleLearningRate
+    from lightning_shardplus import PaddedShardSampler, ScaleLearningRate
 
     strategy = ShardPlusStrategy(
         aggregation_frequency=np.int64(2),
@@ -498,8 +498,8 @@ def test_the_plugins_of_either_lightning_namespace_pass_the_construction_check()
 def test_the_start_up_line_names_the_features_in_effect_through_lightnings_logger(caplog):
     import logging
 
-    from lightning_shardplus.components import features_in_effect
     from lightning_shardplus.config import ShardPlusConfig
+    from lightning_shardplus.data.components import features_in_effect
 
     config = ShardPlusConfig(aggregation_frequency=4, gradient_compression="fp16", average_training_metrics=False)
     line = features_in_effect(config, 3, fitting=True)

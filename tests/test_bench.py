@@ -19,9 +19,9 @@ from lightning.pytorch.strategies import DDPStrategy
 
 import lightning_shardplus
 from lightning_shardplus import ShardPlusStrategy, bench
-from lightning_shardplus._lightning import release
+from lightning_shardplus._compat.lightning import release
 from lightning_shardplus.bench import host_syncs
-from lightning_shardplus.sharding import DIGEST_WIDTH
+from lightning_shardplus.data.sharding import DIGEST_WIDTH
 
 
 @pytest.mark.timeout(180)

@@ -18,10 +18,11 @@ from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDSt
 from torch.utils.data import DataLoader
 
 import lightning_shardplus  # noqa: F401
-from lightning_shardplus import ShardPlusStrategy, fusion
-from lightning_shardplus.compression import CHECKPOINT_KEY, rank_file
+from lightning_shardplus import ShardPlusStrategy
 from lightning_shardplus.diagnostics import CommunicationCounter
-from lightning_shardplus.fusion import BucketSetting
+from lightning_shardplus.gradients.ddp import fusion
+from lightning_shardplus.gradients.ddp.compression import CHECKPOINT_KEY, rank_file
+from lightning_shardplus.gradients.ddp.fusion import BucketSetting
 
 DIM, HIDDEN, CLASSES = 16, 32, 8
 PARAMETERS = DIM * HIDDEN + HIDDEN + HIDDEN * CLASSES + CLASSES
@@ -323,7 +324,7 @@ def test_canary_powersgd_state_layout_is_torchs():
     # appearance, n*r and m*r each) and reads these PowerSGDState fields: a torch that changes either fails here
     from torch.nn.parallel import DistributedDataParallel
 
-    from lightning_shardplus.compression import PowerSGDCompression
+    from lightning_shardplus.gradients.ddp.compression import PowerSGDCompression
 
     fields = {"error_dict", "p_memory_dict", "q_memory_dict", "iter", "rng", "matrix_approximation_rank",
               "min_compression_rate", "total_numel_before_compression", "total_numel_after_compression",
@@ -444,7 +445,7 @@ def test_the_counter_survives_pickling_for_the_spawn_launcher():
 
 
 def test_compression_state_from_another_setting_or_world_size_warns_and_keeps_what_fits():
-    from lightning_shardplus.compression import CommunicationHook, PowerSGDCompression, checkpoint_entry
+    from lightning_shardplus.gradients.ddp.compression import CommunicationHook, PowerSGDCompression, checkpoint_entry
 
     saved = PowerSGDCompression()
     saved.state.iter = 7

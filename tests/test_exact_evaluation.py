@@ -18,7 +18,7 @@ from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
 from lightning_shardplus import ShardPlusStrategy
-from lightning_shardplus.sharding import shard_bounds
+from lightning_shardplus.data.sharding import shard_bounds
 
 ROOT = Path(__file__).parents[1]
 
@@ -116,7 +116,7 @@ def test_ranks_without_any_evaluation_sample_join_the_reduction(tmp_path):
 
 def test_a_metric_fed_by_update_syncs_in_compute_until_exact_evaluation_defers_its_sync():
     # torchmetrics copies `sync_on_compute` into what `compute` reads at construction and after `forward` only
-    from lightning_shardplus.exact_evaluation import defer_metric_sync, restore_metric_sync
+    from lightning_shardplus.data.exact_evaluation import defer_metric_sync, restore_metric_sync
 
     gathered = []
 
@@ -249,7 +249,7 @@ def test_an_unsharded_evaluation_loader_is_reduced_with_a_warning(stage, exact_e
 
     from lightning.pytorch.trainer.states import RunningStage
 
-    from lightning_shardplus.loaders import ShardedLoaders
+    from lightning_shardplus.data.loaders import ShardedLoaders
 
     trainer = SimpleNamespace(state=SimpleNamespace(stage=getattr(RunningStage, stage.upper())))
     kwargs = dict(padding="first", seed=0, shuffle=True, exact_evaluation=exact_evaluation, record_indices=False)

@@ -22,9 +22,11 @@ from lightning.pytorch.loggers import CSVLogger
 from test_compression import MLP, PARAMETERS, counts, flat, loader
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
-from lightning_shardplus import ShardPlusStrategy, _lightning, fusion
+from lightning_shardplus import ShardPlusStrategy
+from lightning_shardplus._compat import lightning as _lightning
 from lightning_shardplus.diagnostics import CommunicationCounter
-from lightning_shardplus.fusion import ROUNDS, AutotuneSettings, BucketSetting, TensorFusion, decide
+from lightning_shardplus.gradients.ddp import fusion
+from lightning_shardplus.gradients.ddp.fusion import ROUNDS, AutotuneSettings, BucketSetting, TensorFusion, decide
 
 # ---------------------------------------------------------------------------------------------- one process
 

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_shardplus.optim import LARS
+from lightning_shardplus.large_batch.lars import LARS
 
 
 def _reference_step(
@@ -254,7 +254,7 @@ def test_usable_from_lightning_cli(monkeypatch: pytest.MonkeyPatch) -> None:
         args=[
             "--model=lightning_shardplus.demo.ClassifierModule",
             "--data=lightning_shardplus.SyntheticDataModule",
-            "--optimizer=lightning_shardplus.optim.LARS",
+            "--optimizer=lightning_shardplus.LARS",
             "--optimizer.lr=3.0",
             "--optimizer.weight_decay=0.0005",
             "--optimizer.trust_coefficient=0.02",

@@ -1,4 +1,4 @@
-"""The private Lightning names that `lightning_shardplus._lightning` and the strategy rely on. If Lightning
+"""The private Lightning names that `lightning_shardplus._compat.lightning` and the strategy rely on. If Lightning
 moves one of them, this file fails first and says which."""
 
 import inspect
@@ -13,7 +13,10 @@ from lightning.pytorch.trainer.connectors.data_connector import _get_distributed
 from lightning.pytorch.trainer.states import RunningStage
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, SequentialSampler
 
-from lightning_shardplus import ExactShardSampler, ShardPlusStrategy, _lightning, _torch, false_warnings
+from lightning_shardplus import ExactShardSampler, ShardPlusStrategy
+from lightning_shardplus._compat import lightning as _lightning
+from lightning_shardplus._compat import torch as _torch
+from lightning_shardplus._compat import warnings as false_warnings
 
 
 def test_lightning_passes_the_strategy_seed_to_the_sampler_it_injects():
@@ -334,7 +337,8 @@ def test_ddps_default_first_bucket_is_read_where_torch_keeps_it():
     import torch.distributed as dist
     import torch.nn.parallel.distributed as ddp_module
 
-    from lightning_shardplus import _torch, fusion
+    from lightning_shardplus._compat import torch as _torch
+    from lightning_shardplus.gradients.ddp import fusion
 
     assert dist._DEFAULT_FIRST_BUCKET_BYTES == 2**20 == _torch.DDP_DEFAULT_FIRST_BUCKET_BYTES
     assert fusion.DDP_FIRST_BUCKET_MB == 1.0

@@ -15,7 +15,8 @@ from _models import IndexedDataset, RecordingModule, cpu_trainer, read_records
 from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader
 
-from lightning_shardplus import ShardPlusStrategy, _lightning
+from lightning_shardplus import ShardPlusStrategy
+from lightning_shardplus._compat import lightning as _lightning
 
 
 @pytest.fixture

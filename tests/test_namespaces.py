@@ -1,18 +1,21 @@
 """Both Lightning namespaces: ``lightning.pytorch`` and ``pytorch_lightning`` Trainers fit with shardplus, by name
 and by instance, in one process and under the launchers that re-import or unpickle, and from the CLI's YAML."""
 
+import bdb
 import importlib
 import importlib.metadata
+import inspect
 import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 import lightning_shardplus
-from lightning_shardplus import _namespace
+from lightning_shardplus._compat import namespace as _namespace
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -45,7 +48,6 @@ def package(namespace):
 def fit_quick_start(namespace, tmp_path):
     """The quick-start model on 2 forked CPU processes with every feature on; the trained weights (rank 0's)."""
     ours, pl = package(namespace)
-    from_ours = importlib.import_module(f"{ours.__name__}.callbacks")
     pl.seed_everything(0)
     model = importlib.import_module(f"{ours.__name__}.demo").ClassifierModule(input_dim=8, hidden_dims=(16,))
     data = ours.SyntheticDataModule(global_batch_size=16, num_samples=96, val_samples=20, input_shape=(8,))
@@ -54,7 +56,7 @@ def fit_quick_start(namespace, tmp_path):
         devices=2,
         strategy=ours.ShardPlusStrategy(start_method="fork", **FEATURES),
         max_epochs=2,
-        callbacks=[from_ours.ScaleLearningRate(reference_batch_size=16)],
+        callbacks=[ours.ScaleLearningRate(reference_batch_size=16)],
         default_root_dir=tmp_path,
         logger=False,
         enable_checkpointing=False,
@@ -108,7 +110,7 @@ FIT_BY_NAME = """
 import sys
 import {namespace} as pl
 import lightning_shardplus
-from lightning_shardplus import _namespace
+from lightning_shardplus._compat import namespace as _namespace
 
 
 def main():
@@ -116,7 +118,7 @@ def main():
     print(f"mirror imported before the Trainer: {{_namespace.MIRROR in sys.modules}}")
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="{name}", max_epochs=1, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
-    ours = sys.modules[type(trainer.strategy).__module__.rpartition(".")[0]]
+    ours = sys.modules[type(trainer.strategy).__module__.partition(".strategies.")[0]]
     model = __import__(ours.__name__ + ".demo", fromlist=["x"]).ClassifierModule(input_dim=8, hidden_dims=(16,))
     data = ours.SyntheticDataModule(global_batch_size=16, num_samples=64, val_samples=16, input_shape=(8,))
     trainer.fit(model, datamodule=data)
@@ -135,7 +137,7 @@ if __name__ == "__main__":
 def test_pytorch_lightning_trainer_takes_the_registered_name_in_a_process_that_imported_both(tmp_path, name):
     out = python(FIT_BY_NAME.format(namespace="pytorch_lightning", name=name), tmp_path)
     assert "mirror imported before the Trainer: False" in out  # registered lazily, imported on first use
-    assert f"strategy: {_namespace.MIRROR}.strategy" in out
+    assert f"strategy: {_namespace.MIRROR}.strategies.ddp" in out
 
 
 @pytest.mark.timeout(120)
@@ -155,9 +157,8 @@ def test_only_pytorch_lightning_the_package_itself_is_for_it_and_the_mirror_is_t
     out = python(
         "import sys, pytorch_lightning as pl, lightning_shardplus as ours\n"
         "from lightning_shardplus.pytorch_lightning import ShardPlusStrategy\n"
-        "from lightning_shardplus.pytorch_lightning.callbacks import ScaleLearningRate\n"
-        "import lightning_shardplus.callbacks as callbacks\n"
-        "assert ShardPlusStrategy is ours.ShardPlusStrategy and ScaleLearningRate is callbacks.ScaleLearningRate\n"
+        "from lightning_shardplus.pytorch_lightning import ScaleLearningRate\n"
+        "assert ShardPlusStrategy is ours.ShardPlusStrategy and ScaleLearningRate is ours.ScaleLearningRate\n"
         "assert issubclass(ShardPlusStrategy, pl.strategies.DDPStrategy)\n"
         "assert pl.strategies.StrategyRegistry['shardplus']['strategy'] is ShardPlusStrategy\n"
         "print('lightning imported:', 'lightning' in sys.modules)",
@@ -237,44 +238,62 @@ def test_python_m_runs_a_module_of_the_pytorch_lightning_side(chosen):
 def test_both_sides_share_one_finder_and_one_namespace_module(tmp_path, chosen):
     out = python(
         "import sys, lightning_shardplus\n"
-        f"import {_namespace.MIRROR}.strategy, {_namespace.MIRROR}.cli\n"
+        f"import {_namespace.MIRROR}.strategies.ddp, {_namespace.MIRROR}.cli\n"
         "finders = [type(f).__module__ for f in sys.meta_path if type(f).__name__ == '_Finder']\n"
-        "ours = sys.modules['lightning_shardplus._namespace']\n"
-        f"same = sys.modules.get('{_namespace.MIRROR}._namespace', ours) is ours\n"
+        "ours = sys.modules['lightning_shardplus._compat.namespace']\n"
+        f"same = sys.modules.get('{_namespace.MIRROR}._compat.namespace', ours) is ours\n"
         "print(finders, same)",
         tmp_path,
         SHARDPLUS_NAMESPACE=chosen,
     )
-    assert out.split() == ["['lightning_shardplus._namespace']", "True"]
+    assert out.split() == ["['lightning_shardplus._compat.namespace']", "True"]
 
 
 @needs_pytorch_lightning
 def test_both_sides_cache_tuned_fusion_in_one_file():
     mirror, _ = package("pytorch_lightning")
-    path = importlib.import_module(f"{mirror.__name__}.fusion").default_cache_path()
-    assert path == lightning_shardplus.fusion.default_cache_path() and path.parts[-2:] == ("lightning_shardplus",
-                                                                                          "fusion.json")
+    path = importlib.import_module(f"{mirror.__name__}.gradients.ddp.fusion").default_cache_path()
+    ours = lightning_shardplus.gradients.ddp.fusion.default_cache_path()
+    assert path == ours and path.parts[-2:] == ("lightning_shardplus", "fusion.json")
 
 
 @needs_pytorch_lightning
-def test_a_traceback_from_the_pytorch_lightning_side_shows_the_code_that_ran():
-    import inspect
+def test_a_traceback_from_the_pytorch_lightning_side_names_the_real_file_and_line():
     import linecache
     import traceback
 
-    strategy = importlib.import_module(f"{package('pytorch_lightning')[0].__name__}.strategy")
+    strategy = importlib.import_module(f"{package('pytorch_lightning')[0].__name__}.strategies.ddp")
     with pytest.raises(ValueError) as raised:
         strategy.ShardPlusStrategy(aggregation_frequency=0)
-    frames = [f for f in traceback.extract_tb(raised.tb) if f"{os.sep}pytorch_lightning{os.sep}" in f.filename]
-    assert frames and all(f.line and f.line == linecache.getline(f.filename, f.lineno).strip() for f in frames)
-    assert any("ShardPlusStrategy" in f.name or "__init__" == f.name for f in frames)
-    # the text served is the rewritten one (the file on disk names lightning.pytorch)
-    code_file = strategy.ShardPlusStrategy.__init__.__code__.co_filename
-    ran = "".join(linecache.getlines(code_file))
-    assert "from pytorch_lightning.strategies import DDPStrategy" in ran and "lightning.pytorch" not in ran
-    assert "lightning.pytorch" in Path(strategy.__file__).read_text()
-    mirrored = importlib.import_module(f"{package('pytorch_lightning')[0].__name__}._lightning")
-    assert "from pytorch_lightning.callbacks import" in inspect.getsource(mirrored.mark_resumed_step_saved)
+    ours = [f for f in traceback.extract_tb(raised.tb) if f"{os.sep}lightning_shardplus{os.sep}" in f.filename]
+    assert ours and all(Path(f.filename).is_file() for f in ours)  # no file name on no disk
+    assert all(f.line and f.line == linecache.getline(f.filename, f.lineno).strip() for f in ours)
+    assert any(f.name == "__init__" and f.filename == strategy.__file__ for f in ours)
+
+
+class _Breakpoints(bdb.Bdb):
+    """A debugger that records the module of each breakpoint hit, as pdb or an IDE would stop there."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hits: list[str] = []
+
+    def user_line(self, frame: Any) -> None:
+        if self.get_break(self.canonic(frame.f_code.co_filename), frame.f_lineno):
+            self.hits.append(frame.f_globals["__name__"])
+        self.set_continue()
+
+
+@needs_pytorch_lightning
+def test_a_breakpoint_on_a_line_of_the_real_file_fires_when_the_pytorch_lightning_side_runs_it():
+    mirror = importlib.import_module(f"{package('pytorch_lightning')[0].__name__}.strategies.ddp")
+    lines, start = inspect.getsourcelines(lightning_shardplus.strategies.ddp.ShardPlusStrategy.__init__)
+    line = start + next(i for i, text in enumerate(lines) if "check_arguments(locals())" in text)
+    debugger = _Breakpoints()
+    assert debugger.set_break(mirror.__file__, line) is None  # None: set (else bdb's message)
+    strategy = debugger.runcall(mirror.ShardPlusStrategy)
+    assert debugger.hits == [mirror.__name__] and mirror.__name__.startswith(_namespace.MIRROR)
+    assert isinstance(strategy, importlib.import_module("pytorch_lightning").strategies.DDPStrategy)
 
 
 @needs_both
@@ -291,4 +310,14 @@ def test_pytorch_lightning_trainer_takes_the_model_parallel_name_as_the_mirrors_
         tmp_path,
     )
     assert "mirror imported before the Trainer: False" in out
-    assert f"strategy: {_namespace.MIRROR}.model_parallel True" in out
+    assert f"strategy: {_namespace.MIRROR}.strategies.model_parallel True" in out
+
+
+def test_the_type_stub_of_the_pytorch_lightning_side_names_every_public_name():
+    """Type checkers resolve ``lightning_shardplus.pytorch_lightning`` through its stub (mypy: docs/compatibility.md)."""
+    import ast
+
+    stub = Path(lightning_shardplus.__file__).parent / "pytorch_lightning" / "__init__.pyi"
+    imported = [node for node in ast.parse(stub.read_text()).body if isinstance(node, ast.ImportFrom)]
+    names = {alias.asname for node in imported for alias in node.names if alias.name == alias.asname}
+    assert names == set(lightning_shardplus.__all__)

@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_shardplus import ExactShardSampler, PaddedShardSampler, sharding
-from lightning_shardplus.permutation import MAX_LENGTH, KeyedPermutation, half_bits
-from lightning_shardplus.sharding import epoch_permutation
+from lightning_shardplus import ExactShardSampler, PaddedShardSampler
+from lightning_shardplus.data import sharding
+from lightning_shardplus.data.permutation import MAX_LENGTH, KeyedPermutation, half_bits
+from lightning_shardplus.data.sharding import epoch_permutation
 
 EDGE_SIZES = sorted({0, 1, 2, 3, 5000} | {2**b + d for b in range(1, 13) for d in (-1, 0, 1)})
 SAMPLED_SIZES = random.Random(8).sample(range(4, 5001), 300)

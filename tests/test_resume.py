@@ -13,8 +13,9 @@ from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDSt
 from torch.utils.data import DataLoader
 
 import lightning_shardplus  # noqa: F401
-from lightning_shardplus import ShardPlusStrategy, _lightning
-from lightning_shardplus.sharding import CHECKPOINT_KEY
+from lightning_shardplus import ShardPlusStrategy
+from lightning_shardplus._compat import lightning as _lightning
+from lightning_shardplus.data.sharding import CHECKPOINT_KEY
 
 N, BATCH, EPOCHS = 22, 2, 2  # on 2 ranks: 11 samples, 6 batches per rank and epoch (the last one of 1 sample)
 

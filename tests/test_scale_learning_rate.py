@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 from lightning_shardplus import ShardPlusDataModule, ShardPlusStrategy
-from lightning_shardplus.large_batch import ScaleLearningRate, scaling_factor, warmup_factor
+from lightning_shardplus.large_batch.scaling import ScaleLearningRate, scaling_factor, warmup_factor
 
 BASE_LRS = (0.1, 0.02)  # two parameter groups: weight, bias
 PER_DEVICE_BATCH = 2
@@ -227,7 +227,7 @@ def test_per_device_batch_comes_from_the_datamodule(tmp_path: Path, monkeypatch:
         with open(warnings, "a") as f:
             f.write(message + "\n")
 
-    monkeypatch.setattr("lightning_shardplus.training_metrics.rank_zero_warn", record_warning)
+    monkeypatch.setattr("lightning_shardplus.data.training_metrics.callback.rank_zero_warn", record_warning)
     # global batch 8 on 2 processes: 4 per device (the datamodule's loader replaces the module's)
     datamodule = ShardPlusDataModule(global_batch_size=8, train_dataset=_dataset(), shuffle=False)
     scale = ScaleLearningRate(rule="sqrt", reference_batch_size=2, warmup_steps=2)
@@ -392,7 +392,7 @@ def test_errors_found_when_training_starts(
 def test_aggregation_counts_the_strategy_frequency_or_accumulation_once() -> None:
     from types import SimpleNamespace
 
-    from lightning_shardplus.aggregation import micro_batches_per_step
+    from lightning_shardplus.data.aggregation import micro_batches_per_step
 
     # ShardPlusStrategy sets accumulate_grad_batches to its aggregation_frequency: one count, not a product (the
     # strategy sets it in its setup, before any callback's on_fit_start: test_effective_batch_is_the_strategy_figure...)
@@ -414,7 +414,7 @@ def test_effective_batch_is_the_strategy_figure_with_aggregation(tmp_path: Path)
 
 
 def _fit_aggregated(directory: Path, scale: ScaleLearningRate) -> dict[str, Any]:
-    from lightning_shardplus.aggregation import micro_batches_per_step
+    from lightning_shardplus.data.aggregation import micro_batches_per_step
 
     class Report(Callback):
         def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -446,7 +446,7 @@ def test_large_batch_config_parses(monkeypatch: pytest.MonkeyPatch) -> None:
     import sys
 
     from lightning_shardplus.cli import ShardPlusCLI
-    from lightning_shardplus.optim import LARS
+    from lightning_shardplus.large_batch.lars import LARS
 
     pytest.importorskip("sklearn")
     config = Path(__file__).resolve().parents[1] / "configs" / "large_batch.yaml"

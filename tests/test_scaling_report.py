@@ -16,7 +16,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_shardplus import ShardPlusDataModule, ShardPlusStrategy
-from lightning_shardplus._lightning import TRAIN_DATALOADER_NEXT
+from lightning_shardplus._compat.lightning import TRAIN_DATALOADER_NEXT
 from lightning_shardplus.demo import ClassifierModule
 from lightning_shardplus.diagnostics import (
     STEP_PHASES,

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lightning_shardplus import ExactShardSampler, PaddedShardSampler
-from lightning_shardplus.sharding import (
+from lightning_shardplus.data.sharding import (
     DIGEST_WIDTH,
     ShardingError,
     check_checkpoint_entry,

@@ -23,7 +23,7 @@ from test_uneven import Regression, SaveAtStep, assert_state_close, batches_of, 
 from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_shardplus import ShardPlusStrategy
-from lightning_shardplus.uneven import is_stream
+from lightning_shardplus.data.uneven import is_stream
 
 # in the compatibility stage's `streams` environment every stream library is installed
 pytestmark = pytest.mark.compat
@@ -411,7 +411,7 @@ def test_mosaic_needs_replication_by_the_tensor_parallel_size_and_reads_by_the_d
 def test_litdata_datasets_are_given_the_data_parallel_rank_and_combined_ones_refused(tmp_path):
     from litdata import CombinedStreamingDataset, StreamingDataset
 
-    from lightning_shardplus.data_parallel import DataParallel, read_by_data_parallel_rank
+    from lightning_shardplus.data.group import DataParallel, read_by_data_parallel_rank
 
     class Subclassed(StreamingDataset):  # litdata's way to customize a stream: read by the data-parallel rank too
         pass

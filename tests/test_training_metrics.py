@@ -23,8 +23,12 @@ from torchmetrics import MeanMetric
 
 import lightning_shardplus  # noqa: F401
 from lightning_shardplus import ShardPlusStrategy
+from lightning_shardplus.data.training_metrics.callback import (
+    AverageTrainingMetrics,
+    MetricMismatchError,
+    describe_mismatch,
+)
 from lightning_shardplus.diagnostics import CollectiveCalls
-from lightning_shardplus.training_metrics import AverageTrainingMetrics, MetricMismatchError, describe_mismatch
 
 
 def test_mismatch_text_names_metrics_and_ranks():
@@ -33,11 +37,11 @@ def test_mismatch_text_names_metrics_and_ranks():
     assert "`a`" not in text.split("values:")[1].split(". Log")[0]
 
 
-def test_the_public_names_are_importable_from_metrics_as_before():
-    from lightning_shardplus import metrics
+def test_the_public_names_are_importable_from_the_package():
+    import lightning_shardplus
 
-    assert metrics.AverageTrainingMetrics is AverageTrainingMetrics
-    assert metrics.MetricMismatchError is MetricMismatchError
+    assert lightning_shardplus.AverageTrainingMetrics is AverageTrainingMetrics
+    assert lightning_shardplus.MetricMismatchError is MetricMismatchError
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -627,7 +631,7 @@ def test_what_reads_the_step_values_after_every_step():
     from lightning.pytorch.callbacks import LambdaCallback, LearningRateMonitor, ModelCheckpoint, RichProgressBar
     from lightning.pytorch.utilities.types import LRSchedulerConfig
 
-    from lightning_shardplus.step_readers import reading_interval
+    from lightning_shardplus.data.training_metrics.readers import reading_interval
 
     class Reads(Callback):
         def on_train_batch_end(self, trainer, *args) -> None:

@@ -21,8 +21,8 @@ from torch import nn
 from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_shardplus import ShardPlusStrategy
-from lightning_shardplus.data_parallel import DataParallel
-from lightning_shardplus.uneven import AGREEMENT_BLOCK, NO_BATCH, EvenSteps, zero_loss
+from lightning_shardplus.data.group import DataParallel
+from lightning_shardplus.data.uneven import AGREEMENT_BLOCK, NO_BATCH, EvenSteps, zero_loss
 
 DIM = 4
 

@@ -69,7 +69,7 @@ def shard_assignment(
 
 def epoch_order(samples: int = SAMPLES, *, seed: int = SEED, epoch: int = EPOCH) -> list[int]:
     """The epoch's global order of the training picture (the permutation both training panels read)."""
-    from lightning_shardplus.sharding import epoch_permutation
+    from lightning_shardplus.data.sharding import epoch_permutation
 
     return epoch_permutation(samples, seed=seed, epoch=epoch).tolist()
 

@@ -23,16 +23,16 @@ from lightning.pytorch.callbacks import Callback
 
 from lightning_shardplus.bench.quiet import quiet_run
 from lightning_shardplus.bench.runner import bench_trainer, report_settings, thread_callbacks
-from lightning_shardplus.datamodule import SyntheticDataModule
+from lightning_shardplus.data.datamodule import SyntheticDataModule
 from lightning_shardplus.demo import ClassifierModule
-from lightning_shardplus.fusion import (
+from lightning_shardplus.gradients.ddp.fusion import (
     DDP_DEFAULT,
     DEFAULT_BUCKET_CAP_MB,
     AutotuneSettings,
     BucketSetting,
     default_candidates_mb,
 )
-from lightning_shardplus.strategy import ShardPlusStrategy
+from lightning_shardplus.strategies.ddp import ShardPlusStrategy
 
 FUSION_SHAPES = "many-small:256:256:24,few-large:1024:2048:3"
 FUSION_REFERENCE_RUN_STEPS = 2000

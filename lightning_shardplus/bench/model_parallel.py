@@ -21,9 +21,9 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 
 from lightning_shardplus.bench.quiet import quiet_run
 from lightning_shardplus.bench.runner import Throughput, bench_trainer, machine, ratio_row, report_settings
-from lightning_shardplus.datamodule import SyntheticDataModule
+from lightning_shardplus.data.datamodule import SyntheticDataModule
 from lightning_shardplus.demo import ModelParallelClassifierModule
-from lightning_shardplus.model_parallel import ShardPlusModelParallelStrategy
+from lightning_shardplus.strategies.model_parallel import ShardPlusModelParallelStrategy
 
 ROWS = {
     "model_parallel": lambda devices: ModelParallelStrategy(devices, 1),

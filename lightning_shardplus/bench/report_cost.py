@@ -21,7 +21,7 @@ def measure_report_cost(micro_batches: int = 5000, profiled_actions: int = 40) -
     step, including what the no-op profiler itself costs). The paired rows measure everything."""
     from lightning.pytorch.profilers import PassThroughProfiler
 
-    from lightning_shardplus._lightning import TRAIN_DATALOADER_NEXT
+    from lightning_shardplus._compat.lightning import TRAIN_DATALOADER_NEXT
     from lightning_shardplus.diagnostics.scaling_report import _FetchTimingProfiler
 
     report = ScalingReport(skip_first_steps=0, verbose=False)

@@ -24,13 +24,13 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.strategies import Strategy
 
-from lightning_shardplus.aggregation import effective_batch_size
 from lightning_shardplus.bench.quiet import quiet_run
 from lightning_shardplus.bench.report_cost import measure_report_cost
 from lightning_shardplus.bench.workloads import BenchConfig, RankStream, bench_model
-from lightning_shardplus.datamodule import SyntheticDataModule
+from lightning_shardplus.data.aggregation import effective_batch_size
+from lightning_shardplus.data.datamodule import SyntheticDataModule
 from lightning_shardplus.diagnostics import STEP_PHASES, CollectiveCalls, CommunicationCounter, ScalingReport
-from lightning_shardplus.strategy import ShardPlusStrategy
+from lightning_shardplus.strategies.ddp import ShardPlusStrategy
 
 _COLLECTIVES = ("all_reduce", "barrier")  # the kinds of collectives counted per optimizer step
 

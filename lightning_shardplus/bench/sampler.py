@@ -14,7 +14,7 @@ from typing import Any
 from torch.utils.data import DistributedSampler
 
 from lightning_shardplus.bench.runner import report_settings
-from lightning_shardplus.sharding import PaddedShardSampler
+from lightning_shardplus.data.sharding import PaddedShardSampler
 
 SAMPLER_SIZES = (10**6, 10**8, 10**9, 10**12)
 

@@ -17,7 +17,7 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.strategies import DDPStrategy, Strategy
 
 from lightning_shardplus.demo import ClassifierModule
-from lightning_shardplus.strategy import ShardPlusStrategy
+from lightning_shardplus.strategies.ddp import ShardPlusStrategy
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,7 @@
 gradient communication sends (:class:`CommunicationCounter`, :class:`CollectiveCalls`) and whether the training
 shards were right (:class:`VerifySharding`, ``verify_sharding=True``)."""
 
+from lightning_shardplus.data.verify_sharding import VerifySharding
 from lightning_shardplus.diagnostics.counting import (
     CollectiveCalls,
     CommunicationCounter,
@@ -15,7 +16,6 @@ from lightning_shardplus.diagnostics.scaling_summary import (
     scaling_verdict,
     summarize_scaling,
 )
-from lightning_shardplus.diagnostics.verify_sharding import VerifySharding
 
 __all__ = [
     "STEP_PHASES",

@@ -20,10 +20,10 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.profilers import Profiler
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_shardplus._lightning import TRAIN_DATALOADER_NEXT
-from lightning_shardplus._torch import call_when_backward_ends
-from lightning_shardplus._validation import check_bool, check_int
-from lightning_shardplus.aggregation import micro_batch_size, micro_batches_per_step
+from lightning_shardplus._compat.lightning import TRAIN_DATALOADER_NEXT
+from lightning_shardplus._compat.torch import call_when_backward_ends
+from lightning_shardplus.config.validation import check_bool, check_int
+from lightning_shardplus.data.aggregation import micro_batch_size, micro_batches_per_step
 from lightning_shardplus.diagnostics.scaling_summary import (
     STEP_PHASES,
     format_scaling_report,

@@ -11,9 +11,9 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_shardplus.aggregation import dataloaders
-from lightning_shardplus.data_parallel import DataParallel, data_parallel
-from lightning_shardplus.sharding import (
+from lightning_shardplus.data.aggregation import dataloaders
+from lightning_shardplus.data.group import DataParallel, data_parallel
+from lightning_shardplus.data.sharding import (
     DIGEST_WIDTH,
     PaddedShardSampler,
     ShardingError,

@@ -10,7 +10,6 @@ import importlib
 import importlib.abc
 import importlib.machinery
 import importlib.util
-import linecache
 import os
 import re
 import sys
@@ -22,7 +21,7 @@ PACKAGE = "lightning_shardplus"
 MIRROR = f"{PACKAGE}.pytorch_lightning"
 LIGHTNING = "lightning.pytorch"
 PYTORCH_LIGHTNING = "pytorch_lightning"
-_ROOT = Path(__file__).parent
+_ROOT = Path(__file__).parents[1]  # the package's folder
 
 _TO_PYTORCH_LIGHTNING = [
     (re.compile(r"(?<![\w.])lightning\.pytorch\b"), "pytorch_lightning"),
@@ -69,26 +68,23 @@ def namespace_of(module_name: str) -> str:
 
 
 class _RewritingLoader(importlib.machinery.SourceFileLoader):
-    """Loads one of our source files with its names rewritten: ``get_source`` gives the rewritten text, ``get_code``
-    compiles it under its own file name (``.../lightning_shardplus/pytorch_lightning/<module>.py``, on no disk), whose
-    lines ``linecache`` serves, so tracebacks, pdb and inspect show the code that ran; ``__file__`` stays the source
-    file's. No ``__pycache__``: the bytecode there is the unrewritten file's."""
+    """Loads one of our source files with its names rewritten, compiled under the source file's own name: the
+    rewriting keeps every line where it is, so a breakpoint set on a line of the real file (pdb, an IDE) fires when
+    this side runs it, and tracebacks point at the real file and line. ``get_source`` gives the rewritten text. No
+    ``__pycache__``: the bytecode there is the unrewritten file's."""
 
     def __init__(self, fullname: str, path: str, rules: list[tuple[re.Pattern[str], str]]) -> None:
         super().__init__(fullname, path)
         self.rules = rules
-        self.code_filename = str(_ROOT / "pytorch_lightning" / Path(path).relative_to(_ROOT))
 
     def get_source(self, fullname: str) -> str:
         source = importlib.util.decode_source(self.get_data(self.path))
         for pattern, replacement in self.rules:
             source = pattern.sub(replacement, source)
-        # no modification time: linecache.checkcache keeps the entry (as for lines a loader gave)
-        linecache.cache[self.code_filename] = (len(source), None, source.splitlines(keepends=True), self.code_filename)
         return source
 
     def get_code(self, fullname: str) -> Any:
-        return compile(self.get_source(fullname), self.code_filename, "exec", dont_inherit=True)
+        return compile(self.get_source(fullname), self.path, "exec", dont_inherit=True)
 
 
 class _AliasLoader(importlib.abc.InspectLoader):

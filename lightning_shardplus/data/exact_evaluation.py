@@ -13,7 +13,9 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from torchmetrics import Metric
 
-from lightning_shardplus import _lightning, epoch_values, false_warnings
+from lightning_shardplus._compat import lightning as _lightning
+from lightning_shardplus._compat import warnings as false_warnings
+from lightning_shardplus.data import epoch_values
 
 # Where evaluation values are logged per batch; values logged in epoch-level hooks keep Lightning's handling.
 _PER_BATCH_FX = frozenset(

@@ -20,21 +20,22 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torchmetrics import Metric
 from typing_extensions import override
 
-from lightning_shardplus import _lightning
-from lightning_shardplus._validation import (
+from lightning_shardplus._compat import lightning as _lightning
+from lightning_shardplus.config import START_METHODS, ShardPlusConfig, closest_option, fit_to_lightning
+from lightning_shardplus.config.validation import (
     check_bool,
     check_choice,
     check_int,
     check_process_group_backend,
     process_group_timeout,
 )
-from lightning_shardplus.components import DistributedSetup
-from lightning_shardplus.config import START_METHODS, ShardPlusConfig, closest_option, fit_to_lightning
-from lightning_shardplus.data_parallel import data_parallel
-from lightning_shardplus.data_side import ShardPlusDataSide
-from lightning_shardplus.exact_evaluation import counted_nowhere
-from lightning_shardplus.sharding import PaddingMode
-from lightning_shardplus.uneven import NoBatch, UnevenInputs
+from lightning_shardplus.data.components import DistributedSetup
+from lightning_shardplus.data.exact_evaluation import counted_nowhere
+from lightning_shardplus.data.group import data_parallel
+from lightning_shardplus.data.sharding import PaddingMode
+from lightning_shardplus.data.uneven import NoBatch, UnevenInputs
+from lightning_shardplus.strategies import registry
+from lightning_shardplus.strategies.data_side import ShardPlusDataSide
 
 # DDP's arguments, with why each has no place here (FSDP2 reduces the gradients itself, by reduce-scatter).
 DDP_ONLY = {
@@ -150,8 +151,7 @@ class ShardPlusModelParallelStrategy(ShardPlusDataSide, ModelParallelStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        for name, (description, init_params) in MODEL_PARALLEL_NAMES.items():
-            strategy_registry.register(name, cls, description=description, override=True, **init_params)
+        registry.register(cls, strategy_registry)
 
     @property
     def num_replicas(self) -> int:
@@ -306,15 +306,6 @@ def _whole_tensors(keep: bool, module: torch.nn.Module, state_dict: dict[str, An
         whole = value.full_tensor() if hasattr(value, "full_tensor") else value
         if keep and isinstance(whole, torch.Tensor):
             state_dict[key] = whole.cpu()
-
-
-MODEL_PARALLEL_NAMES = {
-    f"{ShardPlusModelParallelStrategy.strategy_name}{suffix}": (
-        f"ShardPlus data side on ModelParallelStrategy (FSDP2, TP) with `start_method` '{method}'",
-        {"start_method": method},
-    )
-    for suffix, method in (("", "popen"), ("_spawn", "spawn"), ("_fork", "fork"))
-}
 
 
 def refuse_ddp_only(given: dict[str, Any]) -> None:

@@ -12,8 +12,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.callbacks.progress import ProgressBar, TQDMProgressBar
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 
-from lightning_shardplus import _lightning
-from lightning_shardplus.aggregation import micro_batches_per_step
+from lightning_shardplus._compat import lightning as _lightning
+from lightning_shardplus.data.aggregation import micro_batches_per_step
 
 _PER_BATCH_HOOKS = (
     "on_train_batch_start", "on_train_batch_end", "on_before_backward", "on_after_backward",

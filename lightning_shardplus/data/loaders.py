@@ -13,9 +13,11 @@ from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, Sampler
 
-from lightning_shardplus import _lightning, aggregation, false_warnings
-from lightning_shardplus.data_parallel import DataParallel
-from lightning_shardplus.sharding import (
+from lightning_shardplus._compat import lightning as _lightning
+from lightning_shardplus._compat import warnings as false_warnings
+from lightning_shardplus.data import aggregation
+from lightning_shardplus.data.group import DataParallel
+from lightning_shardplus.data.sharding import (
     ExactShardSampler,
     PaddedShardSampler,
     PaddingMode,
@@ -24,7 +26,7 @@ from lightning_shardplus.sharding import (
     check_resumed_epoch,
     checkpoint_entry,
 )
-from lightning_shardplus.uneven import NoBatch
+from lightning_shardplus.data.uneven import NoBatch
 
 EVALUATION_STAGES = (
     RunningStage.VALIDATING, RunningStage.SANITY_CHECKING, RunningStage.TESTING, RunningStage.PREDICTING

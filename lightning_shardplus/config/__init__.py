@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import inspect
-import itertools
 import numbers
 import os
 import sys
@@ -30,8 +29,8 @@ from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDSt
 from torch.nn import Parameter
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_shardplus import _lightning, fusion
-from lightning_shardplus._validation import (
+from lightning_shardplus._compat import lightning as _lightning
+from lightning_shardplus.config.validation import (
     check_bool,
     check_choice,
     check_int,
@@ -39,10 +38,11 @@ from lightning_shardplus._validation import (
     check_writable_file,
     process_group_timeout,
 )
-from lightning_shardplus.aggregation import check_static_graph
-from lightning_shardplus.compression import GRADIENT_COMPRESSIONS, GradientCompression
-from lightning_shardplus.sharding import PADDING_MODES, PaddingMode
-from lightning_shardplus.uneven import UNEVEN_INPUTS, UnevenInputs
+from lightning_shardplus.data.aggregation import check_static_graph
+from lightning_shardplus.data.sharding import PADDING_MODES, PaddingMode
+from lightning_shardplus.data.uneven import UNEVEN_INPUTS, UnevenInputs
+from lightning_shardplus.gradients.ddp import fusion
+from lightning_shardplus.gradients.ddp.compression import GRADIENT_COMPRESSIONS, GradientCompression
 
 _DDP_PARAMETERS = inspect.signature(DistributedDataParallel.__init__).parameters
 # Keyword arguments DDPStrategy forwards to DDP (`bucket_cap_mb` is set through `tensor_fusion_threshold_mb`).
@@ -358,18 +358,3 @@ def closest_option(name: str) -> str | None:
     """The strategy's option (or DDP's) closest to a misspelled ``name``, or None when none is close."""
     close = difflib.get_close_matches(name, [*STRATEGY_OPTIONS, *sorted(DDP_KWARGS)], n=1, cutoff=0.75)
     return close[0] if close else None
-
-
-def registered_names() -> dict[str, tuple[str, dict[str, Any]]]:
-    """Lightning's ``ddp*`` family of names as ``shardplus*``: name -> (description, ``init_params``)."""
-    methods = {"": "popen", "_spawn": "spawn", "_fork": "fork", "_notebook": "fork"}
-    unused_flags = {"": None, "_find_unused_parameters_true": True, "_find_unused_parameters_false": False}
-    names = {}
-    for (suffix, method), (flag, unused) in itertools.product(methods.items(), unused_flags.items()):
-        init_params: dict[str, Any] = {"start_method": method}
-        description = f"ShardPlus data-parallel strategy with `start_method` '{method}'"
-        if unused is not None:
-            init_params["find_unused_parameters"] = unused
-            description += f" and `find_unused_parameters={unused}`"
-        names[f"shardplus{suffix}{flag}"] = (description, init_params)
-    return names

@@ -14,11 +14,18 @@ from lightning.pytorch.strategies import ParallelStrategy
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_shardplus import _lightning
-from lightning_shardplus.aggregation import effective_batch_size
-from lightning_shardplus.components import DistributedSetup, RunComponents, checkpointed_states, process_group_backend
+from lightning_shardplus._compat import lightning as _lightning
 from lightning_shardplus.config import ShardPlusConfig
-from lightning_shardplus.data_parallel import DataParallel, data_parallel, read_by_data_parallel_rank
+from lightning_shardplus.data.aggregation import effective_batch_size
+from lightning_shardplus.data.components import (
+    DistributedSetup,
+    RunComponents,
+    checkpointed_states,
+    process_group_backend,
+)
+from lightning_shardplus.data.group import DataParallel, data_parallel, read_by_data_parallel_rank
+from lightning_shardplus.data.loaders import gather_predictions
+from lightning_shardplus.data.uneven import silence_litdata_drop_last_warning
 from lightning_shardplus.launch import (
     LaunchAfterCheck,
     check_fit,
@@ -26,8 +33,6 @@ from lightning_shardplus.launch import (
     export_rank_variables,
     unshare_memory,
 )
-from lightning_shardplus.loaders import gather_predictions
-from lightning_shardplus.uneven import silence_litdata_drop_last_warning
 
 
 class ShardPlusDataSide(ParallelStrategy):

@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 from torchmetrics import Metric
 
-from lightning_shardplus import _lightning
-from lightning_shardplus.data_parallel import data_parallel
+from lightning_shardplus._compat import lightning as _lightning
+from lightning_shardplus.data.group import data_parallel
 
 _IDENTITY = {"mean": 0.0, "sum": 0.0, "max": float("-inf"), "min": float("inf")}
 # The epoch value of one key from every rank's (running value, sample count, whether it logged the key this epoch).

@@ -15,9 +15,9 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
-from lightning_shardplus import _lightning
-from lightning_shardplus._validation import class_name
-from lightning_shardplus.data_parallel import DataParallel, data_parallel_size
+from lightning_shardplus._compat import lightning as _lightning
+from lightning_shardplus.config.validation import class_name
+from lightning_shardplus.data.group import DataParallel, data_parallel_size
 
 try:  # public from torch 2.6: before, FSDP2's units cannot be told, and a window's gradients are not read under it
     from torch.distributed.fsdp import FSDPModule

@@ -9,7 +9,7 @@ from typing import Any
 
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 
-from lightning_shardplus import _lightning
+from lightning_shardplus._compat import lightning as _lightning
 
 # matched by their text (canaries: tests/test_lightning_private.py)
 EVALUATION_SAMPLER_WARNING = r"Using `DistributedSampler` with the dataloaders\. During `trainer\."

@@ -12,17 +12,19 @@ import torch
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_shardplus import _lightning, aggregation, compression, fusion, sharding
-from lightning_shardplus.aggregation import FSDP2_WINDOW_GRADIENTS_READABLE, GradientAggregation
-from lightning_shardplus.compression import CommunicationHook
+from lightning_shardplus._compat import lightning as _lightning
 from lightning_shardplus.config import ShardPlusConfig
-from lightning_shardplus.data_parallel import DataParallel
-from lightning_shardplus.datamodule import ShardPlusDataModule
+from lightning_shardplus.data import aggregation, sharding
+from lightning_shardplus.data.aggregation import FSDP2_WINDOW_GRADIENTS_READABLE, GradientAggregation
+from lightning_shardplus.data.datamodule import ShardPlusDataModule
+from lightning_shardplus.data.exact_evaluation import ExactEvaluation
+from lightning_shardplus.data.group import DataParallel
+from lightning_shardplus.data.loaders import ShardedLoaders
+from lightning_shardplus.data.training_metrics.callback import AverageTrainingMetrics
+from lightning_shardplus.data.uneven import EvenSteps
 from lightning_shardplus.diagnostics import CommunicationHookWrapper, VerifySharding
-from lightning_shardplus.exact_evaluation import ExactEvaluation
-from lightning_shardplus.loaders import ShardedLoaders
-from lightning_shardplus.training_metrics import AverageTrainingMetrics
-from lightning_shardplus.uneven import EvenSteps
+from lightning_shardplus.gradients.ddp import compression, fusion
+from lightning_shardplus.gradients.ddp.compression import CommunicationHook
 
 # Where each stateful component's state goes in a Lightning checkpoint.
 CHECKPOINT_KEYS = tuple(module.CHECKPOINT_KEY for module in (sharding, compression, fusion, aggregation))

@@ -17,16 +17,17 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from lightning_shardplus import _lightning
-from lightning_shardplus.components import DistributedSetup
-from lightning_shardplus.compression import GradientCompression, remove_rank_states
-from lightning_shardplus.config import check_arguments, registered_names
-from lightning_shardplus.data_side import ShardPlusDataSide
-from lightning_shardplus.exact_evaluation import share_rank_zero_buffers
-from lightning_shardplus.fusion import BucketSetting, FusionResult
+from lightning_shardplus._compat import lightning as _lightning
+from lightning_shardplus.config import check_arguments
+from lightning_shardplus.data.components import DistributedSetup
+from lightning_shardplus.data.exact_evaluation import share_rank_zero_buffers
+from lightning_shardplus.data.sharding import PaddingMode
+from lightning_shardplus.data.uneven import NO_BATCH, UnevenInputs
+from lightning_shardplus.gradients.ddp.compression import GradientCompression, remove_rank_states
+from lightning_shardplus.gradients.ddp.fusion import BucketSetting, FusionResult
 from lightning_shardplus.launch import check_accelerator
-from lightning_shardplus.sharding import PaddingMode
-from lightning_shardplus.uneven import NO_BATCH, UnevenInputs
+from lightning_shardplus.strategies import registry
+from lightning_shardplus.strategies.data_side import ShardPlusDataSide
 
 
 class ShardPlusStrategy(ShardPlusDataSide, DDPStrategy):
@@ -108,8 +109,7 @@ class ShardPlusStrategy(ShardPlusDataSide, DDPStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        for name, (description, init_params) in registered_names().items():
-            strategy_registry.register(name, cls, description=description, override=True, **init_params)
+        registry.register(cls, strategy_registry)
 
     @property
     def num_replicas(self) -> int:

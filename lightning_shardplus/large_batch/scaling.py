@@ -1,6 +1,6 @@
 """Large-batch training: :class:`ScaleLearningRate` scales the learning rate with the global batch, after an
-optional warmup (Goyal et al. 2017, as Horovod and Determined apply it); :class:`~lightning_shardplus.optim.LARS`,
-the layer-wise adaptive optimizer, lives in ``optim.py`` and is re-exported here."""
+optional warmup (Goyal et al. 2017, as Horovod and Determined apply it); :class:`~lightning_shardplus.LARS`,
+the layer-wise adaptive optimizer, lives in ``lars.py``."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
-from lightning_shardplus._validation import check_bool, check_choice, check_int
-from lightning_shardplus.aggregation import effective_batch_size, micro_batches_per_step
-from lightning_shardplus.data_parallel import data_parallel_size
-from lightning_shardplus.optim import LARS
+from lightning_shardplus.config.validation import check_bool, check_choice, check_int
+from lightning_shardplus.data.aggregation import effective_batch_size, micro_batches_per_step
+from lightning_shardplus.data.group import data_parallel_size
+from lightning_shardplus.large_batch.lars import LARS
 
 __all__ = ["LARS", "SCALING_RULES", "ScaleLearningRate", "scaling_factor", "warmup_factor"]
 

@@ -15,11 +15,12 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 
-from lightning_shardplus import _lightning, epoch_values
-from lightning_shardplus.data_parallel import DataParallel, data_parallel
-from lightning_shardplus.metric_mismatch import MetricMismatchError, describe_mismatch
-from lightning_shardplus.reduction_plan import Call, ReductionPlan
-from lightning_shardplus.step_readers import bar_total, reading_interval, reads_this_step
+from lightning_shardplus._compat import lightning as _lightning
+from lightning_shardplus.data import epoch_values
+from lightning_shardplus.data.group import DataParallel, data_parallel
+from lightning_shardplus.data.training_metrics.errors import MetricMismatchError, describe_mismatch
+from lightning_shardplus.data.training_metrics.plan import Call, ReductionPlan
+from lightning_shardplus.data.training_metrics.readers import bar_total, reading_interval, reads_this_step
 
 STALE = "\0stale:"  # in a reduction after unread steps, the section of each name's latest unread calls
 

@@ -1,0 +1,1 @@
+"""DDP's gradient side: communication hooks (compression) and the bucket size and its tuning (fusion)."""
