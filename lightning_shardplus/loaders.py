@@ -139,7 +139,7 @@ class ShardedLoaders:
                 f"{self.trainer.current_epoch} after {batch_idx} of its batches. Which samples those batches read "
                 "depends on that run's sampler, seed and number of processes, which the checkpoint does not record: "
                 f"the sampler would start the epoch over while the loop counts {batch_idx} batches as done, training "
-                "the epoch's first samples twice and never its last ones. To go on, resume from a checkpoint saved at "
+                "some samples twice in this epoch and others never. To go on, resume from a checkpoint saved at "
                 "the end of an epoch (`ModelCheckpoint(save_on_train_epoch_end=True)` writes one at every epoch's "
                 "end), or start over from the checkpoint's weights alone: `YourModule.load_from_checkpoint(path)`, "
                 "then `trainer.fit` without `ckpt_path` (the epoch, step count and optimizer state start anew)."
