@@ -149,6 +149,23 @@ def test_a_mid_epoch_resume_reads_what_the_uninterrupted_run_read_next_on_any_da
     assert same[0].get("reduce_dtype: warned", not WINDOWS)
 
 
+@needs_torch_2_4
+@pytest.mark.timeout(600)
+def test_checkpoints_of_plain_model_parallel_resume_at_an_epoch_end_and_are_refused_inside_an_epoch(tmp_path):
+    """Lightning's ``ModelParallelStrategy`` saves no sampler position, in a distributed or a full checkpoint: inside
+    the epoch (2 of its 3 batches done) shardplus refuses it before the first step; at the epoch's end it resumes, and
+    the next epoch reads every sample once."""
+    script = PROBE.parent / "_cross_strategy_resume.py"
+    _launch(script, tmp_path, "save", tmp_path)
+    _launch(script, tmp_path, "resume", tmp_path)
+    found = json.loads((tmp_path / "resumed.json").read_text())
+    for distributed in (True, False):
+        refused = found[f"distributed={distributed} step=2"]
+        assert "the checkpoint has no position of shardplus's training sampler" in refused
+        assert "the fit loop resumes epoch 0 after 2 of its batches" in refused
+        assert sorted(i for seen in found[f"distributed={distributed} step=3"] for i in seen) == list(range(12))
+
+
 def test_ddp_only_arguments_are_refused_saying_why():
     with pytest.raises(
         TypeError,

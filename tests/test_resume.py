@@ -9,6 +9,7 @@ import pytest
 import torch
 from _models import IndexedDataset, RecordingModule, cpu_trainer, read_records
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.strategies import DDPStrategy
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
 from torch.utils.data import DataLoader
 
@@ -27,10 +28,11 @@ NEEDS_WINDOW_RESUME = pytest.mark.skipif(
 
 
 def fit(
-    directory, world_size, ckpt_path=None, every_n_train_steps=None, batch=BATCH, callbacks=(), **strategy_kwargs
+    directory, world_size, ckpt_path=None, every_n_train_steps=None, batch=BATCH, callbacks=(), strategy=None,
+    **strategy_kwargs,
 ):
-    """A 2-epoch fit on ``world_size`` ranks recording every rank's batches in ``directory``; returns the final
-    weights (rank 0's, which the fork launcher hands back to this process)."""
+    """A 2-epoch fit on ``world_size`` ranks recording every rank's batches in ``directory`` (under shardplus, or
+    ``strategy``); returns the final weights (rank 0's, which the fork launcher hands back to this process)."""
     torch.manual_seed(0)
     model = RecordingModule(directory)
     callbacks = list(callbacks)
@@ -44,7 +46,7 @@ def fit(
             )
         )
     trainer = cpu_trainer(
-        ShardPlusStrategy(start_method="fork", shuffle_seed=3, **strategy_kwargs),
+        strategy or ShardPlusStrategy(start_method="fork", shuffle_seed=3, **strategy_kwargs),
         world_size,
         max_epochs=EPOCHS,
         deterministic=True,
@@ -208,6 +210,43 @@ def test_a_sampler_state_of_another_epoch_than_the_fit_loop_is_refused_on_resume
     with pytest.raises(Exception, match=message):  # raised on every rank, before the first batch
         fit(tmp_path / "resumed", 2, ckpt_path=edited)
     assert not [r for r in read_records(tmp_path / "resumed") if r["stage"] == "train"]  # no batch trained
+
+
+@pytest.mark.timeout(120)
+def test_a_mid_epoch_checkpoint_of_plain_ddp_is_refused_before_the_first_step_saying_what_is_missing(tmp_path):
+    # Lightning's DistributedSampler order is not in the checkpoint: shardplus's sampler would start epoch 0 over
+    # while the loop counts 3 of its 6 batches as done (3 batches trained twice, 3 never)
+    fit(tmp_path / "ddp", 2, every_n_train_steps=3, strategy=DDPStrategy(start_method="fork"))
+    message = (
+        r"the checkpoint has no position of shardplus's training sampler \(no 'shardplus_training_samplers' entry: "
+        r"another strategy wrote it.*the fit loop resumes epoch 0 after 3 of its batches.*To go on, resume from a "
+        r"checkpoint saved at the end of an epoch"
+    )
+    with pytest.raises(Exception, match=message):  # raised on every rank, before the first step
+        fit(tmp_path / "resumed", 2, ckpt_path=tmp_path / "ddp" / "checkpoints" / "step=3.ckpt")
+    assert not [r for r in read_records(tmp_path / "resumed") if r["stage"] == "train"]  # no batch trained
+
+
+@pytest.mark.timeout(180)
+def test_an_epoch_end_checkpoint_of_plain_ddp_resumes_with_every_sample_once_and_no_warning(tmp_path, monkeypatch):
+    # at the epoch's last batch (`on_train_batch_end`, step 6) and at the epoch's end (`on_train_epoch_end`)
+    epoch_end = ModelCheckpoint(dirpath=tmp_path / "ddp" / "checkpoints", filename="end-{epoch}", save_top_k=-1,
+                                save_on_train_epoch_end=True)  # fmt: skip
+    fit(tmp_path / "ddp", 2, every_n_train_steps=6, strategy=DDPStrategy(start_method="fork"), callbacks=[epoch_end])
+    shown = tmp_path / "shown.txt"
+
+    def showwarning(message, *args, **kwargs):  # the forked ranks inherit it
+        with open(shown, "a") as out:
+            out.write(f"{message}\n")
+
+    monkeypatch.setattr(warnings, "showwarning", showwarning)
+    for name in ("step=6", "end-epoch=0"):
+        shown.write_text("")
+        fit(tmp_path / name, 2, ckpt_path=tmp_path / "ddp" / "checkpoints" / f"{name}.ckpt")
+        trained = read_records(tmp_path / name)
+        assert {r["epoch"] for r in trained if r["stage"] == "train"} == {1}, name
+        assert Counter(i for r in range(2) for b in batches(trained, r, 1) for i in b) == Counter(range(N)), name
+        assert "shardplus" not in shown.read_text() and "not resumable" not in shown.read_text(), name
 
 
 @pytest.mark.timeout(120)

@@ -131,6 +131,7 @@ class RunComponents:
 
     def on_train_batch_start(self, trainer: pl.Trainer, batch_idx: int) -> None:
         assert self.even is not None
+        self.loaders.check_first_batch(batch_idx)
         if batch_idx == 0:
             # Lightning reads the loaders' lengths once per fit: a resharded resumed epoch has another length
             _lightning.refresh_training_batch_count(trainer)

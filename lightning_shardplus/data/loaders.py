@@ -18,6 +18,7 @@ from lightning_shardplus._compat import warnings as false_warnings
 from lightning_shardplus.data import aggregation
 from lightning_shardplus.data.group import DataParallel
 from lightning_shardplus.data.sharding import (
+    CHECKPOINT_KEY,
     ExactShardSampler,
     PaddedShardSampler,
     PaddingMode,
@@ -48,6 +49,8 @@ class ShardedLoaders:
         self._resumed: dict[str, Any] | None = None  # a checkpoint's sampler progress, until the loaders are built
         self._resumed_used = 0  # how many of its sampler states were given to samplers so far
         self._resumed_exactly = 0  # training samplers that continue the checkpoint's epoch
+        self._without_state = 0  # training samplers that start their epoch at its beginning: no checkpoint state
+        self._first_batch_starts_epoch = False  # from `training_loaders_built` to the first training batch
         self._restore_warnings: Callable[[], None] | None = None
         self._restore_resume_warning: Callable[[], None] | None = None
         if exact_evaluation and num_replicas > 1:
@@ -122,7 +125,27 @@ class ShardedLoaders:
         continued, loaders = self._resumed_exactly, _lightning.training_loader_count(self.trainer)
         if continued and continued == loaders and self._restore_resume_warning is None:
             self._restore_resume_warning = false_warnings.silence_not_resumable_warning()
-        self._resumed, self._resumed_used, self._resumed_exactly = None, 0, 0
+        self._first_batch_starts_epoch = self._without_state > 0
+        self._resumed, self._resumed_used, self._resumed_exactly, self._without_state = None, 0, 0, 0
+
+    def check_first_batch(self, batch_idx: int) -> None:
+        """Refuse, before the fit's first step, a fit loop that resumes mid-epoch (its first ``batch_idx`` is not 0)
+        where a training sampler had no checkpoint state: the checkpoint's positions are unknown (another strategy
+        wrote it), the sampler would start the epoch over while the loop counts ``batch_idx`` batches as done."""
+        starts_epoch, self._first_batch_starts_epoch = self._first_batch_starts_epoch, False
+        if starts_epoch and batch_idx > 0:
+            raise ValueError(
+                f"shardplus: the checkpoint has no position of shardplus's training sampler (no {CHECKPOINT_KEY!r} "
+                "entry: another strategy wrote it, such as Lightning's 'ddp' or 'model_parallel', or a run whose "
+                f"training loader had a sampler of its own), but the fit loop resumes epoch "
+                f"{self.trainer.current_epoch} after {batch_idx} of its batches. Which samples those batches read "
+                "depends on that run's sampler, seed and number of processes, which the checkpoint does not record: "
+                f"the sampler would start the epoch over while the loop counts {batch_idx} batches as done, training "
+                "some samples twice in this epoch and others never. To go on, resume from a checkpoint saved at "
+                "the end of an epoch (`ModelCheckpoint(save_on_train_epoch_end=True)` writes one at every epoch's "
+                "end), or start over from the checkpoint's weights alone: `YourModule.load_from_checkpoint(path)`, "
+                "then `trainer.fit` without `ckpt_path` (the epoch, step count and optimizer state start anew)."
+            )
 
     def _training_sampler(self, dataloader: DataLoader, injected: Any) -> PaddedShardSampler:
         if len(dataloader.dataset) == 0:
@@ -137,7 +160,10 @@ class ShardedLoaders:
     def _resume(self, sampler: PaddedShardSampler, batch_size: int | None) -> None:
         """Give ``sampler`` the next of the resumed checkpoint's sampler states, if any (in loader order)."""
         entry = self._resumed
-        if entry is None or self._resumed_used >= len(entry["samplers"]):
+        if entry is None:
+            self._without_state += 1
+            return
+        if self._resumed_used >= len(entry["samplers"]):
             return
         state = entry["samplers"][self._resumed_used]
         self._resumed_used += 1
