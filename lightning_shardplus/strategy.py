@@ -33,6 +33,21 @@ class ShardPlusStrategy(ShardPlusDataSide, DDPStrategy):
     """DDP with the training optimizations of Horovod, Determined and NVIDIA Clara Train, for Lightning.
 
     Args:
+        accelerator: Lightning's accelerator (an ``Accelerator`` or a name such as ``"cpu"``, ``"gpu"``); None: the
+            Trainer's.
+        parallel_devices: the devices of this node's processes; None: the Trainer's.
+        cluster_environment: how the processes find each other (a ``ClusterEnvironment``); None: the Trainer's.
+        checkpoint_io: how checkpoints are written and read (a ``CheckpointIO``); None: Lightning's.
+        precision_plugin: the precision (a ``Precision``); None: the Trainer's.
+        ddp_comm_state: the state of ``ddp_comm_hook`` (a ``PowerSGDState`` configures
+            ``gradient_compression="powersgd"``).
+        ddp_comm_hook: DDP's communication hook, registered on every device type.
+        ddp_comm_wrapper: a wrapper of ``ddp_comm_hook`` (e.g. fp16 compression of its buckets).
+        model_averaging_period: with a ``PostLocalSGDState`` as ``ddp_comm_state``: optimizer steps between model
+            averages.
+        process_group_backend: the process group's backend (``"gloo"``, ``"nccl"``, ...); None: the device's.
+        timeout: the process group's timeout, a ``timedelta`` or seconds.
+        start_method: ``"popen"`` (Lightning's subprocess launcher), ``"spawn"``, ``"fork"`` or ``"forkserver"``.
         aggregation_frequency: micro-batches per optimizer step (replaces ``accumulate_grad_batches``).
         average_aggregated_gradients: the mean of the aggregated gradients (True) or their sum (False).
         gradient_compression: DDP's communication hook: ``"none"``, ``"fp16"``, ``"bf16"`` or ``"powersgd"``.
@@ -50,9 +65,12 @@ class ShardPlusStrategy(ShardPlusDataSide, DDPStrategy):
         autotune_cache: JSON cache of tuned results: True (the user cache folder), a path, or False.
         average_training_metrics: training values logged ``on_step`` are averaged over all ranks.
         uneven_inputs: training streams of different lengths per rank: ``"join"`` or ``"drop"``.
-        find_unused_parameters, static_graph, gradient_as_bucket_view, broadcast_buffers: DDP's (None: its default).
+        find_unused_parameters: DDP's: find the parameters a step gives no gradient; None: DDP's default (False).
+        static_graph: DDP's: the set of used parameters is the same in every step.
+        gradient_as_bucket_view: DDP's: the gradients are views into its buckets (saves memory).
+        broadcast_buffers: DDP's: rank 0's buffers sent to every rank at each forward; None: DDP's default.
 
-    The others are ``DDPStrategy``'s (``ddp_comm_hook``, ``ddp_comm_wrapper`` on every device); ``docs/arguments.md``.
+    DistributedDataParallel's other keyword arguments pass through; ``docs/arguments.md``.
     """
 
     strategy_name = "shardplus"
