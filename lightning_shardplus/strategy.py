@@ -181,13 +181,19 @@ class ShardPlusStrategy(ShardPlusDataSide, DDPStrategy):
 
     @override
     def configure_ddp(self) -> None:
-        """Wrap in DDP; with ``auto_tune_tensor_fusion``, with the tuned setting or the first one to measure."""
+        super().configure_ddp()  # DDPStrategy registers no hook: it has none (it would, on CUDA only)
+        self.register_communication_hook()
+
+    @override
+    def on_train_start(self) -> None:
+        """With ``auto_tune_tensor_fusion``, DDP re-wrapped with the tuned setting or the race's first, unless it is the
+        reference DDP was wrapped with (the cache key holds the per-device batch size: the loaders are built now)."""
         if (parts := self._components) and parts.fusion and self.config.auto_tune_tensor_fusion:
             module, device = self.lightning_module, self.root_device
             setting = parts.fusion.initial_setting(module, self.world_size, device, parts.backend)
-            _lightning.set_ddp_kwargs(self, setting.ddp_kwargs())
-        super().configure_ddp()  # DDPStrategy registers no hook: it has none (it would, on CUDA only)
-        self.register_communication_hook()
+            if setting != parts.fusion.settings.reference:
+                self.rewrap_ddp(setting)
+        super().on_train_start()
 
     def register_communication_hook(self) -> None:
         """Register the gradient communication hook on the current DDP wrapper; again after each re-wrap."""
