@@ -4,11 +4,14 @@
 from __future__ import annotations
 
 import re
+import sys
+from collections.abc import Sequence
 from typing import Any, NoReturn
 
 import lightning.pytorch as pl
 from jsonargparse import ActionConfigFile, Namespace
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.strategies import StrategyRegistry
 
 import lightning_shardplus  # noqa: F401  (registers the strategy names)
 import lightning_shardplus.large_batch.scaling  # noqa: F401  (ScaleLearningRate and LARS among the callbacks and optimizers)
@@ -25,12 +28,18 @@ class ShardPlusArgumentParser(LightningArgumentParser):
             for name in dict.fromkeys(re.findall(r"Option '(\w+)' is not accepted", message)):
                 if close := closest_option(name):
                     message += f"\nShardPlusStrategy: did you mean '{close}'?"
-        if named := re.search(r"Expected a dot import path string: (\w+)", message):
+        if f"{STRATEGY_HELP}:" in message:
+            message += f"\n{STRATEGY_HELP} takes {strategy_help_values()}."
+        elif named := re.search(r"Expected a dot import path string: (\w+)", message):
             message += (
                 f"\n`trainer.strategy` is the name {named.group(1)!r}: options under it need its class, given first, "
                 f"as in --trainer.strategy={STRATEGY_CLASS} (or `class_path: {STRATEGY_CLASS}` in a config)."
             )
         super().error(message, ex)
+
+    def parse_args(self, args: Sequence[str] | None = None, *rest: Any, **kwargs: Any) -> Namespace:
+        """Parse as jsonargparse does, where ``--trainer.strategy.help`` also takes a registered strategy name."""
+        return super().parse_args(strategy_help_by_name(sys.argv[1:] if args is None else list(args)), *rest, **kwargs)
 
     def parse_string(self, *args: Any, **kwargs: Any) -> Namespace:
         """Parse a config; a shardplus name as the strategy becomes the class with that name's arguments, so that
@@ -42,13 +51,57 @@ class ShardPlusArgumentParser(LightningArgumentParser):
                 cfg[key] = Namespace(class_path=STRATEGY_CLASS, init_args=Namespace(**names[name][1]))
         return cfg
 
+
 STRATEGY_CLASS = "lightning_shardplus.ShardPlusStrategy"
 STRATEGY_DEFAULT = {"class_path": STRATEGY_CLASS}
+STRATEGY_HELP = "--trainer.strategy.help"
 DESCRIPTION = (
     "shardplus: Lightning's command line (LightningCLI) with the `shardplus` strategy by default. "
     "`shardplus fit --config configs/digits.yaml` trains; the strategy's options: "
-    f"`shardplus fit --trainer.strategy.help {STRATEGY_CLASS}`, set as `--trainer.strategy.<option>=...`."
+    f"`shardplus fit {STRATEGY_HELP} shardplus` (or `shardplus_model_parallel`, or any registered name or class "
+    "path), set as `--trainer.strategy.<option>=...`."
 )
+
+
+def shardplus_names() -> list[str]:
+    """The strategy names registered for lightning_shardplus's strategies."""
+    return [name for name, entry in StrategyRegistry.items() if entry["strategy"].__module__.startswith(__package__)]
+
+
+def strategy_help_values() -> str:
+    """What ``--trainer.strategy.help`` takes, in words."""
+    names = [name for name in shardplus_names() if "_find_unused_parameters_" not in name]
+    return (
+        f"a registered strategy name ({', '.join(names)}; the shardplus* data-parallel ones also with "
+        "_find_unused_parameters_true or _false; Lightning's own, such as ddp), a class name or a class path"
+    )
+
+
+def strategy_help_by_name(args: list[str]) -> list[str]:
+    """``args`` where the name after ``--trainer.strategy.help`` is replaced by its class path, saying what else the
+    name sets; where no value follows, by the default strategy's, saying what it takes (jsonargparse knows class
+    names and paths only, and shows Lightning's base ``Strategy`` without one)."""
+    args = list(args)
+    for index, arg in enumerate(args):
+        option, equals, value = arg.partition("=")
+        if option != STRATEGY_HELP:
+            continue
+        given = index + 1 < len(args) and not args[index + 1].startswith("-")
+        value = value if equals else args[index + 1] if given else None
+        if value is None:
+            print(f"{STRATEGY_HELP} takes {strategy_help_values()}. The default strategy's options:\n")
+            value = STRATEGY_CLASS
+        elif value in StrategyRegistry:
+            strategy, settings = StrategyRegistry[value]["strategy"], StrategyRegistry[value]["init_params"]
+            if settings:
+                set_here = ", ".join(f"{key}={setting!r}" for key, setting in settings.items())
+                print(f"{value!r} is {strategy.__qualname__} with {set_here}.\n")
+            value = f"{strategy.__module__}.{strategy.__qualname__}"
+        else:
+            continue
+        args[index : index + 1 + (given and not equals)] = [f"{STRATEGY_HELP}={value}"]
+        break
+    return args
 
 
 class ShardPlusCLI(LightningCLI):
@@ -81,12 +134,14 @@ class ShardPlusCLI(LightningCLI):
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         """``--help`` states one default for ``trainer.strategy`` (Lightning's docstring names ``"auto"``), and how to
-        list its options."""
+        list the options of a strategy."""
         for action in _lightning.parser_actions(parser):
             if action.dest == "trainer.strategy" and action.help:
                 action.help = action.help.replace('Default: ``"auto"``.', "").strip() + (
-                    f" The default strategy's options: --trainer.strategy.help {STRATEGY_CLASS}."
+                    f" The default strategy's options: {STRATEGY_HELP} shardplus."
                 )
+            elif action.dest == "trainer.strategy.help":
+                action.help = f"Show the options of a strategy and exit: it takes {strategy_help_values()}."
 
     def after_fit(self) -> None:
         """Print the final metrics (rank 0): with the progress bar off nothing else says how the fit ended."""

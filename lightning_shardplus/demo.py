@@ -80,24 +80,39 @@ class ConfiguredClassifierModule(ClassifierModule):
 
 class ModelParallelClassifierModule(ClassifierModule):
     """:class:`ClassifierModule` sharded in ``configure_model`` for ``ShardPlusModelParallelStrategy``: its linear
-    layers in column/row-parallel pairs over the mesh's ``tensor_parallel`` dimension, then FSDP2 over
-    ``data_parallel`` (``configs/model_parallel.yaml``; torch 2.6 or newer, where ``fully_shard`` is public)."""
+    layers in column/row-parallel pairs over the mesh's ``tensor_parallel`` dimension (an odd last one column-parallel,
+    its output gathered), then FSDP2 over ``data_parallel`` (``configs/model_parallel.yaml``; torch 2.6 or newer,
+    where ``fully_shard`` is public)."""
 
     def configure_model(self) -> None:
         from torch.distributed.fsdp import FSDPModule, fully_shard
-        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+        from torch.distributed.tensor import Replicate
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            PrepareModuleOutput,
+            RowwiseParallel,
+            parallelize_module,
+        )
 
         if isinstance(self, FSDPModule):  # sharded by an earlier stage in this process (Lightning asks: idempotent)
             return
         mesh = self.device_mesh
         linears = [name for name, module in self.named_modules() if isinstance(module, nn.Linear)]
-        if mesh["tensor_parallel"].size() > 1:
-            pairs = linears[: len(linears) // 2 * 2]
-            plan = {name: ColwiseParallel() if i % 2 == 0 else RowwiseParallel() for i, name in enumerate(pairs)}
+        tensor_parallel = mesh["tensor_parallel"].size() > 1
+        if tensor_parallel:
+            # activations stay DTensors between the layers (`use_local_output=False`): a `fully_shard` unit that
+            # returned `to_local()`'s view would draw FSDP2's warning about in-place ops on views
+            styles = (ColwiseParallel, RowwiseParallel)
+            plan = {name: styles[i % 2](use_local_output=False) for i, name in enumerate(linears)}
+            if len(linears) % 2:  # the last one without a row-parallel partner: its output gathered whole
+                plan[linears[-1]] = ColwiseParallel(output_layouts=Replicate(), use_local_output=False)
             parallelize_module(self, mesh["tensor_parallel"], plan)
         for name in linears:
             fully_shard(self.get_submodule(name), mesh=mesh["data_parallel"])
         fully_shard(self, mesh=mesh["data_parallel"])
+        if tensor_parallel:  # the logits as a plain tensor for the loss and metrics, after FSDP2's own output hook
+            logits = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Replicate())
+            parallelize_module(self, mesh["tensor_parallel"], logits)
 
 
 class DigitsDataModule(ShardPlusDataModule):

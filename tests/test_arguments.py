@@ -1,6 +1,7 @@
 """Bad arguments are refused with an error naming the argument, the value and what is valid, before any
 process group starts."""
 
+import inspect
 import os
 import warnings
 
@@ -13,7 +14,12 @@ from lightning.pytorch.strategies import StrategyRegistry
 from torch.utils.data import DataLoader
 
 import lightning_shardplus  # noqa: F401
-from lightning_shardplus import ShardPlusDataModule, ShardPlusStrategy, SyntheticDataModule
+from lightning_shardplus import (
+    ShardPlusDataModule,
+    ShardPlusModelParallelStrategy,
+    ShardPlusStrategy,
+    SyntheticDataModule,
+)
 from lightning_shardplus._compat import lightning as _lightning
 from lightning_shardplus.data.datamodule import per_device_batch_size
 
@@ -91,6 +97,19 @@ def test_a_misspelled_option_in_a_cli_config_gets_the_closest_name(tmp_path, cap
     error = capsys.readouterr().err
     assert "Option 'agregation_frequency' is not accepted" in error
     assert "ShardPlusStrategy: did you mean 'aggregation_frequency'?" in error
+
+
+@pytest.mark.parametrize("strategy", [ShardPlusStrategy, ShardPlusModelParallelStrategy])
+def test_every_argument_of_the_strategies_has_a_description(strategy):
+    # LightningCLI's help reads the descriptions from the docstrings' Args sections (jsonargparse), base classes too
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser()
+    parser.add_class_arguments(strategy, "strategy")
+    described = {action.dest.removeprefix("strategy."): action.help for action in _lightning.parser_actions(parser)}
+    arguments = [name for name, parameter in inspect.signature(strategy.__init__).parameters.items()
+                 if name != "self" and parameter.kind is not parameter.VAR_KEYWORD]  # fmt: skip
+    assert [name for name in arguments if not described.get(name)] == []
 
 
 def test_strategy_passes_ddp_arguments_through():

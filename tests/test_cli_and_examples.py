@@ -1,6 +1,7 @@
 """The README's entry points run as a user runs them: the `shardplus` command with the shipped configs, and
 the example script with `strategy="shardplus"` (Lightning's popen launcher, which re-runs the command)."""
 
+import inspect
 import re
 import subprocess
 import sys
@@ -8,6 +9,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+from lightning.pytorch.strategies import StrategyRegistry
+
+from lightning_shardplus.cli import shardplus_names
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -163,6 +167,66 @@ def test_the_strategy_help_starts_with_a_whole_sentence(tmp_path, capsys, monkey
     assert title == f"{first[:-1]}:", title  # (jsonargparse drops the period)
 
 
+def strategy_help(capsys, monkeypatch, tmp_path, *args):
+    """What `shardplus fit <args>` prints, for a help that exits with status 0."""
+    from lightning_shardplus import cli
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["fit", *args])
+    output = capsys.readouterr()
+    assert exited.value.code == 0, output.err
+    return output.out
+
+
+def described_options(printed):
+    """Each `--trainer.strategy.<option>` of a strategy's help, with its description (jsonargparse's text before the
+    "(type: ...)" it adds)."""
+    blocks = re.findall(r"^  --trainer\.strategy\.(\w+)(?= |$)[^\n]*\n((?: {10,}[^\n]*\n)*)", printed, re.MULTILINE)
+    return {option: " ".join(block.split()).partition("(type:")[0].strip() for option, block in blocks}
+
+
+def init_arguments(strategy):
+    return [name for name, parameter in inspect.signature(strategy.__init__).parameters.items()
+            if name != "self" and parameter.kind is not parameter.VAR_KEYWORD]  # fmt: skip
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", shardplus_names())
+def test_the_strategy_help_of_each_registered_name_lists_its_options_with_descriptions(
+    tmp_path, capsys, monkeypatch, name
+):
+    # jsonargparse knew class paths only: "--trainer.strategy.help: Expected a dot import path string: shardplus"
+    printed = strategy_help(capsys, monkeypatch, tmp_path, "--trainer.strategy.help", name)
+    entry = StrategyRegistry[name]
+    header = f"Help for --trainer.strategy.help=lightning_shardplus.{entry['strategy'].__name__} "
+    assert header in " ".join(printed.split())  # (the help wraps a long header)
+    described = described_options(printed)
+    undescribed = [argument for argument in init_arguments(entry["strategy"]) if not described.get(argument)]
+    assert described and not undescribed, undescribed  # every argument listed, with a description
+    settings = ", ".join(f"{key}={value!r}" for key, value in entry["init_params"].items())
+    assert printed.startswith(f"{name!r} is {entry['strategy'].__name__} with {settings}.\n")
+    assert printed == strategy_help(capsys, monkeypatch, tmp_path, f"--trainer.strategy.help={name}")
+
+
+@pytest.mark.timeout(120)
+def test_the_strategy_help_without_a_name_says_which_names_it_takes_and_shows_the_defaults(
+    tmp_path, capsys, monkeypatch
+):
+    from lightning_shardplus import cli
+
+    printed = strategy_help(capsys, monkeypatch, tmp_path, "--trainer.strategy.help")  # was Lightning's base Strategy
+    pointer = " ".join(printed.split("usage:")[0].split())
+    assert pointer.startswith("--trainer.strategy.help takes a registered strategy name (shardplus, shardplus_spawn")
+    assert "shardplus_model_parallel" in pointer and pointer.endswith("The default strategy's options:")
+    assert "Help for --trainer.strategy.help=lightning_shardplus.ShardPlusStrategy\n" in printed
+    with pytest.raises(SystemExit):  # a name no strategy has: the error says what the option takes
+        cli.main(["fit", "--trainer.strategy.help", "shardplus_ddp"])
+    error = " ".join(capsys.readouterr().err.split())
+    assert "--trainer.strategy.help takes a registered strategy name (shardplus," in error
+    assert "options under it need its class" not in error
+
+
 @pytest.mark.timeout(120)
 def test_print_config_shows_the_autotune_defaults_the_readme_and_docstring_state(tmp_path, capsys, monkeypatch):
     from lightning_shardplus import ShardPlusStrategy, cli
@@ -237,10 +301,11 @@ def test_a_second_run_without_a_logger_in_the_same_directory_runs(tmp_path):
 @pytest.mark.timeout(300)
 def test_the_help_says_what_the_command_is_and_offers_the_user_facing_callbacks(tmp_path):
     top = " ".join(shardplus("--help", cwd=tmp_path).stdout.split())
-    assert "`shardplus` strategy by default" in top and "--trainer.strategy.help lightning_shardplus" in top
+    assert "`shardplus` strategy by default" in top and "`shardplus fit --trainer.strategy.help shardplus`" in top
     fit = " ".join(shardplus("fit", "--help", cwd=tmp_path).stdout.split())
     strategy_help = fit[fit.index("--trainer.strategy STRATEGY Supports") :].split("--trainer.devices")[0]
-    assert "--trainer.strategy.help lightning_shardplus.ShardPlusStrategy" in strategy_help
+    assert "The default strategy's options: --trainer.strategy.help shardplus." in strategy_help
+    assert "Show the options of a strategy and exit: it takes a registered strategy name (shardplus," in fit
     callbacks = fit[fit.index("--trainer.callbacks CALLBACKS, --trainer.callbacks+") :].split("--trainer.fast_dev")[0]
     callbacks = callbacks.replace(" ", "")  # the help wraps long class paths
     assert "lightning_shardplus.large_batch.scaling.ScaleLearningRate" in callbacks

@@ -1,7 +1,7 @@
 """Tensor-fusion autotuning: the decision rule and the race in one process (fake clock and timings), then
 tuning on 2 ranks: it finishes within its step bound, logs and caches, keeps the ranks' weights in sync through
 every re-wrap, keeps the communication hook, trains the same weights as without tuning, and a second run starts
-from the cache without re-wrapping."""
+from the cache (one DDP wrapper for every step)."""
 
 import csv
 import json
@@ -89,14 +89,15 @@ class FakeClock:
 
 def trainer(**kwargs):
     """What TensorFusion reads of the Trainer: its step counter, accumulation, length, rank and loggers."""
-    defaults = dict(global_step=0, accumulate_grad_batches=1, estimated_stepping_batches=math.inf, is_global_zero=True)
+    defaults = dict(global_step=0, accumulate_grad_batches=1, estimated_stepping_batches=math.inf, is_global_zero=True,
+                    num_nodes=1, datamodule=SimpleNamespace(per_device_batch_size=8))  # fmt: skip
     return SimpleNamespace(**(defaults | {"loggers": []} | kwargs))
 
 
-def tuner(settings, clock=None, log=None, cache=False, checkpointed=None, model=MODEL, world_size=1):
+def tuner(settings, clock=None, log=None, cache=False, checkpointed=None, model=MODEL, world_size=1, **trainer_kwargs):
     """A tuning TensorFusion set up for ``model`` (DDP wrapped with its initial setting)."""
     clock = clock or FakeClock({})
-    tensor_fusion = TensorFusion(trainer(), settings, tune=True, log_path=log, cache=cache, clock=clock)
+    tensor_fusion = TensorFusion(trainer(**trainer_kwargs), settings, tune=True, log_path=log, cache=cache, clock=clock)
     if checkpointed is not None:
         tensor_fusion.load_state_dict(checkpointed)
     tensor_fusion.first = tensor_fusion.initial_setting(model, world_size, torch.device("cpu"), "gloo")
@@ -187,6 +188,18 @@ def test_the_autotuner_finds_the_fastest_logs_each_sample_and_caches(tmp_path):
     assert row["stage"] == "none" and row["note"] == "no search: bucket 4 MB from the autotune cache"
     other = tuner(settings, clock, cache=cache, world_size=2)  # another key
     assert other.tuning
+
+
+def test_a_result_cached_for_another_batch_size_node_count_or_device_model_is_not_reused(tmp_path, monkeypatch):
+    # the cache (under the home directory by default) may be shared by runs of other layouts on a cluster
+    settings = AutotuneSettings(candidates_mb=(1,), steps_per_sample=2)
+    clock, cache = FakeClock({A: 0.5, DDP_DEFAULT: 0.7}), tmp_path / "cache.json"
+    drive(tuner(settings, clock, cache=cache), clock)  # 8 samples per device, 1 node: tuned and cached
+    assert not tuner(settings, cache=cache).tuning  # the same layout: from the cache
+    assert tuner(settings, cache=cache, datamodule=SimpleNamespace(per_device_batch_size=16)).tuning
+    assert tuner(settings, cache=cache, num_nodes=2).tuning
+    monkeypatch.setattr(fusion, "device_model", lambda device: "another CPU")
+    assert tuner(settings, cache=cache).tuning
 
 
 def test_a_fixed_bucket_size_is_not_searched():

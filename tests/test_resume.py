@@ -268,6 +268,8 @@ def test_a_checkpoint_of_another_global_batch_resumes_with_a_warning_naming_both
     shown.write_text("")
     fit(tmp_path / "same-batch", 1, ckpt_path=checkpoint, batch=4)  # another world size, the same global batch
     assert "global batch" not in shown.read_text()
+    fit(tmp_path / "one-process", 1, ckpt_path=checkpoint)  # one process, 2 samples a batch
+    assert "global batch of 4 samples (2 processes), this run's is 2 (1 process): the rest" in shown.read_text()
 
 
 class SaveAt(Callback):

@@ -8,7 +8,6 @@ import json
 import math
 import os
 import platform
-import re
 import statistics
 import tempfile
 import time
@@ -30,6 +29,7 @@ from lightning_shardplus.bench.workloads import BenchConfig, RankStream, bench_m
 from lightning_shardplus.data.aggregation import effective_batch_size
 from lightning_shardplus.data.datamodule import SyntheticDataModule
 from lightning_shardplus.diagnostics import STEP_PHASES, CollectiveCalls, CommunicationCounter, ScalingReport
+from lightning_shardplus.gradients.ddp.fusion import cpu_model
 from lightning_shardplus.strategies.ddp import ShardPlusStrategy
 
 _COLLECTIVES = ("all_reduce", "barrier")  # the kinds of collectives counted per optimizer step
@@ -332,20 +332,10 @@ def _median_breakdown(reports: list[dict[str, Any] | None]) -> dict[str, float] 
     return {phase: statistics.median(r["ms_per_micro_batch"][phase] for r in counted) for phase in STEP_PHASES}
 
 
-def _cpu_model() -> str:
-    """The CPU's model name, as /proc/cpuinfo or the platform module tells it."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor() or platform.machine()
-    match = re.search(r"^model name\s*:\s*(.+)$", text, re.MULTILINE)
-    return match.group(1).strip() if match else platform.machine()
-
-
 def machine(args: argparse.Namespace) -> dict[str, Any]:
     """What the benchmark ran on: CPU, cores, accelerator and processes, library versions."""
     description: dict[str, Any] = {
-        "cpu": _cpu_model(),
+        "cpu": cpu_model(),
         "cpu_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
         "accelerator": args.accelerator,
         "devices": args.devices,

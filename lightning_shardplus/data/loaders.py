@@ -175,7 +175,7 @@ class ShardedLoaders:
         if saved is not None and saved != now:  # the same global batch on another world size: the same steps
             rank_zero_warn(
                 f"shardplus: the checkpoint was written with a global batch of {saved} samples "
-                f"({state.get('num_replicas')} processes), this run's is {now} ({self.num_replicas} processes): "
+                f"({processes(state.get('num_replicas'))}), this run's is {now} ({processes(self.num_replicas)}): "
                 "the rest of the epoch is resharded, every remaining sample read once, in other optimizer steps "
                 "than the saved run's."
             )
@@ -280,3 +280,8 @@ def _batches(samples: int, loader: DataLoader) -> int:
     if size is None:
         return samples
     return samples // size if loader.drop_last else -(-samples // size)
+
+
+def processes(count: Any) -> str:
+    """``count`` processes, in words ("1 process", "2 processes")."""
+    return f"{count} process{'' if count == 1 else 'es'}"

@@ -34,6 +34,21 @@ class ShardPlusStrategy(ShardPlusDataSide, DDPStrategy):
     """DDP with the training optimizations of Horovod, Determined and NVIDIA Clara Train, for Lightning.
 
     Args:
+        accelerator: Lightning's accelerator (an ``Accelerator`` or a name such as ``"cpu"``, ``"gpu"``); None: the
+            Trainer's.
+        parallel_devices: the devices of this node's processes; None: the Trainer's.
+        cluster_environment: how the processes find each other (a ``ClusterEnvironment``); None: the Trainer's.
+        checkpoint_io: how checkpoints are written and read (a ``CheckpointIO``); None: Lightning's.
+        precision_plugin: the precision (a ``Precision``); None: the Trainer's.
+        ddp_comm_state: the state of ``ddp_comm_hook`` (a ``PowerSGDState`` configures
+            ``gradient_compression="powersgd"``).
+        ddp_comm_hook: DDP's communication hook, registered on every device type.
+        ddp_comm_wrapper: a wrapper of ``ddp_comm_hook`` (e.g. fp16 compression of its buckets).
+        model_averaging_period: with a ``PostLocalSGDState`` as ``ddp_comm_state``: optimizer steps between model
+            averages.
+        process_group_backend: the process group's backend (``"gloo"``, ``"nccl"``, ...); None: the device's.
+        timeout: the process group's timeout, a ``timedelta`` or seconds.
+        start_method: ``"popen"`` (Lightning's subprocess launcher), ``"spawn"``, ``"fork"`` or ``"forkserver"``.
         aggregation_frequency: micro-batches per optimizer step (replaces ``accumulate_grad_batches``).
         average_aggregated_gradients: the mean of the aggregated gradients (True) or their sum (False).
         gradient_compression: DDP's communication hook: ``"none"``, ``"fp16"``, ``"bf16"`` or ``"powersgd"``.
@@ -51,9 +66,12 @@ class ShardPlusStrategy(ShardPlusDataSide, DDPStrategy):
         autotune_cache: JSON cache of tuned results: True (the user cache folder), a path, or False.
         average_training_metrics: training values logged ``on_step`` are averaged over all ranks.
         uneven_inputs: training streams of different lengths per rank: ``"join"`` or ``"drop"``.
-        find_unused_parameters, static_graph, gradient_as_bucket_view, broadcast_buffers: DDP's (None: its default).
+        find_unused_parameters: DDP's: find the parameters a step gives no gradient; None: DDP's default (False).
+        static_graph: DDP's: the set of used parameters is the same in every step.
+        gradient_as_bucket_view: DDP's: the gradients are views into its buckets (saves memory).
+        broadcast_buffers: DDP's: rank 0's buffers sent to every rank at each forward; None: DDP's default.
 
-    The others are ``DDPStrategy``'s (``ddp_comm_hook``, ``ddp_comm_wrapper`` on every device); ``docs/arguments.md``.
+    DistributedDataParallel's other keyword arguments pass through; ``docs/arguments.md``.
     """
 
     strategy_name = "shardplus"
@@ -163,13 +181,19 @@ class ShardPlusStrategy(ShardPlusDataSide, DDPStrategy):
 
     @override
     def configure_ddp(self) -> None:
-        """Wrap in DDP; with ``auto_tune_tensor_fusion``, with the tuned setting or the first one to measure."""
+        super().configure_ddp()  # DDPStrategy registers no hook: it has none (it would, on CUDA only)
+        self.register_communication_hook()
+
+    @override
+    def on_train_start(self) -> None:
+        """With ``auto_tune_tensor_fusion``, DDP re-wrapped with the tuned setting or the race's first, unless it is the
+        reference DDP was wrapped with (the cache key holds the per-device batch size: the loaders are built now)."""
         if (parts := self._components) and parts.fusion and self.config.auto_tune_tensor_fusion:
             module, device = self.lightning_module, self.root_device
             setting = parts.fusion.initial_setting(module, self.world_size, device, parts.backend)
-            _lightning.set_ddp_kwargs(self, setting.ddp_kwargs())
-        super().configure_ddp()  # DDPStrategy registers no hook: it has none (it would, on CUDA only)
-        self.register_communication_hook()
+            if setting != parts.fusion.settings.reference:
+                self.rewrap_ddp(setting)
+        super().on_train_start()
 
     def register_communication_hook(self) -> None:
         """Register the gradient communication hook on the current DDP wrapper; again after each re-wrap."""

@@ -78,13 +78,29 @@ class ShardPlusModelParallelStrategy(ShardPlusDataSide, ModelParallelStrategy):
     """Lightning's ``ModelParallelStrategy`` with shardplus's data side over the data-parallel ranks.
 
     Args:
-        data_parallel_size, tensor_parallel_size, save_distributed_checkpoint, process_group_backend, timeout:
-            ``ModelParallelStrategy``'s.
+        data_parallel_size: the device mesh's ``data_parallel`` dimension: FSDP2's ranks, which shardplus shards the
+            data over; ``"auto"``: the number of nodes.
+        tensor_parallel_size: the device mesh's ``tensor_parallel`` dimension: its ranks read the same samples;
+            ``"auto"``: the devices per node.
+        save_distributed_checkpoint: each rank saves its shards (a folder of files); False: one file, assembled on
+            rank 0.
+        process_group_backend: the process group's backend (``"gloo"``, ``"nccl"``, ...); None: the device's.
+        timeout: the process group's timeout, a ``timedelta`` or seconds.
         aggregation_frequency: micro-batches per optimizer step; FSDP2 reduces the gradients once, at the last.
+        average_aggregated_gradients: the mean of the aggregated gradients (True) or their sum (False).
+        shard_padding: short training shards filled with the first element (``"first"``) or wrapped (``"wrap"``).
+        shuffle_seed: seed of the training epoch permutation; None: the ``seed_everything`` seed, else 0.
+        exact_evaluation: unpadded evaluation shards over the data-parallel ranks; epoch metrics equal a
+            single-process run.
+        verify_sharding: debug aid: check after each training epoch that the data-parallel shards were disjoint and
+            complete.
+        average_training_metrics: training values logged ``on_step`` are averaged over the data-parallel ranks.
+        uneven_inputs: training streams of different lengths per data-parallel rank: ``"join"`` or ``"drop"``.
         start_method: ``"popen"`` (Lightning's subprocess launcher, as ``ModelParallelStrategy``), or ``"fork"``,
             ``"spawn"``, ``"forkserver"`` (Lightning's multiprocessing launcher, as ``DDPStrategy``'s; the launching
             process gets the trained weights whole).
-        The others: as ``ShardPlusStrategy``'s, counted over the data-parallel ranks (docs/model-parallel.md).
+
+    docs/model-parallel.md.
 
     Example::
 

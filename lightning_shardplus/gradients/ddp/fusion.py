@@ -11,6 +11,8 @@ import json
 import math
 import numbers
 import os
+import platform
+import re
 import statistics
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -24,6 +26,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_shardplus._compat.torch import DDP_DEFAULT_FIRST_BUCKET_BYTES
 from lightning_shardplus.config.validation import check_int, check_writable_file
+from lightning_shardplus.data.aggregation import micro_batch_size
 
 _MB = 1024 * 1024  # DDP's megabyte
 # DDP hands its reducer int(bucket_cap_mb * 2**20) as a 64-bit integer: 2**43 MB and more fail there (exclusive).
@@ -158,6 +161,23 @@ def default_cache_path() -> Path:
     base = os.environ.get("XDG_CACHE_HOME", "")
     root = Path(base) if os.path.isabs(base) else Path("~/.cache").expanduser()
     return root / "lightning_shardplus" / "fusion.json"
+
+
+def cpu_model() -> str:
+    """The CPU's model name, as /proc/cpuinfo or the platform module tells it."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    match = re.search(r"^model name\s*:\s*(.+)$", text, re.MULTILINE)
+    return match.group(1).strip() if match else platform.machine()
+
+
+def device_model(device: torch.device) -> str:
+    """The model of ``device`` for the cache key: the GPU's name, the CPU's, else the device type."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return cpu_model() if device.type == "cpu" else device.type
 
 
 def cache_key(
@@ -313,12 +333,16 @@ class TensorFusion:
         return self.result is None and bool(self.schedule)
 
     def initial_setting(self, module: torch.nn.Module, world_size: int, device: torch.device, backend: str):
-        """The setting to wrap DDP with first: the reference, the checkpoint's or cached one, or the race's first."""
+        """The setting to train with from the first step: the reference, the checkpoint's or cached one, or the race's
+        first. Asked when training starts: the key holds the per-device batch size, known once the loaders are."""
         if not self.tune:
             return self.settings.reference
         parameters = [p for p in module.parameters() if p.requires_grad]
         self.settings, self.device = self.settings.for_model(parameters), device  # the key holds the sizes raced
-        extra = {"candidates": [s.label for s in self.settings.candidates], "rounds": ROUNDS, **self.cache_extra}
+        layout = {"per_device_batch_size": micro_batch_size(self.trainer), "num_nodes": self.trainer.num_nodes,
+                  "device_model": device_model(device)}  # fmt: skip
+        extra = {"candidates": [s.label for s in self.settings.candidates], "rounds": ROUNDS, **layout,
+                 **self.cache_extra}  # fmt: skip
         self.cache_key = cache_key(parameters, world_size, device.type, backend, extra)
         self.gradient_bytes = sum(p.numel() * p.element_size() for p in parameters)
         self.times = {c: [] for c in self.settings.candidates}
