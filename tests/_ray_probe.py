@@ -63,6 +63,17 @@ class RayRegression(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
+class ShardedRayRegression(RayRegression):
+    """The same model under FSDP2 over the data-parallel dimension of the strategy's mesh."""
+
+    def configure_model(self) -> None:
+        try:
+            from torch.distributed.fsdp import fully_shard
+        except ImportError:  # torch < 2.6
+            from torch.distributed._composable.fsdp import fully_shard
+        fully_shard(self, mesh=self.device_mesh["data_parallel"])
+
+
 STRATEGIES = {"shardplus": RayShardPlusStrategy, "ray_ddp": RayDDPStrategy}
 
 
@@ -80,6 +91,8 @@ def train_function(config: dict) -> None:
     model = RayRegression(str(record_dir))
     trainer = _trainer(STRATEGIES[config["strategy"]](), max_epochs=config["epochs"])
     batch_size = config["batch_size"]
+    if config.get("model_parallel"):  # FSDP2 over Ray's workers, without prepare_trainer (it refuses the class)
+        _fit_model_parallel(record_dir, config)
     trainer.fit(
         model, _loader(config["train_size"], 1, batch_size, shuffle=True), _loader(config["val_size"], 2, batch_size)
     )
@@ -89,10 +102,30 @@ def _loader(size: int, seed: int, batch_size: int, shuffle: bool = False) -> Dat
     return DataLoader(RegressionData(size, seed), batch_size=batch_size, shuffle=shuffle)
 
 
-def _trainer(strategy, prepare: bool = True, **kwargs) -> pl.Trainer:
+def _fit_model_parallel(record_dir: Path, config: dict) -> None:
+    """A fit under ``RayShardPlusModelParallelStrategy``: each rank's ``callback_metrics`` and the full final weights
+    (rank 0) in ``record_dir/model_parallel``."""
+    directory = record_dir / "model_parallel"
+    directory.mkdir(exist_ok=True)
+    pl.seed_everything(0)
+    strategy = RayShardPlusModelParallelStrategy(save_distributed_checkpoint=False)
+    trainer = _trainer(strategy, prepare=False, callbacks=[], max_epochs=1)
+    batch_size = config["batch_size"]
+    trainer.fit(
+        ShardedRayRegression(str(directory)),
+        _loader(config["train_size"], 1, batch_size, shuffle=True),
+        _loader(config["val_size"], 2, batch_size),
+    )
+    metrics = {name: value.item() for name, value in trainer.callback_metrics.items()}
+    _write(directory, f"metrics{trainer.global_rank}", json.dumps(metrics))
+    trainer.save_checkpoint(directory / "final.ckpt")
+
+
+def _trainer(strategy, prepare: bool = True, callbacks=None, **kwargs) -> pl.Trainer:
     trainer = pl.Trainer(
         devices="auto", accelerator="cpu", strategy=strategy, plugins=[RayLightningEnvironment()],
-        callbacks=[RayTrainReportCallback()], logger=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[RayTrainReportCallback()] if callbacks is None else callbacks, logger=False,
+        enable_progress_bar=False, enable_model_summary=False,
         enable_checkpointing=False, num_sanity_val_steps=0, **kwargs,
     )  # fmt: skip
     return prepare_trainer(trainer) if prepare else trainer

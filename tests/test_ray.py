@@ -5,6 +5,7 @@ Ray instance and one run per worker count, shared by the tests (starting workers
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -48,8 +49,9 @@ def _fit(tmp_path: Path, workers: int, **config):
 
 @pytest.fixture(scope="module")
 def two_workers(local_ray, tmp_path_factory):
-    """9 training samples (padded to 10) and 7 validation samples on 2 workers; the mesh refusal first."""
-    return _fit(tmp_path_factory.mktemp("ray2"), 2, train_size=9, val_size=7, mesh_refusal=True)
+    """9 training samples (padded to 10) and 7 validation samples on 2 workers; the mesh refusal, then a model
+    parallel fit first."""
+    return _fit(tmp_path_factory.mktemp("ray2"), 2, train_size=9, val_size=7, mesh_refusal=True, model_parallel=True)
 
 
 @pytest.fixture(scope="module")
@@ -59,10 +61,14 @@ def three_workers(local_ray, tmp_path_factory):
 
 
 def _one_process_values(result, val_size: int) -> tuple[float, float]:
-    """``val_mse`` and the sample count of the checkpointed final weights over the whole validation set, in this
+    """``val_mse`` and the sample count of the checkpoint Ray reported last over the whole validation set, in this
     process."""
     with result.checkpoint.as_directory() as directory:
-        state = torch.load(Path(directory) / "checkpoint.ckpt", weights_only=False)["state_dict"]
+        return _evaluate(Path(directory) / "checkpoint.ckpt", val_size)
+
+
+def _evaluate(checkpoint: Path, val_size: int) -> tuple[float, float]:
+    state = torch.load(checkpoint, weights_only=False)["state_dict"]
     model = RayRegression(".")
     model.load_state_dict(state)
     data = RegressionData(val_size, seed=2)
@@ -112,6 +118,18 @@ def test_ray_training_metrics_are_averaged_over_workers(two_workers):
     last = {row["rank"]: row["loss"] for row in records if row["stage"] == "train"}
     assert last[0] != pytest.approx(last[1])
     assert result.metrics["train_loss"] == pytest.approx((last[0] + last[1]) / 2, rel=1e-5)
+
+
+def test_ray_model_parallel_is_exact_without_prepare_trainer(two_workers):
+    """``RayShardPlusModelParallelStrategy`` (FSDP2 over Ray's 2 workers, the "auto" mesh 2 x 1): every rank's epoch
+    values equal a one-process evaluation of the final (gathered) weights, 7 samples counted for 7."""
+    *_, record_dir = two_workers
+    directory = record_dir / "model_parallel"
+    val_mse, count = _evaluate(directory / "final.ckpt", 7)
+    for rank in (0, 1):
+        metrics = json.loads((directory / f"metrics{rank}.txt").read_text())
+        assert metrics["val_count"] == count == 7
+        assert metrics["val_mse"] == pytest.approx(val_mse, rel=1e-5)
 
 
 def test_ray_mesh_that_does_not_fit_workers_is_refused(two_workers):
