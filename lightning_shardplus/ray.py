@@ -25,9 +25,10 @@ from lightning_shardplus import ShardPlusModelParallelStrategy, ShardPlusStrateg
 from lightning_shardplus._validation import check_int
 
 if not issubclass(RayDDPStrategy, DDPStrategy):  # Ray builds on `lightning` where it is installed, else on the other
+    _ray_namespace = RayDDPStrategy.__mro__[1].__module__.rsplit(".strategies")[0]
     raise ImportError(
-        f"Ray Train's Lightning integration is built on {RayDDPStrategy.__mro__[1].__module__.split('.')[0]} here, "
-        f"this module on {pl.__name__}: import lightning_shardplus.ray with the Lightning namespace Ray uses"
+        f"Ray Train's Lightning integration is built on {_ray_namespace} here, this module on {pl.__name__}: "
+        "shardplus's Ray strategies run with Trainers of the namespace Ray uses (docs/ray.md)"
     )
 
 LAUNCHER = "Ray Train"

@@ -137,3 +137,14 @@ def test_ray_mesh_that_does_not_fit_workers_is_refused(two_workers):
     *_, record_dir = two_workers
     message = (record_dir / "refusal.txt").read_text()
     assert "mesh of 4 processes" in message and "starts 2 (ScalingConfig(num_workers=...))" in message
+
+
+def test_ray_front_in_the_namespace_ray_does_not_use_is_refused_at_import():
+    """Ray builds its classes on ``lightning.pytorch`` where ``lightning`` is installed: the ``pytorch_lightning``
+    mirror's Ray front would mix the two class hierarchies, so its import says which namespace Ray uses."""
+    import importlib.util
+
+    if importlib.util.find_spec("lightning") is None or importlib.util.find_spec("pytorch_lightning") is None:
+        pytest.skip("needs both Lightning namespaces")
+    with pytest.raises(ImportError, match=r"built on lightning\.pytorch here, this module on pytorch_lightning"):
+        import lightning_shardplus.pytorch_lightning.ray  # noqa: F401
