@@ -123,7 +123,7 @@ def check_accelerator(accelerator: Any, strategy_name: str, start_method: str) -
 def check_trainer_call(strategy: Any, *call_args: Any, trainer: Any = None) -> None:
     """Refuse the arguments of a Trainer call that cannot work at this world size or with ``strategy``'s options:
     the launcher's world size, the backend's name, the global batch size, the aggregation frequency."""
-    check_launcher_world_size(strategy.cluster_environment, strategy.num_processes, strategy.num_nodes)
+    strategy.check_launcher()
     if strategy.process_group_backend is not None:
         check_process_group_backend_known(strategy.process_group_backend)
     for arg in call_args:

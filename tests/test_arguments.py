@@ -525,6 +525,9 @@ def test_the_start_up_line_names_the_features_in_effect_through_lightnings_logge
     assert line.startswith("shardplus: 3 processes: padded equal training shards (padding 'first'")
     assert "averaged training metrics off" in line and "4 micro-batches per optimizer step" in line and "'fp16'" in line
     assert features_in_effect(config, 3, fitting=False) == "shardplus: 3 processes, exact evaluation on"
+    assert features_in_effect(config, 2, fitting=True, launcher_name="Ray Train").startswith(
+        "shardplus: 2 processes started by Ray Train: padded"
+    )  # the Ray strategies' `launcher_name` (tests/test_ray.py runs them)
     import lightning.pytorch as pl
     from lightning.pytorch.demos.boring_classes import BoringModel
 

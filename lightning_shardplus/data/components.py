@@ -43,6 +43,7 @@ class DistributedSetup:
     ddp_comm_wrapper: Callable | None = None
     ddp_kwargs: dict[str, Any] | None = None
     ddp: bool = True
+    launcher_name: str | None = None  # named in the start-up line where it is not Lightning's or as found (Ray Train)
 
     @property
     def num_replicas(self) -> int:
@@ -68,7 +69,8 @@ class RunComponents:
         """The components of ``trainer``'s run; the callbacks shardplus needs are added to the Trainer's."""
         exact_across_ranks = config.exact_evaluation and setup.num_replicas > 1
         _add_callbacks(config, trainer, exact_across_ranks)
-        rank_zero_info(features_in_effect(config, setup.num_replicas, trainer.state.fn == TrainerFn.FITTING, setup.ddp))
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        rank_zero_info(features_in_effect(config, setup.num_replicas, fitting, setup.ddp, setup.launcher_name))
         datamodule = getattr(trainer, "datamodule", None)
         # Lightning marks every training loader as shuffled when it injects its sampler: read the datamodule's
         shuffle = not isinstance(datamodule, ShardPlusDataModule) or datamodule.shuffle
@@ -183,11 +185,15 @@ def _add_callbacks(config: ShardPlusConfig, trainer: pl.Trainer, exact_across_ra
         callbacks.insert(0, AverageTrainingMetrics())
 
 
-def features_in_effect(config: ShardPlusConfig, num_replicas: int, fitting: bool, ddp: bool = True) -> str:
-    """The start-up line naming what shardplus does in this run, as Lightning names the devices it uses (silenced as
-    those are: ``logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)``)."""
+def features_in_effect(
+    config: ShardPlusConfig, num_replicas: int, fitting: bool, ddp: bool = True, launcher_name: str | None = None
+) -> str:
+    """The start-up line naming what shardplus does in this run (and who started the processes, where named), as
+    Lightning names the devices it uses (silenced as those are:
+    ``logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)``)."""
     exact = f"exact evaluation {'on' if config.exact_evaluation else 'off'}"
     ranks = f"{num_replicas} {'processes' if ddp else 'data-parallel ranks (model parallel)'}"
+    ranks += f" started by {launcher_name}" if launcher_name else ""
     if not fitting:
         return f"shardplus: {ranks}, {exact}"
     features = [

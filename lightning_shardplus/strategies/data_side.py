@@ -29,6 +29,7 @@ from lightning_shardplus.data.uneven import silence_litdata_drop_last_warning
 from lightning_shardplus.launch import (
     LaunchAfterCheck,
     check_fit,
+    check_launcher_world_size,
     check_trainer_call,
     export_rank_variables,
     unshare_memory,
@@ -43,6 +44,8 @@ class ShardPlusDataSide(ParallelStrategy):
     config: ShardPlusConfig
     num_replicas: int
     start_method: str  # how the processes start: "popen", "fork", "spawn" or "forkserver"
+    launcher_name: str | None = None  # who starts the processes, in the start-up line; None: Lightning or as found
+    processes_setting = "devices x num_nodes"  # what sets the number of processes, named in refusals
 
     def _init_data_side(self, config: ShardPlusConfig) -> None:
         self.config = config
@@ -57,8 +60,18 @@ class ShardPlusDataSide(ParallelStrategy):
         kwargs = self.distributed_sampler_kwargs
         group = data_parallel(self)
         return DistributedSetup(
-            DataParallel(kwargs["num_replicas"], kwargs["rank"], group.group, group.groups), backend, self.root_device
+            DataParallel(kwargs["num_replicas"], kwargs["rank"], group.group, group.groups), backend, self.root_device,
+            launcher_name=self.launcher_name,
         )
+
+    @property
+    def started_processes(self) -> int:
+        """How many processes run this Trainer: ``devices x num_nodes`` (under Ray, Ray's worker count)."""
+        return self.num_nodes * self.num_processes
+
+    def check_launcher(self) -> None:
+        """Refuse a launcher whose world size is not the Trainer's (:func:`launch.check_launcher_world_size`)."""
+        check_launcher_world_size(self.cluster_environment, self.num_processes, self.num_nodes)
 
     @property
     def micro_batches_per_step(self) -> int:

@@ -131,7 +131,7 @@ class ShardPlusStrategy(ShardPlusDataSide, DDPStrategy):
 
     @property
     def num_replicas(self) -> int:
-        return self.num_nodes * self.num_processes
+        return self.started_processes
 
     @property
     def fusion_result(self) -> FusionResult | None:

@@ -193,11 +193,11 @@ class ShardPlusModelParallelStrategy(ShardPlusDataSide, ModelParallelStrategy):
         # "auto" as ModelParallelStrategy resolves it: data parallel over the nodes, tensor parallel within one
         dp = self.num_nodes if self._data_parallel_given == "auto" else self._data_parallel_given
         tp = self.num_processes if self._tensor_parallel_given == "auto" else self._tensor_parallel_given
-        processes = self.num_nodes * self.num_processes
-        if dp * tp != processes:
+        if dp * tp != (processes := self.started_processes):
             raise ValueError(
                 f"`data_parallel_size`={dp} x `tensor_parallel_size`={tp} is a mesh of {dp * tp} processes, and the "
-                f"Trainer starts {processes} (devices x num_nodes): make the product equal the number of processes."
+                f"Trainer starts {processes} ({self.processes_setting}): make the product equal the number of "
+                "processes."
             )
         super().check_trainer_call(*call_args, trainer=trainer)
 

@@ -1,0 +1,135 @@
+"""What each Ray Train worker runs in tests/test_ray.py: a regression fit under a given strategy, as Ray documents its
+Lightning integration (``devices="auto"``, ``RayLightningEnvironment``, ``RayTrainReportCallback``,
+``prepare_trainer``); each rank appends what it saw to its own JSON-lines file."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from ray.train.lightning import RayDDPStrategy, RayLightningEnvironment, RayTrainReportCallback, prepare_trainer
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_shardplus.ray import RayShardPlusModelParallelStrategy, RayShardPlusStrategy
+
+
+class RegressionData(Dataset):
+    """Sample ``i``: ``(x_i, y_i, i)``, fixed by the index and the seed."""
+
+    def __init__(self, length: int, seed: int) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        self.inputs = torch.randn(length, 4, generator=generator)
+        self.targets = torch.randn(length, generator=generator)
+
+    def __len__(self) -> int:
+        return len(self.targets)
+
+    def __getitem__(self, index: int):
+        return self.inputs[index], self.targets[index], index
+
+
+class RayRegression(pl.LightningModule):
+    def __init__(self, record_dir: str) -> None:
+        super().__init__()
+        self.record_dir = Path(record_dir)
+        self.layer = nn.Linear(4, 1)
+
+    def record(self, **row) -> None:
+        with open(self.record_dir / f"rank{self.global_rank}.jsonl", "a") as f:
+            f.write(json.dumps({"rank": self.global_rank, "epoch": self.current_epoch, **row}) + "\n")
+
+    def forward(self, inputs):
+        return self.layer(inputs).squeeze(-1)
+
+    def training_step(self, batch, batch_idx):
+        inputs, targets, indices = batch
+        loss = F.mse_loss(self(inputs), targets)
+        self.record(stage="train", indices=indices.tolist(), loss=loss.item())
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        inputs, targets, indices = batch
+        if not self.trainer.sanity_checking:
+            self.record(stage="val", indices=indices.tolist())
+        self.log("val_mse", F.mse_loss(self(inputs), targets), sync_dist=True)
+        self.log("val_count", float(len(indices)), reduce_fx="sum", sync_dist=True)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class ShardedRayRegression(RayRegression):
+    """The same model under FSDP2 over the data-parallel dimension of the strategy's mesh."""
+
+    def configure_model(self) -> None:
+        try:
+            from torch.distributed.fsdp import fully_shard
+        except ImportError:  # torch < 2.6
+            from torch.distributed._composable.fsdp import fully_shard
+        fully_shard(self, mesh=self.device_mesh["data_parallel"])
+
+
+STRATEGIES = {"shardplus": RayShardPlusStrategy, "ray_ddp": RayDDPStrategy}
+
+
+def train_function(config: dict) -> None:
+    """One fit: ``config`` names the strategy, the sizes and where to record."""
+    record_dir = Path(config["record_dir"])
+    record_dir.mkdir(parents=True, exist_ok=True)
+    if config.get("mesh_refusal"):  # a mesh that does not fit Ray's workers, refused before training
+        strategy = RayShardPlusModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=2)
+        try:
+            _trainer(strategy, prepare=False).fit(RayRegression(str(record_dir)), _loader(4, 1, 2))
+        except ValueError as error:
+            _write(record_dir, "refusal", str(error))
+    pl.seed_everything(0)
+    model = RayRegression(str(record_dir))
+    trainer = _trainer(STRATEGIES[config["strategy"]](), max_epochs=config["epochs"])
+    batch_size = config["batch_size"]
+    if config.get("model_parallel"):  # FSDP2 over Ray's workers, without prepare_trainer (it refuses the class)
+        _fit_model_parallel(record_dir, config)
+    trainer.fit(
+        model, _loader(config["train_size"], 1, batch_size, shuffle=True), _loader(config["val_size"], 2, batch_size)
+    )
+
+
+def _loader(size: int, seed: int, batch_size: int, shuffle: bool = False) -> DataLoader:
+    return DataLoader(RegressionData(size, seed), batch_size=batch_size, shuffle=shuffle)
+
+
+def _fit_model_parallel(record_dir: Path, config: dict) -> None:
+    """A fit under ``RayShardPlusModelParallelStrategy``: each rank's ``callback_metrics`` and the full final weights
+    (rank 0) in ``record_dir/model_parallel``."""
+    directory = record_dir / "model_parallel"
+    directory.mkdir(exist_ok=True)
+    pl.seed_everything(0)
+    strategy = RayShardPlusModelParallelStrategy(save_distributed_checkpoint=False)
+    trainer = _trainer(strategy, prepare=False, callbacks=[], max_epochs=1)
+    batch_size = config["batch_size"]
+    trainer.fit(
+        ShardedRayRegression(str(directory)),
+        _loader(config["train_size"], 1, batch_size, shuffle=True),
+        _loader(config["val_size"], 2, batch_size),
+    )
+    metrics = {name: value.item() for name, value in trainer.callback_metrics.items()}
+    _write(directory, f"metrics{trainer.global_rank}", json.dumps(metrics))
+    trainer.save_checkpoint(directory / "final.ckpt")
+
+
+def _trainer(strategy, prepare: bool = True, callbacks=None, **kwargs) -> pl.Trainer:
+    trainer = pl.Trainer(
+        devices="auto", accelerator="cpu", strategy=strategy, plugins=[RayLightningEnvironment()],
+        callbacks=[RayTrainReportCallback()] if callbacks is None else callbacks, logger=False,
+        enable_progress_bar=False, enable_model_summary=False,
+        enable_checkpointing=False, num_sanity_val_steps=0, **kwargs,
+    )  # fmt: skip
+    return prepare_trainer(trainer) if prepare else trainer
+
+
+def _write(record_dir: Path, name: str, text: str) -> None:
+    (record_dir / f"{name}.txt").write_text(text)

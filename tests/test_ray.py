@@ -1,0 +1,150 @@
+"""shardplus on Ray Train (``lightning_shardplus.ray``): a local Ray instance, ``TorchTrainer`` with 2 and 3 CPU
+workers, the Trainer built as Ray documents its Lightning integration. What Ray reports (``result.metrics``) is
+compared with a one-process evaluation of the final weights; each worker's samples are read from its records. One
+Ray instance and one run per worker count, shared by the tests (starting workers dominates the time)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+ray = pytest.importorskip("ray")
+pytest.importorskip("ray.train.lightning")
+
+from _models import read_records  # noqa: E402
+from _ray_probe import RayRegression, RegressionData, train_function  # noqa: E402
+from ray.train import RunConfig, ScalingConfig  # noqa: E402
+from ray.train.torch import TorchTrainer  # noqa: E402
+
+pytestmark = pytest.mark.timeout(600)
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    """One local Ray instance for the module (each worker takes half a CPU: 3 fit in it); the workers import the
+    tests' helpers."""
+    tests = str(Path(__file__).parent)
+    path = os.pathsep.join(filter(None, [str(Path(tests).parent), tests, os.environ.get("PYTHONPATH")]))
+    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": path}})
+    yield
+    ray.shutdown()
+
+
+def _fit(tmp_path: Path, workers: int, **config):
+    config = dict(record_dir=str(tmp_path / "records"), strategy="shardplus", epochs=2, batch_size=2) | config
+    trainer = TorchTrainer(
+        train_function, train_loop_config=config,
+        scaling_config=ScalingConfig(num_workers=workers, use_gpu=False, resources_per_worker={"CPU": 0.5}),
+        run_config=RunConfig(storage_path=str(tmp_path / "storage"), name="run"),
+    )  # fmt: skip
+    result = trainer.fit()
+    assert result.error is None
+    return result, read_records(tmp_path / "records"), tmp_path / "records"
+
+
+@pytest.fixture(scope="module")
+def two_workers(local_ray, tmp_path_factory):
+    """9 training samples (padded to 10) and 7 validation samples on 2 workers; the mesh refusal, then a model
+    parallel fit first."""
+    return _fit(tmp_path_factory.mktemp("ray2"), 2, train_size=9, val_size=7, mesh_refusal=True, model_parallel=True)
+
+
+@pytest.fixture(scope="module")
+def three_workers(local_ray, tmp_path_factory):
+    """7 training samples (padded to 9) and 2 validation samples on 3 workers: the third has no sample."""
+    return _fit(tmp_path_factory.mktemp("ray3"), 3, train_size=7, val_size=2)
+
+
+def _one_process_values(result, val_size: int) -> tuple[float, float]:
+    """``val_mse`` and the sample count of the checkpoint Ray reported last over the whole validation set, in this
+    process."""
+    with result.checkpoint.as_directory() as directory:
+        return _evaluate(Path(directory) / "checkpoint.ckpt", val_size)
+
+
+def _evaluate(checkpoint: Path, val_size: int) -> tuple[float, float]:
+    state = torch.load(checkpoint, weights_only=False)["state_dict"]
+    model = RayRegression(".")
+    model.load_state_dict(state)
+    data = RegressionData(val_size, seed=2)
+    with torch.no_grad():
+        return F.mse_loss(model(data.inputs), data.targets).item(), float(len(data))
+
+
+def _by_rank_and_epoch(records: list[dict], stage: str) -> dict[tuple[int, int], list[int]]:
+    seen: dict[tuple[int, int], list[int]] = {}
+    for row in records:
+        if row["stage"] == stage:
+            seen.setdefault((row["rank"], row["epoch"]), []).extend(row["indices"])
+    return seen
+
+
+@pytest.mark.parametrize("run, train_size, val_size, workers", [("two_workers", 9, 7, 2), ("three_workers", 7, 2, 3)])
+def test_ray_reports_one_process_values(request, run, train_size, val_size, workers):
+    """``result.metrics`` (``RayTrainReportCallback``: rank 0's ``callback_metrics``) equal a one-process evaluation of
+    the final weights: the mean over every validation sample once, and a ``reduce_fx="sum"`` count of the dataset
+    size, also where a worker has no sample (plain ``RayDDPStrategy`` reports rank 0's own values: docs/ray.md)."""
+    result, records, _ = request.getfixturevalue(run)
+    val_mse, count = _one_process_values(result, val_size)
+    assert result.metrics["val_count"] == count == val_size
+    assert result.metrics["val_mse"] == pytest.approx(val_mse, rel=1e-5)
+    for epoch in (0, 1):  # every validation sample once per epoch, over the workers
+        seen = _by_rank_and_epoch(records, "val")
+        assert sorted(i for rank in range(workers) for i in seen.get((rank, epoch), [])) == list(range(val_size))
+
+
+@pytest.mark.parametrize("run, train_size, workers", [("two_workers", 9, 2), ("three_workers", 7, 3)])
+def test_ray_training_shards_are_padded_equal_and_reshuffled(request, run, train_size, workers):
+    _, records, _ = request.getfixturevalue(run)
+    seen = _by_rank_and_epoch(records, "train")
+    per_rank = -(-train_size // workers)
+    orders = []
+    for epoch in (0, 1):
+        shards = [seen[(rank, epoch)] for rank in range(workers)]
+        assert [len(shard) for shard in shards] == [per_rank] * workers
+        assert set().union(*shards) == set(range(train_size))  # every sample, padded with a repeat
+        orders.append(shards)
+    assert orders[0] != orders[1]  # a new global permutation in epoch 1
+
+
+def test_ray_training_metrics_are_averaged_over_workers(two_workers):
+    """The reported ``train_loss`` (the last step's) is the mean of every worker's last step, not rank 0's."""
+    result, records, _ = two_workers
+    last = {row["rank"]: row["loss"] for row in records if row["stage"] == "train"}
+    assert last[0] != pytest.approx(last[1])
+    assert result.metrics["train_loss"] == pytest.approx((last[0] + last[1]) / 2, rel=1e-5)
+
+
+def test_ray_model_parallel_is_exact_without_prepare_trainer(two_workers):
+    """``RayShardPlusModelParallelStrategy`` (FSDP2 over Ray's 2 workers, the "auto" mesh 2 x 1): every rank's epoch
+    values equal a one-process evaluation of the final (gathered) weights, 7 samples counted for 7."""
+    *_, record_dir = two_workers
+    directory = record_dir / "model_parallel"
+    val_mse, count = _evaluate(directory / "final.ckpt", 7)
+    for rank in (0, 1):
+        metrics = json.loads((directory / f"metrics{rank}.txt").read_text())
+        assert metrics["val_count"] == count == 7
+        assert metrics["val_mse"] == pytest.approx(val_mse, rel=1e-5)
+
+
+def test_ray_mesh_that_does_not_fit_workers_is_refused(two_workers):
+    """A 2 x 2 mesh on Ray's 2 workers: refused in every worker before training, naming Ray's setting."""
+    *_, record_dir = two_workers
+    message = (record_dir / "refusal.txt").read_text()
+    assert "mesh of 4 processes" in message and "starts 2 (ScalingConfig(num_workers=...))" in message
+
+
+def test_ray_front_in_the_namespace_ray_does_not_use_is_refused_at_import():
+    """Ray builds its classes on ``lightning.pytorch`` where ``lightning`` is installed: the ``pytorch_lightning``
+    mirror's Ray front would mix the two class hierarchies, so its import says which namespace Ray uses."""
+    import importlib.util
+
+    if importlib.util.find_spec("lightning") is None or importlib.util.find_spec("pytorch_lightning") is None:
+        pytest.skip("needs both Lightning namespaces")
+    with pytest.raises(ImportError, match=r"built on lightning\.pytorch here, this module on pytorch_lightning"):
+        import lightning_shardplus.pytorch_lightning.ray  # noqa: F401
