@@ -3,19 +3,47 @@
 every one."""
 
 from lightning_shardplus import (
-    AverageTrainingMetrics as AverageTrainingMetrics,
-    CollectiveCalls as CollectiveCalls,
-    CommunicationCounter as CommunicationCounter,
-    CommunicationHookWrapper as CommunicationHookWrapper,
-    ExactShardSampler as ExactShardSampler,
     LARS as LARS,
+)
+from lightning_shardplus import (
+    AverageTrainingMetrics as AverageTrainingMetrics,
+)
+from lightning_shardplus import (
+    CollectiveCalls as CollectiveCalls,
+)
+from lightning_shardplus import (
+    CommunicationCounter as CommunicationCounter,
+)
+from lightning_shardplus import (
+    CommunicationHookWrapper as CommunicationHookWrapper,
+)
+from lightning_shardplus import (
+    ExactShardSampler as ExactShardSampler,
+)
+from lightning_shardplus import (
     MetricMismatchError as MetricMismatchError,
+)
+from lightning_shardplus import (
     PaddedShardSampler as PaddedShardSampler,
+)
+from lightning_shardplus import (
     ScaleLearningRate as ScaleLearningRate,
+)
+from lightning_shardplus import (
     ScalingReport as ScalingReport,
+)
+from lightning_shardplus import (
     ShardPlusDataModule as ShardPlusDataModule,
+)
+from lightning_shardplus import (
     ShardPlusModelParallelStrategy as ShardPlusModelParallelStrategy,
+)
+from lightning_shardplus import (
     ShardPlusStrategy as ShardPlusStrategy,
+)
+from lightning_shardplus import (
     SyntheticDataModule as SyntheticDataModule,
+)
+from lightning_shardplus import (
     VerifySharding as VerifySharding,
 )
