@@ -16,7 +16,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 import lightning_shardplus  # noqa: F401  (registers the strategy names)
 import lightning_shardplus.large_batch.scaling  # noqa: F401  (ScaleLearningRate and LARS among the callbacks and optimizers)
 from lightning_shardplus._compat import lightning as _lightning
-from lightning_shardplus.config import closest_option
+from lightning_shardplus.gradients.ddp.config import closest_option
 from lightning_shardplus.strategies import registry
 
 

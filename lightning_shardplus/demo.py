@@ -15,8 +15,8 @@ from torch import nn
 from torch.utils.data import Dataset, TensorDataset
 from torchmetrics.classification import MulticlassAccuracy
 
-from lightning_shardplus.config.validation import check_int
 from lightning_shardplus.data.datamodule import ShardPlusDataModule
+from lightning_shardplus.validation import check_int
 
 
 class ClassifierModule(pl.LightningModule):

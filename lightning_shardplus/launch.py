@@ -21,9 +21,9 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torchmetrics import Metric
 
 from lightning_shardplus._compat import lightning as _lightning
-from lightning_shardplus.config.validation import check_process_group_backend_known
 from lightning_shardplus.data.aggregation import check_aggregation
 from lightning_shardplus.data.datamodule import ShardPlusDataModule, per_device_batch_size
+from lightning_shardplus.validation import check_process_group_backend_known
 
 
 def _launcher_world_size(environment: ClusterEnvironment | None) -> tuple[int, int | None, str] | None:

@@ -22,7 +22,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from typing_extensions import override
 
 from lightning_shardplus import ShardPlusModelParallelStrategy, ShardPlusStrategy
-from lightning_shardplus.config.validation import check_int
+from lightning_shardplus.validation import check_int
 
 if not issubclass(RayDDPStrategy, DDPStrategy):  # Ray builds on `lightning` where it is installed, else on the other
     _ray_namespace = RayDDPStrategy.__mro__[1].__module__.rsplit(".strategies")[0]

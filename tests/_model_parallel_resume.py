@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader
 
 from lightning_shardplus import ShardPlusModelParallelStrategy
 from lightning_shardplus._compat.lightning import RESUMES_INSIDE_A_WINDOW
-from lightning_shardplus.data.aggregation import FSDP2_WINDOW_GRADIENTS_READABLE
+from lightning_shardplus.gradients.fsdp2.window import FSDP2_WINDOW_GRADIENTS_READABLE
 
 # torch 2.6 (FSDP2's public unshard) and Lightning 2.5 (a resume inside a window at its micro-batch)
 WINDOWS = FSDP2_WINDOW_GRADIENTS_READABLE and RESUMES_INSIDE_A_WINDOW

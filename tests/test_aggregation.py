@@ -363,20 +363,23 @@ def test_the_new_arguments_parse_from_the_cli(monkeypatch, capsys):
 
 def test_window_gradients_are_restored_per_rank_or_as_the_mean_on_another_world_size():
     from lightning_shardplus.data.aggregation import restore_window_gradients, window_entry
+    from lightning_shardplus.gradients.ddp.side import DDPGradients
+
+    put = DDPGradients.set_window_gradients
 
     module = nn.Linear(2, 1)
     # rank 1 had no gradient for the bias (unused there): it contributed zero
     per_rank = [{"weight": torch.full((1, 2), 1.0), "bias": torch.tensor([2.0])}, {"weight": torch.full((1, 2), 3.0)}]
     entry = window_entry(3, 4, per_rank)
-    assert restore_window_gradients(module, entry, 3, 4, rank=1, world_size=2) is None
+    assert restore_window_gradients(module, entry, 3, 4, rank=1, world_size=2, set_gradients=put) is None
     assert torch.equal(module.weight.grad, per_rank[1]["weight"]) and module.bias.grad is None
-    message = restore_window_gradients(module, entry, 3, 4, rank=0, world_size=3)
+    message = restore_window_gradients(module, entry, 3, 4, rank=0, world_size=3, set_gradients=put)
     assert "saved on 2 processes, on 3" in message and "mean" in message
     assert torch.equal(module.weight.grad, torch.full((1, 2), 2.0))
     assert torch.equal(module.bias.grad, torch.tensor([1.0]))
     module.zero_grad(set_to_none=True)
-    message = restore_window_gradients(module, entry, 2, 4, rank=0, world_size=2)
+    message = restore_window_gradients(module, entry, 2, 4, rank=0, world_size=2, set_gradients=put)
     assert "window of 4 after micro-batch 3" in message and "not restored" in message and module.weight.grad is None
     other = window_entry(3, 4, [{"weight": torch.zeros(3, 2)}])
-    assert "does not fit this model" in restore_window_gradients(module, other, 3, 4, rank=0, world_size=1)
+    assert "does not fit this model" in restore_window_gradients(module, other, 3, 4, rank=0, world_size=1, set_gradients=put)
     assert module.weight.grad is None

@@ -64,7 +64,7 @@ def test_strategy_rejects_bad_arguments(kwargs, error, message):
 def test_a_misspelled_option_lists_the_strategys_options_and_ddps_and_suggests_the_closest():
     import inspect
 
-    from lightning_shardplus.config import STRATEGY_OPTIONS
+    from lightning_shardplus.gradients.ddp.config import STRATEGY_OPTIONS
 
     own = set(inspect.signature(ShardPlusStrategy.__init__).parameters) - {"self", "ddp_kwargs"}
     assert set(STRATEGY_OPTIONS) == own
@@ -148,7 +148,7 @@ def test_an_unknown_process_group_backend_fails_when_the_processes_start_before_
 
 
 def test_a_registered_third_party_backend_passes_the_launch_check():
-    from lightning_shardplus.config.validation import check_process_group_backend_known
+    from lightning_shardplus.validation import check_process_group_backend_known
 
     name = "shardplus_test_backend"
     if name not in dist.Backend.backend_list:
@@ -517,15 +517,16 @@ def test_the_plugins_of_either_lightning_namespace_pass_the_construction_check()
 def test_the_start_up_line_names_the_features_in_effect_through_lightnings_logger(caplog):
     import logging
 
-    from lightning_shardplus.config import ShardPlusConfig
     from lightning_shardplus.data.components import features_in_effect
+    from lightning_shardplus.gradients.ddp.config import ShardPlusConfig
+    from lightning_shardplus.gradients.ddp.side import DDPGradients
 
     config = ShardPlusConfig(aggregation_frequency=4, gradient_compression="fp16", average_training_metrics=False)
-    line = features_in_effect(config, 3, fitting=True)
+    line = features_in_effect(config, 3, fitting=True, gradients=DDPGradients(config))
     assert line.startswith("shardplus: 3 processes: padded equal training shards (padding 'first'")
     assert "averaged training metrics off" in line and "4 micro-batches per optimizer step" in line and "'fp16'" in line
-    assert features_in_effect(config, 3, fitting=False) == "shardplus: 3 processes, exact evaluation on"
-    assert features_in_effect(config, 2, fitting=True, launcher_name="Ray Train").startswith(
+    assert features_in_effect(config, 3, False, DDPGradients(config)) == "shardplus: 3 processes, exact evaluation on"
+    assert features_in_effect(config, 2, True, DDPGradients(config), launcher_name="Ray Train").startswith(
         "shardplus: 2 processes started by Ray Train: padded"
     )  # the Ray strategies' `launcher_name` (tests/test_ray.py runs them)
     import lightning.pytorch as pl

@@ -17,7 +17,7 @@ import torch
 import lightning_shardplus
 from lightning_shardplus import ShardPlusDataModule, ShardPlusModelParallelStrategy
 from lightning_shardplus._compat.lightning import RESUMES_INSIDE_A_WINDOW, release
-from lightning_shardplus.data.aggregation import FSDP2_WINDOW_GRADIENTS_READABLE
+from lightning_shardplus.gradients.fsdp2.window import FSDP2_WINDOW_GRADIENTS_READABLE
 
 PROBE = Path(__file__).parent / "_model_parallel_probe.py"
 # a checkpoint inside an aggregation window resumes exactly: torch 2.6 (FSDP2's public unshard), Lightning 2.5
@@ -340,7 +340,7 @@ CLASS_NAME_SCRIPT = """
 import torch, torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from lightning_shardplus.config.validation import class_name
+from lightning_shardplus.validation import class_name
 
 class Classifier(torch.nn.Module):
     def __init__(self):

@@ -314,7 +314,7 @@ def test_pytorch_lightning_trainer_takes_the_model_parallel_name_as_the_mirrors_
 
 
 def test_the_type_stub_of_the_pytorch_lightning_side_names_every_public_name():
-    """Type checkers resolve ``lightning_shardplus.pytorch_lightning`` through its stub (mypy: docs/compatibility.md)."""
+    """Type checkers resolve ``lightning_shardplus.pytorch_lightning`` through its stub (docs/compatibility.md)."""
     import ast
 
     stub = Path(lightning_shardplus.__file__).parent / "pytorch_lightning" / "__init__.pyi"

@@ -6,7 +6,6 @@ strategy corrects each window's gradient, since Lightning divides a short last w
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -16,17 +15,9 @@ from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
 from lightning_shardplus._compat import lightning as _lightning
-from lightning_shardplus.config.validation import class_name
+from lightning_shardplus.data.gradient_side import GradientSide
 from lightning_shardplus.data.group import DataParallel, data_parallel_size
-
-try:  # public from torch 2.6: before, FSDP2's units cannot be told, and a window's gradients are not read under it
-    from torch.distributed.fsdp import FSDPModule
-    from torch.distributed.tensor import distribute_tensor
-except ImportError:
-    FSDPModule = distribute_tensor = None  # type: ignore[assignment,misc]
-
-# Whether a checkpoint inside a window can hold the window's gradients under FSDP2 (through its public unshard)
-FSDP2_WINDOW_GRADIENTS_READABLE = FSDPModule is not None
+from lightning_shardplus.validation import class_name
 
 
 def window_length(micro_batches_done: int, frequency: int) -> int:
@@ -84,21 +75,22 @@ def check_aggregation(frequency: int, trainer: Any, model: Any | None, static_gr
 class GradientAggregation:
     """Aggregation windows for one fit: ``trainer.accumulate_grad_batches`` is ``frequency`` until :meth:`close`,
     and :meth:`wrap_closure` corrects each window's gradient. ``ranks_correction(aggregated, average)`` corrects
-    it further where some ranks had no data (``uneven.EvenSteps.gradient_correction``). ``window_gradients``: a
-    checkpoint inside a window holds the window's gradients so far (False where they cannot be read: a resume there
-    warns that the window's step lacks them): each rank's under DDP, their sum over ``data_parallel`` under FSDP2."""
+    it further where some ranks had no data (``uneven.EvenSteps.gradient_correction``). A checkpoint inside a window
+    holds the window's gradients so far as the gradient side reads them (``gradients.window_gradients``: each rank's
+    under DDP, their sum over the data-parallel ranks under FSDP2; None where they cannot be read: a resume there
+    warns that the window's step lacks them)."""
 
     def __init__(
         self,
         trainer: Any,
         frequency: int,
         average: bool,
-        ranks_correction: Callable[[int, bool], float] | None = None,
-        window_gradients: bool = True,
-        data_parallel: DataParallel | None = None,
+        ranks_correction: Callable[[int, bool], float] | None,
+        gradients: GradientSide,
+        data_parallel: DataParallel,
     ) -> None:
         self.trainer, self.average, self.ranks_correction = trainer, average, ranks_correction
-        self.window_gradients, self.data_parallel = window_gradients, data_parallel
+        self.gradients, self.data_parallel = gradients, data_parallel
         self._user_accumulate = trainer.accumulate_grad_batches
         self._checkpointed: dict[str, Any] | None = None  # the window state of a checkpoint being resumed
         self._announced = False
@@ -168,22 +160,13 @@ class GradientAggregation:
         return done if done % frequency and done < trainer.num_training_batches else None
 
     def state_dict(self) -> dict[str, Any] | None:
-        """Inside a window, the gradients accumulated so far on rank 0: every rank's own (DDP, under ``no_sync``), or
-        under FSDP2 their sum over the data-parallel ranks. A collective, called on every rank. None at
-        optimizer-step boundaries and on ranks other than 0."""
+        """Inside a window, the gradients accumulated so far, on rank 0 (``gradients.window_gradients``: a
+        collective, called on every rank). None at optimizer-step boundaries and on ranks other than 0."""
         done = self._inside_window()
-        if done is None or not self.window_gradients:
+        if done is None:
             return None
-        module = self.trainer.lightning_module
-        if self.data_parallel is not None:
-            return data_parallel_sum_entry(module, self.data_parallel, done, self.micro_batches_per_step)
-        local = {name: p.grad.detach().cpu().clone() for name, p in module.named_parameters() if p.grad is not None}
-        per_rank: list[Any] | None = [local]
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-            per_rank = [None] * world if rank == 0 else None
-            torch.distributed.gather_object(local, per_rank, dst=0)
-        return None if per_rank is None else window_entry(done, self.micro_batches_per_step, per_rank)
+        module, frequency = self.trainer.lightning_module, self.micro_batches_per_step
+        return self.gradients.window_gradients(module, self.data_parallel, done, frequency)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """The window state of a checkpoint being resumed; its gradients are restored when training starts."""
@@ -212,76 +195,14 @@ class GradientAggregation:
                 "them, so the run does not equal an uninterrupted one."
             )
             return
-        rank = self.data_parallel.rank if self.data_parallel is not None else trainer.global_rank
-        replicas = data_parallel_size(trainer)
-        message = restore_window_gradients(trainer.lightning_module, entry, done, frequency, rank, replicas)
+        module, rank, replicas = trainer.lightning_module, self.data_parallel.rank, data_parallel_size(trainer)
+        set_gradients = self.gradients.set_window_gradients
+        message = restore_window_gradients(module, entry, done, frequency, rank, replicas, set_gradients)
         if message is not None:
             rank_zero_warn(f"shardplus: {message}")
 
 
 CHECKPOINT_KEY = "shardplus_aggregation_window"
-
-
-def parameters_by_unit(module: torch.nn.Module) -> list[tuple[Any, list[str]]]:
-    """``module``'s parameter names grouped by the FSDP2 unit that manages them (the innermost one above each), in
-    ``named_parameters`` order; None for those of no unit, which are whole."""
-    units = {path: unit for path, unit in module.named_modules() if FSDPModule and isinstance(unit, FSDPModule)}
-    groups: dict[str | None, list[str]] = {}
-    for name, _ in module.named_parameters():
-        path = name.rpartition(".")[0]
-        while path and path not in units:
-            path = path.rpartition(".")[0]
-        groups.setdefault(path if path in units else None, []).append(name)
-    return [(units.get(path) if path is not None else None, names) for path, names in groups.items()]
-
-
-@contextmanager
-def unsharded(unit: Any) -> Iterator[None]:
-    """Inside, the FSDP2 ``unit`` is unsharded (``FSDPModule.unshard``, public; an all-gather over the data-parallel
-    ranks): its parameters are whole, and their ``.grad`` is this rank's gradient accumulated so far in an
-    aggregation window (FSDP2 reduces none inside it). Nothing to do for ``None``."""
-    if unit is None:
-        yield
-        return
-    unit.unshard()
-    try:
-        yield
-    finally:
-        unit.reshard()
-
-
-@torch.no_grad()
-def data_parallel_sum_entry(
-    module: torch.nn.Module, data_parallel: DataParallel, done: int, frequency: int
-) -> dict[str, Any] | None:
-    """The checkpoint entry of a save inside a window under FSDP2: the gradients accumulated so far, summed over the
-    data-parallel ranks (what the window's reduce-scatter would sum), whole, on CPU, on rank 0; one unit unsharded
-    and one gradient reduced at a time. None on other ranks, and where FSDP2 keeps a unit's gradients in a buffer of
-    its own (a ``reduce_dtype`` of the unit's own): on some rank, a unit with trainable parameters has no ``.grad``
-    on any of them (the resume then warns)."""
-    sums, root, is_root = {}, data_parallel.global_rank(0), torch.distributed.get_rank() == 0
-    unread = torch.zeros(1, device=next(module.parameters()).device)  # units whose gradients are not on `.grad`
-    for unit, names in parameters_by_unit(module):
-        with unsharded(unit):
-            parameters = [module.get_parameter(name) for name in names]
-            trainable = [p for p in parameters if p.requires_grad]
-            unread += unit is not None and bool(trainable) and all(p.grad is None for p in trainable)
-            for name, parameter in zip(names, parameters, strict=True):
-                grad = parameter.grad if parameter.grad is not None else torch.zeros_like(parameter)
-                # a copy: a replicated DTensor's full_tensor() is its local tensor, and reduce writes into its input
-                whole = (grad.full_tensor() if hasattr(grad, "full_tensor") else grad).detach().clone()
-                torch.distributed.reduce(whole, dst=root, group=data_parallel.group)
-                if is_root:
-                    sums[name] = whole.cpu()
-    torch.distributed.all_reduce(unread, op=torch.distributed.ReduceOp.MAX)
-    if not is_root or unread.item():
-        return None
-    return {
-        "micro_batches_done": done,
-        "aggregation_frequency": frequency,
-        "world_size": data_parallel.size,
-        "data_parallel_sum": sums,
-    }
 
 
 def window_entry(micro_batches_done: int, frequency: int, per_rank: list[dict[str, torch.Tensor]]) -> dict[str, Any]:
@@ -297,11 +218,13 @@ def window_entry(micro_batches_done: int, frequency: int, per_rank: list[dict[st
 
 @torch.no_grad()
 def restore_window_gradients(
-    module: torch.nn.Module, entry: dict[str, Any], micro_batches_done: int, frequency: int, rank: int, world_size: int
+    module: torch.nn.Module, entry: dict[str, Any], micro_batches_done: int, frequency: int, rank: int, world_size: int,
+    set_gradients: Callable[[torch.nn.Module, dict[str, torch.Tensor]], None],
 ) -> str | None:
     """Give ``module``'s parameters the gradients of :func:`window_entry`: each rank its own on the same world size
     (the window ends bitwise as uninterrupted), else every rank the mean over the checkpoint's ranks (the window's
-    all-reduce then counts them as those ranks would have). Returns a warning to show, or None."""
+    all-reduce then counts them as those ranks would have), through the gradient side's ``set_gradients``. Returns a
+    warning to show, or None."""
     if entry.get("aggregation_frequency") != frequency or entry.get("micro_batches_done") != micro_batches_done:
         return (
             f"the checkpoint holds the gradients of an aggregation window of {entry.get('aggregation_frequency')} "
@@ -330,17 +253,7 @@ def restore_window_gradients(
     misfits = [name for name, shape in saved_shapes.items() if name not in shapes or shapes[name] != shape]
     if misfits:
         return f"the checkpoint's accumulated gradient of {misfits[0]!r} does not fit this model: none is restored."
-    for unit, names in parameters_by_unit(module):
-        with unsharded(unit):
-            for name in (name for name in names if name in gradients):
-                parameter = module.get_parameter(name)
-                gradient = gradients[name].to(device=parameter.device, dtype=parameter.dtype)
-                if hasattr(parameter, "device_mesh"):  # tensor parallel: this rank's part (a collective over its mesh)
-                    gradient = distribute_tensor(gradient, parameter.device_mesh, parameter.placements)
-                if parameter.grad is None:
-                    parameter.grad = gradient
-                else:
-                    parameter.grad.copy_(gradient)
+    set_gradients(module, gradients)
     return message
 
 

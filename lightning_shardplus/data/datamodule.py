@@ -10,8 +10,8 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 
-from lightning_shardplus.config.validation import check_bool, check_int
 from lightning_shardplus.data.group import data_parallel_size
+from lightning_shardplus.validation import check_bool, check_int
 
 _STAGE_SPLITS = {"fit": ("train", "val"), "validate": ("val",), "test": ("test",), "predict": ("predict",)}
 

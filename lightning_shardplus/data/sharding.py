@@ -13,8 +13,8 @@ import numpy as np
 import torch
 from torch.utils.data import Sampler
 
-from lightning_shardplus.config.validation import check_bool, check_choice, check_int
 from lightning_shardplus.data.permutation import _MASK64, MAX_LENGTH, KeyedPermutation, _splitmix64
+from lightning_shardplus.validation import check_bool, check_choice, check_int
 
 PaddingMode = Literal["first", "wrap"]
 PADDING_MODES: tuple[str, ...] = ("first", "wrap")

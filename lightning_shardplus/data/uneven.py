@@ -18,8 +18,8 @@ from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader, IterableDataset
 
-from lightning_shardplus.config.validation import class_name
 from lightning_shardplus.data.group import DataParallel
+from lightning_shardplus.validation import class_name
 
 UnevenInputs = Literal["join", "drop"]
 UNEVEN_INPUTS: tuple[str, ...] = ("join", "drop")

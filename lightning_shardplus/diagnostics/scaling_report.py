@@ -22,7 +22,6 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_shardplus._compat.lightning import TRAIN_DATALOADER_NEXT
 from lightning_shardplus._compat.torch import call_when_backward_ends
-from lightning_shardplus.config.validation import check_bool, check_int
 from lightning_shardplus.data.aggregation import micro_batch_size, micro_batches_per_step
 from lightning_shardplus.diagnostics.scaling_summary import (
     STEP_PHASES,
@@ -31,6 +30,7 @@ from lightning_shardplus.diagnostics.scaling_summary import (
     summarize_scaling,
 )
 from lightning_shardplus.diagnostics.step_clock import HostClock, StepClock, step_clock
+from lightning_shardplus.validation import check_bool, check_int
 
 _TOTALS = (*STEP_PHASES, "samples", "micro_batches")
 

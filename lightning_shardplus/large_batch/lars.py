@@ -9,7 +9,7 @@ import torch
 from torch.optim import Optimizer
 from torch.optim.optimizer import ParamsT
 
-from lightning_shardplus.config.validation import check_bool, check_positive_number
+from lightning_shardplus.validation import check_bool, check_positive_number
 
 
 def _check_number(name: str, value: Any, minimum: float, below: float | None = None) -> None:

@@ -14,10 +14,10 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
-from lightning_shardplus.config.validation import check_bool, check_choice, check_int
 from lightning_shardplus.data.aggregation import effective_batch_size, micro_batches_per_step
 from lightning_shardplus.data.group import data_parallel_size
 from lightning_shardplus.large_batch.lars import LARS
+from lightning_shardplus.validation import check_bool, check_choice, check_int
 
 __all__ = ["LARS", "SCALING_RULES", "ScaleLearningRate", "scaling_factor", "warmup_factor"]
 

@@ -15,7 +15,6 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_shardplus._compat import lightning as _lightning
-from lightning_shardplus.config import ShardPlusConfig
 from lightning_shardplus.data.aggregation import effective_batch_size
 from lightning_shardplus.data.components import (
     DistributedSetup,
@@ -23,6 +22,8 @@ from lightning_shardplus.data.components import (
     checkpointed_states,
     process_group_backend,
 )
+from lightning_shardplus.data.config import DataSideConfig
+from lightning_shardplus.data.gradient_side import GradientSide
 from lightning_shardplus.data.group import DataParallel, data_parallel, read_by_data_parallel_rank
 from lightning_shardplus.data.loaders import gather_predictions
 from lightning_shardplus.data.uneven import silence_litdata_drop_last_warning
@@ -41,17 +42,21 @@ class ShardPlusDataSide(ParallelStrategy):
     that strategy); ``S`` calls :meth:`_init_data_side` in its ``__init__`` and defines ``num_replicas``, its
     data-parallel size."""
 
-    config: ShardPlusConfig
+    config: DataSideConfig
     num_replicas: int
     start_method: str  # how the processes start: "popen", "fork", "spawn" or "forkserver"
     launcher_name: str | None = None  # who starts the processes, in the start-up line; None: Lightning or as found
     processes_setting = "devices x num_nodes"  # what sets the number of processes, named in refusals
 
-    def _init_data_side(self, config: ShardPlusConfig) -> None:
+    def _init_data_side(self, config: DataSideConfig) -> None:
         self.config = config
         self._components: RunComponents | None = None  # this Trainer run's, from `setup` to `teardown`
         self._checkpointed: dict[str, Any] = {}  # component states of a checkpoint loaded before `setup`
         self._undo_at_teardown: list[Callable[[], None]] = []  # what `setup_environment` changed for the run
+
+    def _gradient_side(self) -> GradientSide:
+        """What differs on this strategy's gradient side (``data.gradient_side.GradientSide``)."""
+        raise NotImplementedError
 
     def _distributed_setup(self) -> DistributedSetup:
         """What this strategy's components need to know of its processes (after they started): the data-parallel
@@ -59,10 +64,9 @@ class ShardPlusDataSide(ParallelStrategy):
         backend = process_group_backend(self.process_group_backend, self.root_device)
         kwargs = self.distributed_sampler_kwargs
         group = data_parallel(self)
-        return DistributedSetup(
-            DataParallel(kwargs["num_replicas"], kwargs["rank"], group.group, group.groups), backend, self.root_device,
-            launcher_name=self.launcher_name,
-        )
+        data_parallel_group = DataParallel(kwargs["num_replicas"], kwargs["rank"], group.group, group.groups)
+        gradients, launcher = self._gradient_side(), self.launcher_name
+        return DistributedSetup(data_parallel_group, backend, self.root_device, gradients, launcher_name=launcher)
 
     @property
     def started_processes(self) -> int:
@@ -159,7 +163,7 @@ class ShardPlusDataSide(ParallelStrategy):
         # what this Lightning gives (2.6 added `weights_only`); restored before `setup` builds the components, or
         # after it (model parallel restores after setup)
         checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
-        self._checkpointed = checkpointed_states(checkpoint, checkpoint_path)
+        self._checkpointed = checkpointed_states(checkpoint, checkpoint_path, self._gradient_side())
         if self._components is not None:
             self._components.load_states(self._checkpointed)
         return checkpoint

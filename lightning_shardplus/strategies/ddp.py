@@ -3,7 +3,6 @@ hooks, tensor fusion and its tuning, evaluation without DDP's forward."""
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from datetime import timedelta
 from functools import partialmethod
@@ -18,13 +17,13 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_shardplus._compat import lightning as _lightning
-from lightning_shardplus.config import check_arguments
-from lightning_shardplus.data.components import DistributedSetup
 from lightning_shardplus.data.exact_evaluation import share_rank_zero_buffers
 from lightning_shardplus.data.sharding import PaddingMode
 from lightning_shardplus.data.uneven import NO_BATCH, UnevenInputs
 from lightning_shardplus.gradients.ddp.compression import GradientCompression, remove_rank_states
+from lightning_shardplus.gradients.ddp.config import check_arguments
 from lightning_shardplus.gradients.ddp.fusion import BucketSetting, FusionResult
+from lightning_shardplus.gradients.ddp.side import DDPGradients, DDPRun
 from lightning_shardplus.launch import check_accelerator
 from lightning_shardplus.strategies import registry
 from lightning_shardplus.strategies.data_side import ShardPlusDataSide
@@ -136,12 +135,12 @@ class ShardPlusStrategy(ShardPlusDataSide, DDPStrategy):
     @property
     def fusion_result(self) -> FusionResult | None:
         """What tensor-fusion tuning decided in this fit (rank 0 holds the timings); None without tuning."""
-        return fusion.result if (fusion := self._components and self._components.fusion) else None
+        return run.fusion.result if (run := self._ddp_run) else None
 
     @property
     def fusion_tuning(self) -> bool:
         """Whether tensor-fusion autotuning is still measuring (DDP may be re-wrapped at the next step)."""
-        return bool((fusion := self._components and self._components.fusion) and fusion.tuning)
+        return bool((run := self._ddp_run) and run.fusion.tuning)
 
     @DDPStrategy.accelerator.setter
     def accelerator(self, accelerator: pl.accelerators.Accelerator) -> None:
@@ -149,11 +148,13 @@ class ShardPlusStrategy(ShardPlusDataSide, DDPStrategy):
         DDPStrategy.accelerator.fset(self, accelerator)
 
     @override
-    def _distributed_setup(self) -> DistributedSetup:
-        return dataclasses.replace(
-            super()._distributed_setup(), ddp_comm_hook=self._user_hook[0], ddp_comm_state=self._user_hook[1],
-            ddp_comm_wrapper=self._user_hook[2], ddp_kwargs=_lightning.ddp_kwargs(self),
-        )  # fmt: skip
+    def _gradient_side(self) -> DDPGradients:
+        return DDPGradients(self.config, self._user_hook, _lightning.ddp_kwargs(self))
+
+    @property
+    def _ddp_run(self) -> DDPRun | None:
+        """DDP's state in this fit (its hook and bucket setting); None outside a fit."""
+        return self._components.gradients if self._components is not None else None  # type: ignore[return-value]
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
@@ -163,7 +164,7 @@ class ShardPlusStrategy(ShardPlusDataSide, DDPStrategy):
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
-        if (fusion := self._components and self._components.fusion) and (setting := fusion.at_batch_start(batch_idx)):
+        if (run := self._ddp_run) and (setting := run.fusion.at_batch_start(batch_idx)):
             self.rewrap_ddp(setting)
 
     @override
@@ -176,8 +177,8 @@ class ShardPlusStrategy(ShardPlusDataSide, DDPStrategy):
     @override
     def on_train_end(self) -> None:
         super().on_train_end()
-        if fusion := self._components and self._components.fusion:
-            fusion.on_train_end()
+        if run := self._ddp_run:
+            run.fusion.on_train_end()
 
     @override
     def configure_ddp(self) -> None:
@@ -188,17 +189,19 @@ class ShardPlusStrategy(ShardPlusDataSide, DDPStrategy):
     def on_train_start(self) -> None:
         """With ``auto_tune_tensor_fusion``, DDP re-wrapped with the tuned setting or the race's first, unless it is the
         reference DDP was wrapped with (the cache key holds the per-device batch size: the loaders are built now)."""
-        if (parts := self._components) and parts.fusion and self.config.auto_tune_tensor_fusion:
-            module, device = self.lightning_module, self.root_device
-            setting = parts.fusion.initial_setting(module, self.world_size, device, parts.backend)
-            if setting != parts.fusion.settings.reference:
+        if (run := self._ddp_run) and self.config.auto_tune_tensor_fusion:
+            module, device, backend = self.lightning_module, self.root_device, self._components.backend
+            setting = run.fusion.initial_setting(module, self.world_size, device, backend)
+            if setting != run.fusion.settings.reference:
                 self.rewrap_ddp(setting)
         super().on_train_start()
+        if run := self._ddp_run:
+            run.fusion.on_train_start()
 
     def register_communication_hook(self) -> None:
         """Register the gradient communication hook on the current DDP wrapper; again after each re-wrap."""
-        if isinstance(self.model, DistributedDataParallel) and (hook := self._components and self._components.hook):
-            hook.register(self.model)
+        if isinstance(self.model, DistributedDataParallel) and (run := self._ddp_run):
+            run.hook.register(self.model)
 
     def rewrap_ddp(self, setting: BucketSetting) -> None:
         """Wrap the module in a new DDP with ``setting``'s buckets: a collective, at the same step on every rank."""
@@ -210,8 +213,8 @@ class ShardPlusStrategy(ShardPlusDataSide, DDPStrategy):
     @override
     def on_validation_start(self) -> None:
         super().on_validation_start()
-        if fusion := self._components and self._components.fusion:
-            fusion.interrupt()  # the training step in progress is not timed
+        if run := self._ddp_run:
+            run.fusion.interrupt()  # the training step in progress is not timed
         if self._exact_across_ranks and isinstance(self.model, DistributedDataParallel):
             share_rank_zero_buffers(self.lightning_module, _lightning.ddp_kwargs(self))
 

@@ -21,21 +21,23 @@ from torchmetrics import Metric
 from typing_extensions import override
 
 from lightning_shardplus._compat import lightning as _lightning
-from lightning_shardplus.config import START_METHODS, ShardPlusConfig, closest_option, fit_to_lightning
-from lightning_shardplus.config.validation import (
-    check_bool,
-    check_choice,
-    check_int,
-    check_process_group_backend,
-    process_group_timeout,
-)
-from lightning_shardplus.data.components import DistributedSetup
+from lightning_shardplus.data.config import DataSideConfig, fit_to_lightning
 from lightning_shardplus.data.exact_evaluation import counted_nowhere
 from lightning_shardplus.data.group import data_parallel
 from lightning_shardplus.data.sharding import PaddingMode
 from lightning_shardplus.data.uneven import NoBatch, UnevenInputs
+from lightning_shardplus.gradients.fsdp2.side import FSDP2Gradients
 from lightning_shardplus.strategies import registry
 from lightning_shardplus.strategies.data_side import ShardPlusDataSide
+from lightning_shardplus.validation import (
+    START_METHODS,
+    check_bool,
+    check_choice,
+    check_int,
+    check_process_group_backend,
+    closest,
+    process_group_timeout,
+)
 
 # DDP's arguments, with why each has no place here (FSDP2 reduces the gradients itself, by reduce-scatter).
 DDP_ONLY = {
@@ -147,7 +149,7 @@ class ShardPlusModelParallelStrategy(ShardPlusDataSide, ModelParallelStrategy):
             if size != "auto":
                 check_int(name, size, minimum=1)
         check_process_group_backend(process_group_backend)
-        config = fit_to_lightning(ShardPlusConfig(
+        config = fit_to_lightning(DataSideConfig(
             aggregation_frequency=aggregation_frequency, average_aggregated_gradients=average_aggregated_gradients,
             shard_padding=shard_padding, shuffle_seed=shuffle_seed, exact_evaluation=exact_evaluation,
             verify_sharding=verify_sharding, average_training_metrics=average_training_metrics,
@@ -202,10 +204,8 @@ class ShardPlusModelParallelStrategy(ShardPlusDataSide, ModelParallelStrategy):
         super().check_trainer_call(*call_args, trainer=trainer)
 
     @override
-    def _distributed_setup(self) -> DistributedSetup:
-        setup = super()._distributed_setup()
-        setup.ddp = False
-        return setup
+    def _gradient_side(self) -> FSDP2Gradients:
+        return FSDP2Gradients()
 
     @override
     def setup_environment(self) -> None:
@@ -332,8 +332,8 @@ def refuse_ddp_only(given: dict[str, Any]) -> None:
                 f"`{name}`={value!r} is not a ShardPlusModelParallelStrategy option: {DDP_ONLY[name]}. Use "
                 "ShardPlusStrategy (strategy='shardplus') for DDP; the data-side options are the same."
             )
-        close = closest_option(name)
-        hint = f" (did you mean `{close}`?)" if close in OPTIONS else ""
+        close = closest(name, OPTIONS)
+        hint = f" (did you mean `{close}`?)" if close else ""
         raise TypeError(
             f"ShardPlusModelParallelStrategy got an unknown option `{name}`={value!r}{hint}: valid are "
             f"{', '.join(OPTIONS)}."

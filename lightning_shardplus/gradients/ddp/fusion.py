@@ -25,8 +25,8 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_shardplus._compat.torch import DDP_DEFAULT_FIRST_BUCKET_BYTES
-from lightning_shardplus.config.validation import check_int, check_writable_file
 from lightning_shardplus.data.aggregation import micro_batch_size
+from lightning_shardplus.validation import check_int, check_writable_file
 
 _MB = 1024 * 1024  # DDP's megabyte
 # DDP hands its reducer int(bucket_cap_mb * 2**20) as a 64-bit integer: 2**43 MB and more fail there (exclusive).

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import difflib
 import math
 import numbers
 import os
@@ -14,6 +15,14 @@ from typing import Any
 
 import numpy as np
 import torch.distributed as dist
+
+START_METHODS = ("popen", "spawn", "fork", "forkserver")  # how a strategy's processes start
+
+
+def closest(name: str, options: Iterable[str]) -> str | None:
+    """The option closest to a misspelled ``name``, or None when none is close."""
+    close = difflib.get_close_matches(name, list(options), n=1, cutoff=0.75)
+    return close[0] if close else None
 
 
 def check_choice(name: str, value: Any, choices: Iterable[Any]) -> None:

@@ -1,4 +1,5 @@
-"""``ShardPlusConfig``: every ``ShardPlusStrategy`` argument, typed, validated once at construction and frozen.
+"""``ShardPlusConfig``: the options of ``ShardPlusStrategy``, the data side's (``DataSideConfig``) and DDP's, typed,
+validated once at construction and frozen; the checks of DDPStrategy's and DistributedDataParallel's arguments.
 
 Errors name the argument, the value and what would be valid, before any process group starts; what a fit learns
 belongs to the components built from the config.
@@ -7,7 +8,6 @@ belongs to the components built from the config.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import inspect
 import numbers
 import os
@@ -15,7 +15,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from functools import cache, cached_property
+from functools import cached_property
 from typing import Any
 
 import lightning.fabric.plugins  # noqa: F401  (the modules `_lightning_classes` reads in sys.modules)
@@ -24,31 +24,29 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.accelerators import AcceleratorRegistry
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
 from torch.nn import Parameter
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_shardplus._compat import lightning as _lightning
-from lightning_shardplus.config.validation import (
+from lightning_shardplus.data.aggregation import check_static_graph
+from lightning_shardplus.data.config import DataSideConfig, fit_to_lightning
+from lightning_shardplus.gradients.ddp import fusion
+from lightning_shardplus.gradients.ddp.compression import GRADIENT_COMPRESSIONS, GradientCompression
+from lightning_shardplus.validation import (
+    START_METHODS,
     check_bool,
     check_choice,
     check_int,
     check_process_group_backend,
     check_writable_file,
+    closest,
     process_group_timeout,
 )
-from lightning_shardplus.data.aggregation import check_static_graph
-from lightning_shardplus.data.sharding import PADDING_MODES, PaddingMode
-from lightning_shardplus.data.uneven import UNEVEN_INPUTS, UnevenInputs
-from lightning_shardplus.gradients.ddp import fusion
-from lightning_shardplus.gradients.ddp.compression import GRADIENT_COMPRESSIONS, GradientCompression
 
 _DDP_PARAMETERS = inspect.signature(DistributedDataParallel.__init__).parameters
 # Keyword arguments DDPStrategy forwards to DDP (`bucket_cap_mb` is set through `tensor_fusion_threshold_mb`).
 DDP_KWARGS = frozenset(_DDP_PARAMETERS) - {"self", "module", "device_ids", "bucket_cap_mb"}
 DDP_DEFAULTS = {name: p.default for name, p in _DDP_PARAMETERS.items() if p.default is not inspect.Parameter.empty}
-START_METHODS = ("popen", "spawn", "fork", "forkserver")
 _DDP_STRATEGY_ARGUMENTS = tuple(
     name for name, p in inspect.signature(DDPStrategy.__init__).parameters.items()
     if name != "self" and p.kind is p.POSITIONAL_OR_KEYWORD
@@ -56,16 +54,11 @@ _DDP_STRATEGY_ARGUMENTS = tuple(
 
 
 @dataclass(frozen=True)
-class ShardPlusConfig:
-    """The shardplus arguments of :class:`~lightning_shardplus.ShardPlusStrategy` (documented there)."""
+class ShardPlusConfig(DataSideConfig):
+    """The options of :class:`~lightning_shardplus.ShardPlusStrategy` (documented there): the data side's and DDP's
+    gradient side's (compression, tensor fusion and its tuning)."""
 
-    aggregation_frequency: int = 1
-    average_aggregated_gradients: bool = True
     gradient_compression: GradientCompression = "none"
-    shard_padding: PaddingMode = "first"
-    shuffle_seed: int | None = None
-    exact_evaluation: bool = True
-    verify_sharding: bool = False
     tensor_fusion_threshold_mb: float | None = None
     auto_tune_tensor_fusion: bool = False
     autotune_log: str | os.PathLike | None = None
@@ -74,19 +67,12 @@ class ShardPlusConfig:
     autotune_steps_per_sample: int = 8
     autotune_warmup_steps: int = 1
     autotune_cache: str | os.PathLike | bool = True
-    average_training_metrics: bool = True
-    uneven_inputs: UnevenInputs = "join"
 
     def __post_init__(self) -> None:
-        frequency = check_int("aggregation_frequency", self.aggregation_frequency, minimum=1)
-        object.__setattr__(self, "aggregation_frequency", frequency)  # numpy's integers as int
+        super().__post_init__()
         check_choice("gradient_compression", self.gradient_compression, GRADIENT_COMPRESSIONS)
-        check_choice("shard_padding", self.shard_padding, PADDING_MODES)
-        if self.shuffle_seed is not None:
-            object.__setattr__(self, "shuffle_seed", check_int("shuffle_seed", self.shuffle_seed, minimum=0))
-        flags = ("average_aggregated_gradients", "exact_evaluation", "verify_sharding", "auto_tune_tensor_fusion")
-        for name in (*flags, "average_training_metrics"):
-            object.__setattr__(self, name, check_bool(name, getattr(self, name)))  # numpy's bools as bool
+        tune = check_bool("auto_tune_tensor_fusion", self.auto_tune_tensor_fusion)
+        object.__setattr__(self, "auto_tune_tensor_fusion", tune)  # numpy's bools as bool
         if self.tensor_fusion_threshold_mb is not None:
             fusion.check_bucket_size("tensor_fusion_threshold_mb", self.tensor_fusion_threshold_mb)
             object.__setattr__(self, "tensor_fusion_threshold_mb", float(self.tensor_fusion_threshold_mb))
@@ -101,7 +87,6 @@ class ShardPlusConfig:
         if self.autotune_cache is not False and (self.autotune_cache is not True or self.auto_tune_tensor_fusion):
             fusion.check_cache_file("autotune_cache", self.autotune_cache)  # the default only where it is used
         _ = self.autotune_settings  # checked even when tuning is off: a YAML typo fails early
-        check_choice("uneven_inputs", self.uneven_inputs, UNEVEN_INPUTS)
 
     @classmethod
     def from_arguments(cls, arguments: dict[str, Any]) -> ShardPlusConfig:
@@ -119,12 +104,6 @@ class ShardPlusConfig:
             fixed_bucket_cap_mb=self.tensor_fusion_threshold_mb,
         )  # fmt: skip
 
-    @property
-    def epoch_seed(self) -> int:
-        """``shuffle_seed``, else the ``seed_everything`` seed, else 0."""
-        if self.shuffle_seed is not None:
-            return self.shuffle_seed
-        return int(os.environ.get("PL_GLOBAL_SEED", 0))
 
 
 STRATEGY_OPTIONS: tuple[str, ...] = (
@@ -154,32 +133,6 @@ def check_arguments(arguments: dict[str, Any]) -> tuple[ShardPlusConfig, timedel
     given = {"bucket_cap_mb": config.tensor_fusion_threshold_mb, **{name: ddp_kwargs[name] for name in flags}}
     defaults = [name for name, value in given.items() if value in (None, DDP_DEFAULTS[name])]  # None: torch < 2.4 too
     return config, process_group_timeout(a["timeout"]), ddp_kwargs, defaults
-
-
-# What takes the place of a default feature this Lightning cannot run (`_lightning.lightning_gaps`).
-_FALLBACKS = {
-    "exact_evaluation": "evaluation runs on Lightning's DistributedSampler, as under strategy='ddp'",
-    "average_training_metrics": "training values are synced as `self.log(sync_dist=...)` asks, as under 'ddp'",
-}
-
-
-def fit_to_lightning(config: ShardPlusConfig) -> ShardPlusConfig:
-    """``config`` on this Lightning: a feature whose private Lightning names moved is refused, or, where it is on by
-    default, turned off with one warning; never a failure in the middle of a fit."""
-    for feature, gap in _lightning.lightning_gaps().items():
-        if feature != "sharding" and not getattr(config, feature, False):
-            continue  # off, or not a data-side option (the model-parallel strategy checks `start_method`)
-        moved = f"Lightning {_lightning.pl.__version__} moved a private name it needs ({gap})"
-        supported = f"Lightning {_lightning.SUPPORTED} run it (docs/compatibility.md)"
-        if feature not in _FALLBACKS:
-            what = "ShardPlusStrategy" if feature == "sharding" else f"`{feature}`=True"
-            raise RuntimeError(f"{what} cannot run here: {moved}. {supported}.")
-        _warn_once(f"shardplus: `{feature}` is off: {moved}; {_FALLBACKS[feature]}. {supported}.")
-        config = dataclasses.replace(config, **{feature: False})
-    return config
-
-
-_warn_once = cache(rank_zero_warn)  # one warning per message and process
 
 
 # DistributedDataParallel's flags (each checked where this torch has it); the optional ones take None (its default).
@@ -356,5 +309,4 @@ def _check_bucket_arguments(config: ShardPlusConfig, ddp_kwargs: dict[str, Any])
 
 def closest_option(name: str) -> str | None:
     """The strategy's option (or DDP's) closest to a misspelled ``name``, or None when none is close."""
-    close = difflib.get_close_matches(name, [*STRATEGY_OPTIONS, *sorted(DDP_KWARGS)], n=1, cutoff=0.75)
-    return close[0] if close else None
+    return closest(name, [*STRATEGY_OPTIONS, *sorted(DDP_KWARGS)])
