@@ -92,6 +92,7 @@ class ShardPlusModelParallelStrategy(ShardPlusDataSide, ModelParallelStrategy):
     """
 
     strategy_name = "shardplus_model_parallel"
+    components_after_checks = True  # Lightning's of the module first: `configure_model` overridden, FSDP2 only
 
     def __init__(
         self,
@@ -201,11 +202,26 @@ class ShardPlusModelParallelStrategy(ShardPlusDataSide, ModelParallelStrategy):
         """Also: the module's torchmetrics Metrics without a process group of their own sync over the data-parallel
         group (over the world, each tensor-parallel copy would count again), until teardown."""
         super().setup(trainer)
+        self._build_components(trainer)  # (evaluation: no optimizers)
         group = self._data_parallel_group
         for metric in self.lightning_module.modules():
             if isinstance(metric, Metric) and metric.process_group is None and group is not None:
                 metric.process_group = group
                 self._undo_at_teardown.append(partial(setattr, metric, "process_group", None))
+
+    @override
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        """The data side's components first: ``setup`` calls this past Lightning's checks of the module, and
+        ``configure_optimizers`` may load the training data through them (``trainer.estimated_stepping_batches``)."""
+        self._build_components(trainer)
+        super().setup_optimizers(trainer)
+
+    @override
+    def _build_components(self, trainer: pl.Trainer) -> None:
+        """Once the processes run: a strategy set up without them (by hand, as Lightning's own unit tests do) has no
+        device mesh, and nothing to shard over."""
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            super()._build_components(trainer)
 
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:

@@ -5,6 +5,7 @@ data-parallel ranks, tensor parallel over the others), on CPU processes started 
 import csv
 import importlib.util
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -13,6 +14,9 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
+from _models import cpu_trainer
+from lightning.pytorch.accelerators import CPUAccelerator
+from lightning.pytorch.demos.boring_classes import BoringModel
 
 import lightning_shardplus
 from lightning_shardplus import ShardPlusDataModule, ShardPlusModelParallelStrategy
@@ -344,3 +348,20 @@ def test_messages_name_the_class_the_user_wrote_not_the_one_fully_shard_makes(tm
     )
     assert done.returncode == 0, done.stderr[-4000:]
     assert done.stdout.split() == ["FSDPClassifier", "Classifier", "Classifier", "Linear"]
+
+
+@needs_torch_2_4
+@pytest.mark.timeout(120)
+def test_lightnings_own_checks_of_the_module_come_before_the_data_side(caplog):
+    # a module without `configure_model`: Lightning's refusal, with nothing of shardplus's started before it
+    trainer = cpu_trainer(ShardPlusModelParallelStrategy(), 1, max_steps=1)
+    refused = r"When using the ShardPlusModelParallelStrategy, you are required to override the `configure_model\(\)`"
+    with caplog.at_level(logging.INFO), pytest.raises(TypeError, match=refused):
+        trainer.fit(BoringModel())
+    assert "All distributed processes registered" in caplog.text and "shardplus:" not in caplog.text
+    # set up by hand, without processes (as Lightning's own unit tests do): Lightning's checks, then no data side
+    strategy = ShardPlusModelParallelStrategy()
+    strategy.accelerator, strategy.parallel_devices = CPUAccelerator(), [torch.device("cpu")]
+    strategy.connect(BoringModel())
+    with pytest.raises(TypeError, match=refused):
+        strategy.setup(cpu_trainer("auto", 1))
