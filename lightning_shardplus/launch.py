@@ -21,9 +21,10 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torchmetrics import Metric
 
 from lightning_shardplus import _lightning
-from lightning_shardplus._validation import check_process_group_backend_known
+from lightning_shardplus._validation import check_process_group_backend_known, class_name
 from lightning_shardplus.aggregation import check_aggregation
 from lightning_shardplus.datamodule import ShardPlusDataModule, per_device_batch_size
+from lightning_shardplus.uneven import check_automatic_optimization, training_streams
 
 
 def _launcher_world_size(environment: ClusterEnvironment | None) -> tuple[int, int | None, str] | None:
@@ -122,21 +123,26 @@ def check_accelerator(accelerator: Any, strategy_name: str, start_method: str) -
 
 def check_trainer_call(strategy: Any, *call_args: Any, trainer: Any = None) -> None:
     """Refuse the arguments of a Trainer call that cannot work at this world size or with ``strategy``'s options:
-    the launcher's world size, the backend's name, the global batch size, the aggregation frequency."""
+    the launcher's world size, the backend's name, the global batch size, the aggregation frequency, a training
+    stream given to ``fit`` with manual optimization."""
     check_launcher_world_size(strategy.cluster_environment, strategy.num_processes, strategy.num_nodes)
     if strategy.process_group_backend is not None:
         check_process_group_backend_known(strategy.process_group_backend)
     for arg in call_args:
         if isinstance(arg, ShardPlusDataModule):
             per_device_batch_size(arg.global_batch_size, strategy.num_replicas)
-    check_fit(strategy, trainer, next((arg for arg in call_args if isinstance(arg, pl.LightningModule)), None))
+    model = next((arg for arg in call_args if isinstance(arg, pl.LightningModule)), None)
+    check_fit(strategy, trainer, model)
+    fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
+    if fitting and model is not None and strategy.num_replicas > 1 and training_streams(call_args[1]):
+        check_automatic_optimization(strategy.config.uneven_inputs, model)  # (`fit(model, train_dataloaders, ...)`)
 
 
 def check_fit(strategy: Any, trainer: Any, model: Any) -> None:
     """The aggregation frequency against ``trainer`` (None: none yet) when it fits ``model`` (None: not known)."""
     if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
         static_graph = bool(_lightning.ddp_kwargs(strategy).get("static_graph"))
-        check_aggregation(strategy.config.aggregation_frequency, trainer, model, static_graph)
+        check_aggregation(class_name(strategy), strategy.config.aggregation_frequency, trainer, model, static_graph)
 
 
 RANK_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")

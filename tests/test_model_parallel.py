@@ -17,9 +17,10 @@ import torch
 from _models import cpu_trainer
 from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.demos.boring_classes import BoringModel
+from torch.utils.data import DataLoader, IterableDataset
 
 import lightning_shardplus
-from lightning_shardplus import ShardPlusDataModule, ShardPlusModelParallelStrategy
+from lightning_shardplus import ShardPlusDataModule, ShardPlusModelParallelStrategy, ShardPlusStrategy
 from lightning_shardplus._lightning import RESUMES_INSIDE_A_WINDOW, release
 from lightning_shardplus.aggregation import FSDP2_WINDOW_GRADIENTS_READABLE
 
@@ -365,3 +366,43 @@ def test_lightnings_own_checks_of_the_module_come_before_the_data_side(caplog):
     strategy.connect(BoringModel())
     with pytest.raises(TypeError, match=refused):
         strategy.setup(cpu_trainer("auto", 1))
+
+
+class _Stream(IterableDataset):
+    def __iter__(self):
+        return iter(torch.randn(4, 32))
+
+
+class _Manual(BoringModel):
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+
+def _no_worker(*args, **kwargs):
+    raise AssertionError("the launcher was called: the refusal came after workers started")
+
+
+@needs_torch_2_4
+def test_refusals_name_the_strategy_class_built_and_come_before_any_worker_starts():
+    def trainer(strategy, **kwargs) -> pl.Trainer:
+        trainer = cpu_trainer(strategy, 2, max_epochs=1, **kwargs)
+        trainer.strategy.launcher.launch.launch = _no_worker  # Lightning's launch, after shardplus's checks
+        return trainer
+
+    refused = r"^ShardPlusModelParallelStrategy\(aggregation_frequency=3\) and Trainer\(accumulate_grad_batches=2\)"
+    with pytest.raises(ValueError, match=refused):
+        trainer(ShardPlusModelParallelStrategy(2, 1, aggregation_frequency=3), accumulate_grad_batches=2).fit(
+            BoringModel()
+        )
+    refused = r"`uneven_inputs`='join' needs automatic optimization for a training stream: _Manual sets"
+    for strategy, loaders in (
+        (ShardPlusModelParallelStrategy(2, 1), DataLoader(_Stream())),
+        (ShardPlusStrategy(start_method="spawn"), {"a": DataLoader(_Stream()), "b": DataLoader(range(4))}),
+    ):
+        with pytest.raises(ValueError, match=refused):
+            trainer(strategy).fit(_Manual(), loaders)
+    with pytest.raises(AssertionError, match="the launcher was called"):  # one data-parallel rank: nothing refused
+        trainer(ShardPlusModelParallelStrategy(1, 2)).fit(_Manual(), DataLoader(_Stream()))
+    assert not torch.distributed.is_initialized()
+
