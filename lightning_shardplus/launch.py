@@ -23,7 +23,8 @@ from torchmetrics import Metric
 from lightning_shardplus._compat import lightning as _lightning
 from lightning_shardplus.data.aggregation import check_aggregation
 from lightning_shardplus.data.datamodule import ShardPlusDataModule, per_device_batch_size
-from lightning_shardplus.validation import check_process_group_backend_known
+from lightning_shardplus.data.uneven import check_automatic_optimization, training_streams
+from lightning_shardplus.validation import check_process_group_backend_known, class_name
 
 
 def _launcher_world_size(environment: ClusterEnvironment | None) -> tuple[int, int | None, str] | None:
@@ -129,14 +130,18 @@ def check_trainer_call(strategy: Any, *call_args: Any, trainer: Any = None) -> N
     for arg in call_args:
         if isinstance(arg, ShardPlusDataModule):
             per_device_batch_size(arg.global_batch_size, strategy.num_replicas)
-    check_fit(strategy, trainer, next((arg for arg in call_args if isinstance(arg, pl.LightningModule)), None))
+    model = next((arg for arg in call_args if isinstance(arg, pl.LightningModule)), None)
+    check_fit(strategy, trainer, model)
+    fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
+    if fitting and model is not None and strategy.num_replicas > 1 and training_streams(call_args[1]):
+        check_automatic_optimization(strategy.config.uneven_inputs, model)  # (`fit(model, train_dataloaders, ...)`)
 
 
 def check_fit(strategy: Any, trainer: Any, model: Any) -> None:
     """The aggregation frequency against ``trainer`` (None: none yet) when it fits ``model`` (None: not known)."""
     if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
         static_graph = bool(_lightning.ddp_kwargs(strategy).get("static_graph"))
-        check_aggregation(strategy.config.aggregation_frequency, trainer, model, static_graph)
+        check_aggregation(class_name(strategy), strategy.config.aggregation_frequency, trainer, model, static_graph)
 
 
 RANK_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")

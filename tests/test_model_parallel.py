@@ -5,6 +5,7 @@ data-parallel ranks, tensor parallel over the others), on CPU processes started 
 import csv
 import importlib.util
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -13,9 +14,13 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
+from _models import cpu_trainer
+from lightning.pytorch.accelerators import CPUAccelerator
+from lightning.pytorch.demos.boring_classes import BoringModel
+from torch.utils.data import DataLoader, IterableDataset
 
 import lightning_shardplus
-from lightning_shardplus import ShardPlusDataModule, ShardPlusModelParallelStrategy
+from lightning_shardplus import ShardPlusDataModule, ShardPlusModelParallelStrategy, ShardPlusStrategy
 from lightning_shardplus._compat.lightning import RESUMES_INSIDE_A_WINDOW, release
 from lightning_shardplus.gradients.fsdp2.window import FSDP2_WINDOW_GRADIENTS_READABLE
 
@@ -364,3 +369,123 @@ def test_messages_name_the_class_the_user_wrote_not_the_one_fully_shard_makes(tm
     )
     assert done.returncode == 0, done.stderr[-4000:]
     assert done.stdout.split() == ["FSDPClassifier", "Classifier", "Classifier", "Linear"]
+
+
+IDLE_TENSOR_PARALLEL = """
+import sys
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning_shardplus  # (registers "shardplus_model_parallel")
+
+
+class FullyShardedOnly(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2 = torch.nn.Linear(4, 8), torch.nn.Linear(8, 2)
+
+    def configure_model(self):
+        for module in (self.l1, self.l2, self):
+            fully_shard(module, mesh=self.device_mesh["data_parallel"])
+
+    def training_step(self, batch, batch_idx):
+        if self.global_rank == 0:
+            print(f"{type(self).__name__}: training step", file=sys.stderr, flush=True)
+        return F.cross_entropy(self.l2(torch.relu(self.l1(batch[0]))), batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class Planned(FullyShardedOnly):
+    def configure_model(self):
+        plan = {"l1": ColwiseParallel(), "l2": RowwiseParallel()}
+        parallelize_module(self, self.device_mesh["tensor_parallel"], plan)
+        super().configure_model()
+
+
+for model in (FullyShardedOnly(), Planned()):  # Lightning's "auto" mesh on one node: 1 x 2
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, strategy="shardplus_model_parallel", max_steps=1, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )
+    trainer.fit(model, DataLoader(TensorDataset(torch.randn(4, 4), torch.arange(4) % 2), batch_size=2))
+"""
+
+
+@pytest.mark.skipif(release(torch.__version__) < (2, 6), reason="the script's fully_shard is public from torch 2.6")
+@pytest.mark.timeout(300)
+def test_an_idle_tensor_parallel_dimension_is_named_once_before_the_first_step_and_a_plan_is_not(tmp_path):
+    script = tmp_path / "idle.py"
+    script.write_text(IDLE_TENSOR_PARALLEL)
+    out = _launch(script, tmp_path).stderr
+    warning = (
+        "shardplus: the device mesh has 2 tensor-parallel peers per data-parallel rank (data_parallel_size=1, "
+        'tensor_parallel_size=2), but no parameter of FullyShardedOnly is sharded over its "tensor_parallel" dimension '
+        "after `configure_model`: the peers train identical copies on the same samples. For FSDP2 alone pass "
+        "`data_parallel_size=2, tensor_parallel_size=1`"
+    )
+    # once (rank 0, the FSDP2-only fit), before that fit's first step; none for the module with a tensor-parallel plan
+    assert out.count("tensor-parallel peers per data-parallel rank") == 1 and warning in out
+    assert out.index(warning) < out.index("FullyShardedOnly: training step") < out.index("Planned: training step")
+
+
+class _Stream(IterableDataset):
+    def __iter__(self):
+        return iter(torch.randn(4, 32))
+
+
+class _Manual(BoringModel):
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+
+def _no_worker(*args, **kwargs):
+    raise AssertionError("the launcher was called: the refusal came after workers started")
+
+
+@needs_torch_2_4
+def test_refusals_name_the_strategy_class_built_and_come_before_any_worker_starts():
+    def trainer(strategy, **kwargs) -> pl.Trainer:
+        trainer = cpu_trainer(strategy, 2, max_epochs=1, **kwargs)
+        trainer.strategy.launcher.launch.launch = _no_worker  # Lightning's launch, after shardplus's checks
+        return trainer
+
+    refused = r"^ShardPlusModelParallelStrategy\(aggregation_frequency=3\) and Trainer\(accumulate_grad_batches=2\)"
+    with pytest.raises(ValueError, match=refused):
+        trainer(ShardPlusModelParallelStrategy(2, 1, aggregation_frequency=3), accumulate_grad_batches=2).fit(
+            BoringModel()
+        )
+    refused = r"`uneven_inputs`='join' needs automatic optimization for a training stream: _Manual sets"
+    for strategy, loaders in (
+        (ShardPlusModelParallelStrategy(2, 1), DataLoader(_Stream())),
+        (ShardPlusStrategy(start_method="spawn"), {"a": DataLoader(_Stream()), "b": DataLoader(range(4))}),
+    ):
+        with pytest.raises(ValueError, match=refused):
+            trainer(strategy).fit(_Manual(), loaders)
+    with pytest.raises(AssertionError, match="the launcher was called"):  # one data-parallel rank: nothing refused
+        trainer(ShardPlusModelParallelStrategy(1, 2)).fit(_Manual(), DataLoader(_Stream()))
+    assert not torch.distributed.is_initialized()
+
+
+@needs_torch_2_4
+@pytest.mark.timeout(120)
+def test_lightnings_own_checks_of_the_module_come_before_the_data_side(caplog):
+    # a module without `configure_model`: Lightning's refusal, with nothing of shardplus's started before it
+    trainer = cpu_trainer(ShardPlusModelParallelStrategy(), 1, max_steps=1)
+    refused = r"When using the ShardPlusModelParallelStrategy, you are required to override the `configure_model\(\)`"
+    with caplog.at_level(logging.INFO), pytest.raises(TypeError, match=refused):
+        trainer.fit(BoringModel())
+    assert "All distributed processes registered" in caplog.text and "shardplus:" not in caplog.text
+    # set up by hand, without processes (as Lightning's own unit tests do): Lightning's checks, then no data side
+    strategy = ShardPlusModelParallelStrategy()
+    strategy.accelerator, strategy.parallel_devices = CPUAccelerator(), [torch.device("cpu")]
+    strategy.connect(BoringModel())
+    with pytest.raises(TypeError, match=refused):
+        strategy.setup(cpu_trainer("auto", 1))

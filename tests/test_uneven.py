@@ -9,6 +9,7 @@ from __future__ import annotations
 import csv
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import lightning.pytorch as pl
 import pytest
@@ -352,6 +353,18 @@ def test_map_style_loaders_and_single_processes_are_not_wrapped():
     even = EvenSteps("join", DataParallel(2, 0))
     assert even.wrap(DataLoader(list(range(8)))) is not None and even.streams == 0
     assert EvenSteps("join", DataParallel(1, 0)).wrap(DataLoader(RankStream([3]))).__class__ is DataLoader
+
+
+def test_a_training_stream_that_only_the_workers_see_is_refused_with_manual_optimization_where_it_is_prepared(
+    tmp_path,
+):
+    # a DataModule's or the module's own loader (a stream given to `fit` is refused before any worker starts:
+    # tests/test_model_parallel.py)
+    model = Regression(tmp_path)
+    model.automatic_optimization = False
+    even = EvenSteps("drop", DataParallel(2, 0), trainer=SimpleNamespace(lightning_module=model))
+    with pytest.raises(ValueError, match=r"`uneven_inputs`='drop' needs automatic optimization .*: Regression sets"):
+        even.wrap(DataLoader(RankStream([3, 3])))
 
 
 class StatefulStream(DataLoader):

@@ -45,12 +45,15 @@ def check_static_graph(micro_batches: int, static_graph: bool, argument: str) ->
         )
 
 
-def check_aggregation(frequency: int, trainer: Any, model: Any | None, static_graph: bool = False) -> None:
-    """Refuse, before a fit starts, what cannot work with ``aggregation_frequency`` = ``frequency``."""
+def check_aggregation(
+    strategy: str, frequency: int, trainer: Any, model: Any | None, static_graph: bool = False
+) -> None:
+    """Refuse, before a fit starts, what cannot work with ``aggregation_frequency`` = ``frequency`` of the strategy
+    class named ``strategy``."""
     accumulation = trainer.accumulate_grad_batches
     if frequency > 1 and accumulation not in (1, frequency):
         raise ValueError(
-            f"ShardPlusStrategy(aggregation_frequency={frequency}) and "
+            f"{strategy}(aggregation_frequency={frequency}) and "
             f"Trainer(accumulate_grad_batches={accumulation}) set two different numbers of "
             "micro-batches per optimizer step. Use `aggregation_frequency` only (it also normalizes the "
             "short last window of an epoch correctly): remove `accumulate_grad_batches` from the Trainer."

@@ -14,6 +14,8 @@ from typing import Any, Literal, NamedTuple
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch import LightningDataModule
+from lightning.pytorch.utilities import CombinedLoader
 from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader, IterableDataset
@@ -56,6 +58,25 @@ def is_stream(loader: Any) -> bool:
     if isinstance(loader, DataLoader):
         return isinstance(loader.dataset, IterableDataset)
     return isinstance(loader, IterableDataset) or not hasattr(loader, "__len__")
+
+
+def check_automatic_optimization(policy: str, model: Any) -> None:
+    """Refuse a training stream over several data-parallel ranks with manual optimization: shardplus cannot stand in
+    for a training step it does not drive (docs/uneven-inputs.md)."""
+    if not model.automatic_optimization:
+        raise ValueError(
+            f"`uneven_inputs`={policy!r} needs automatic optimization for a training stream: {class_name(model)} "
+            "sets `automatic_optimization = False`. Give each rank the same number of batches yourself, or use a "
+            "map-style dataset."
+        )
+
+
+def training_streams(loaders: Any) -> list[Any]:
+    """The streams among the training loaders given to ``fit`` (a loader, or a collection of them; None: none given)."""
+    if loaders is None or isinstance(loaders, LightningDataModule):  # (`fit(model, datamodule)` by position)
+        return []
+    combined = loaders if isinstance(loaders, CombinedLoader) else CombinedLoader(loaders)
+    return [loader for loader in combined.flattened if is_stream(loader)]
 
 
 class AgreedLoader:
@@ -202,12 +223,8 @@ class EvenSteps:
         resumable = hasattr(loader, "state_dict") and hasattr(loader, "load_state_dict")
         if self.world_size < 2:
             return OneRankLoader(loader, self) if resumable else loader
-        if self.trainer is not None and not self.trainer.lightning_module.automatic_optimization:
-            raise ValueError(
-                f"`uneven_inputs`={self.policy!r} needs automatic optimization for a training stream: "
-                f"{class_name(self.trainer.lightning_module)} sets `automatic_optimization = False`. Give each "
-                "rank the same number of batches yourself, or use a map-style dataset."
-            )
+        if self.trainer is not None:  # (the launching process refused a stream given to `fit` already)
+            check_automatic_optimization(self.policy, self.trainer.lightning_module)
         self._count_stream()
         if resumable:
             return ResumableAgreedLoader(loader, self)

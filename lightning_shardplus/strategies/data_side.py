@@ -47,6 +47,7 @@ class ShardPlusDataSide(ParallelStrategy):
     start_method: str  # how the processes start: "popen", "fork", "spawn" or "forkserver"
     launcher_name: str | None = None  # who starts the processes, in the start-up line; None: Lightning or as found
     processes_setting = "devices x num_nodes"  # what sets the number of processes, named in refusals
+    components_after_checks = False  # built in the gradient side's `setup`, once Lightning's checks of the module pass
 
     def _init_data_side(self, config: DataSideConfig) -> None:
         self.config = config
@@ -136,11 +137,19 @@ class ShardPlusDataSide(ParallelStrategy):
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
+        """This run's components, before the gradient side's ``setup`` (DDP's wraps the module with their hook and
+        bucket size), unless ``components_after_checks``."""
         if self.start_method in ("spawn", "forkserver") and self.root_device.type == "cpu":
             unshare_memory(self.lightning_module)
-        self._components = RunComponents.build(self.config, trainer, self._distributed_setup())
-        self._components.load_states(self._checkpointed)
+        if not self.components_after_checks:
+            self._build_components(trainer)
         super().setup(trainer)
+
+    def _build_components(self, trainer: pl.Trainer) -> None:
+        """This run's components, once."""
+        if self._components is None:
+            self._components = RunComponents.build(self.config, trainer, self._distributed_setup())
+            self._components.load_states(self._checkpointed)
 
     @override
     def teardown(self) -> None:

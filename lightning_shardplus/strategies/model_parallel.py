@@ -17,6 +17,7 @@ import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torchmetrics import Metric
 from typing_extensions import override
 
@@ -35,6 +36,7 @@ from lightning_shardplus.validation import (
     check_choice,
     check_int,
     check_process_group_backend,
+    class_name,
     closest,
     process_group_timeout,
 )
@@ -111,6 +113,7 @@ class ShardPlusModelParallelStrategy(ShardPlusDataSide, ModelParallelStrategy):
     """
 
     strategy_name = "shardplus_model_parallel"
+    components_after_checks = True  # Lightning's of the module first: `configure_model` overridden, FSDP2 only
 
     def __init__(
         self,
@@ -215,13 +218,31 @@ class ShardPlusModelParallelStrategy(ShardPlusDataSide, ModelParallelStrategy):
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         """Also: the module's torchmetrics Metrics without a process group of their own sync over the data-parallel
-        group (over the world, each tensor-parallel copy would count again), until teardown."""
+        group (over the world, each tensor-parallel copy would count again), until teardown; a fit whose module
+        leaves the tensor-parallel dimension idle is warned about."""
         super().setup(trainer)
+        self._build_components(trainer)  # (evaluation: no optimizers)
+        if trainer.state.fn == TrainerFn.FITTING:
+            warn_if_tensor_parallel_idle(self.lightning_module, self.world_size, self.num_replicas)
         group = self._data_parallel_group
         for metric in self.lightning_module.modules():
             if isinstance(metric, Metric) and metric.process_group is None and group is not None:
                 metric.process_group = group
                 self._undo_at_teardown.append(partial(setattr, metric, "process_group", None))
+
+    @override
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        """The data side's components first: ``setup`` calls this past Lightning's checks of the module, and
+        ``configure_optimizers`` may load the training data through them (``trainer.estimated_stepping_batches``)."""
+        self._build_components(trainer)
+        super().setup_optimizers(trainer)
+
+    @override
+    def _build_components(self, trainer: pl.Trainer) -> None:
+        """Once the processes run: a strategy set up without them (by hand, as Lightning's own unit tests do) has no
+        device mesh, and nothing to shard over."""
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            super()._build_components(trainer)
 
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
@@ -285,6 +306,29 @@ class ShardPlusModelParallelStrategy(ShardPlusDataSide, ModelParallelStrategy):
     validation_step = partialmethod(_evaluation_step, "validation_step")
     test_step = partialmethod(_evaluation_step, "test_step")
     predict_step = partialmethod(_evaluation_step, "predict_step")
+
+
+def warn_if_tensor_parallel_idle(module: torch.nn.Module, world_size: int, data_parallel_size: int) -> None:
+    """Warn (rank 0) where tensor-parallel peers exist but no parameter of ``module`` is sharded over the mesh's
+    ``tensor_parallel`` dimension: the peers train identical copies on the same samples. Lightning's "auto" sizes
+    give one node's devices to tensor parallel, which a module sharded by ``fully_shard`` alone leaves idle."""
+    peers = world_size // data_parallel_size
+    if peers == 1 or any(map(sharded_over_tensor_parallel, module.parameters())):
+        return
+    rank_zero_warn(
+        f"shardplus: the device mesh has {peers} tensor-parallel peers per data-parallel rank (data_parallel_size="
+        f"{data_parallel_size}, tensor_parallel_size={peers}), but no parameter of {class_name(module)} is sharded "
+        'over its "tensor_parallel" dimension after `configure_model`: the peers train identical copies on the same '
+        f"samples. For FSDP2 alone pass `data_parallel_size={world_size}, tensor_parallel_size=1` (every process a "
+        'data-parallel rank); for tensor parallel, apply a plan over `self.device_mesh["tensor_parallel"]` '
+        "(docs/model-parallel.md)."
+    )
+
+
+def sharded_over_tensor_parallel(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a DTensor with a shard placement on its mesh's ``tensor_parallel`` dimension."""
+    names = getattr(getattr(tensor, "device_mesh", None), "mesh_dim_names", None) or ()
+    return "tensor_parallel" in names and tensor.placements[names.index("tensor_parallel")].is_shard()  # type: ignore
 
 
 class LaunchGatheringWeights:
