@@ -32,3 +32,11 @@ torch.set_num_threads(1)
 def _isolate_in_process_runs():
     with in_process_run():
         yield
+
+
+def pytest_collection_modifyitems(config, items):
+    """The unit tier (``-m unit``): the tests that start no process. Every test that starts processes has a timeout
+    of its own (the project's rule), so a test without one is a unit test."""
+    for item in items:
+        if item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.unit)

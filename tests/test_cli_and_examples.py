@@ -228,7 +228,7 @@ def test_the_strategy_help_without_a_name_says_which_names_it_takes_and_shows_th
 
 
 @pytest.mark.timeout(120)
-def test_print_config_shows_the_autotune_defaults_the_readme_and_docstring_state(tmp_path, capsys, monkeypatch):
+def test_print_config_shows_the_autotune_defaults_the_options_reference_and_docstring_state(tmp_path, capsys, monkeypatch):
     from lightning_shardplus import ShardPlusStrategy, cli
 
     monkeypatch.chdir(tmp_path)
@@ -239,12 +239,13 @@ def test_print_config_shows_the_autotune_defaults_the_readme_and_docstring_state
     with pytest.raises(SystemExit):
         cli.main(["fit", "--config", str(ROOT / "configs" / "synthetic.yaml"), *strategy, "--print_config"])
     printed = yaml.safe_load(capsys.readouterr().out)["trainer"]["strategy"]["init_args"]
-    rows = [line.split(" | ") for line in (ROOT / "README.md").read_text().splitlines() if line.startswith("| `auto")]
-    readme = {name.strip("| `"): (default, meaning) for name, default, meaning in rows}
+    reference = (ROOT / "docs" / "arguments.md").read_text().splitlines()  # the one options reference
+    rows = [line.split(" | ") for line in reference if line.startswith("| `auto")]
+    readme = {name.strip("| `"): (default, meaning) for name, default, _, meaning, _ in rows}
     docstring = ShardPlusStrategy.__doc__
     for name in [name for name in printed if name.startswith("autotune_")]:
         default, meaning = readme[name]
-        assert default == f"`{printed[name]!r}`", name  # the README's default is the printed one, nothing else
+        assert default == f"`{printed[name]!r}`", name  # the reference's default is the printed one, nothing else
         if printed[name] is None:  # and says what None means, as the docstring does
             assert "`None`:" in meaning, name
             assert re.search(rf"{name}: [^\n]*\n?[^\n]*None", docstring), name

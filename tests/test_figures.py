@@ -56,3 +56,10 @@ def test_the_shard_picture_is_the_samplers_assignment():
     assert [i for shard in drawn["wrap"] for i, pad in shard if pad] == order[:2]
     assert [i for shard in drawn["exact"] for i, _ in shard] == list(range(n))
     assert [len(shard) for shard in drawn["exact"]] == [4, 3, 3]
+
+
+def test_the_figures_page_is_what_the_reports_give():
+    """docs/figures.md is generated from docs/bench/*.json: regenerate it with the command its first lines name."""
+    from lightning_shardplus.bench import figures
+
+    assert figures.main(["--check"]) == 0, "docs/figures.md is stale: python -m lightning_shardplus.bench.figures"
