@@ -1,6 +1,7 @@
 """The house's layers: the data side imports no gradient side and no strategy, and runs a fit without one."""
 
 import ast
+import re
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -12,6 +13,7 @@ import lightning_shardplus
 from lightning_shardplus.strategies.data_side import ShardPlusDataSide
 
 PACKAGE = Path(lightning_shardplus.__file__).parent
+DOCS = Path(__file__).resolve().parents[1] / "docs"
 
 
 def _imports(path: Path) -> set[str]:
@@ -86,3 +88,21 @@ def test_the_data_side_fits_with_a_gradient_side_of_its_own(tmp_path):
     )  # fmt: skip
     trainer.fit(BoringModel())
     assert trainer.global_step == 32  # 64 batches, 2 micro-batches per step
+
+
+def test_architecture_names_every_module():
+    """docs/architecture.md names every module outside bench/ by its path in the package (``data/loaders.py``)."""
+    page = (DOCS / "architecture.md").read_text()
+    modules = [path.relative_to(PACKAGE).as_posix() for path in PACKAGE.rglob("*.py")
+               if path.name != "__init__.py" and path.relative_to(PACKAGE).parts[0] != "bench"]  # fmt: skip
+    assert modules
+    unnamed = [m for m in modules if not re.search(rf"(?<![\w/.])(lightning_shardplus/)?{re.escape(m)}(?!\w)", page)]
+    assert not unnamed, f"modules docs/architecture.md does not name: {sorted(unnamed)}"
+
+
+def test_the_docs_index_lists_every_page():
+    index = (DOCS / "index.md").read_text()
+    pages = [path.name for path in DOCS.glob("*.md") if path.name != "index.md"]
+    assert pages
+    unlisted = [page for page in pages if not re.search(rf"\]\({re.escape(page)}(#[^)]*)?\)", index)]
+    assert not unlisted, f"pages docs/index.md does not link: {sorted(unlisted)}"
