@@ -6,10 +6,10 @@ docs/model-parallel.md."""
 
 from __future__ import annotations
 
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from datetime import timedelta
-from functools import partial, partialmethod
+from functools import partial
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -286,15 +286,27 @@ class ShardPlusModelParallelStrategy(ShardPlusDataSide, ModelParallelStrategy):
             return {**output, "loss": output["loss"] * 0.0}
         return output * 0.0 if isinstance(output, torch.Tensor) else output
 
-    def _evaluation_step(self, step: str, *args: Any, **kwargs: Any) -> Any:
-        """A stand-in batch (a data-parallel rank whose shard has fewer batches) runs the step for FSDP's collectives;
-        what it logs, updates or predicts counts nowhere."""
+    def _evaluate(self, step: Callable, args: tuple, kwargs: dict) -> Any:
+        """A stand-in batch (a data-parallel rank whose shard has fewer batches) runs Lightning's ``step`` for FSDP's
+        collectives; what it logs, updates or predicts counts nowhere."""
         if not (args and isinstance(args[0], NoBatch)):
-            return getattr(super(), step)(*args, **kwargs)
+            return step(*args, **kwargs)
         stand_in = self._prepared(args[0], dataloader_idx=args[2] if len(args) > 2 else 0)
         with counted_nowhere(self.lightning_module):
-            getattr(super(), step)(stand_in, *args[1:], **kwargs)
+            step(stand_in, *args[1:], **kwargs)
         return args[0]  # (a prediction that `gather_predictions` leaves out)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._evaluate(super().validation_step, args, kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._evaluate(super().test_step, args, kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._evaluate(super().predict_step, args, kwargs)
 
     def _prepared(self, batch: NoBatch, dataloader_idx: int = 0) -> Any:
         """The stand-in as Lightning's loops prepare a batch: precision conversion, the module's transfer hooks, the
@@ -302,10 +314,6 @@ class ShardPlusModelParallelStrategy(ShardPlusDataSide, ModelParallelStrategy):
         prepared = self.precision_plugin.convert_input(batch.stand_in)
         prepared = self.lightning_module.on_before_batch_transfer(prepared, dataloader_idx)
         return self.batch_to_device(prepared, dataloader_idx=dataloader_idx)
-
-    validation_step = partialmethod(_evaluation_step, "validation_step")
-    test_step = partialmethod(_evaluation_step, "test_step")
-    predict_step = partialmethod(_evaluation_step, "predict_step")
 
 
 def warn_if_tensor_parallel_idle(module: torch.nn.Module, world_size: int, data_parallel_size: int) -> None:
