@@ -9,6 +9,7 @@ method of another package's class that a class of ours defines again (an overrid
 
 import ast
 import importlib
+import importlib.util
 import inspect
 import pkgutil
 import re
@@ -108,11 +109,19 @@ def private_names_in_the_fence() -> set[str]:
     return found
 
 
+# Modules of an optional extra, imported only where it is installed (their source is fenced by the AST check anyway).
+EXTRAS = {"lightning_shardplus.ray": "ray"}
+
+
 def _modules():
-    """Every module of the package but the ``__main__`` ones (importing those runs them)."""
+    """Every module of the package but the ``__main__`` ones (importing those runs them) and those of an extra that
+    is not installed."""
     for info in pkgutil.walk_packages(lightning_shardplus.__path__, "lightning_shardplus."):
-        if not info.name.endswith("__main__"):
-            yield importlib.import_module(info.name)
+        if info.name.endswith("__main__"):
+            continue
+        if info.name in EXTRAS and importlib.util.find_spec(EXTRAS[info.name]) is None:
+            continue
+        yield importlib.import_module(info.name)
 
 
 def private_overrides(modules=None) -> dict[str, str]:

@@ -23,7 +23,8 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_shardplus import ShardPlusStrategy
 from lightning_shardplus.data.group import DataParallel
-from lightning_shardplus.data.uneven import AGREEMENT_BLOCK, NO_BATCH, EvenSteps, zero_loss
+from lightning_shardplus.data.uneven import AGREEMENT_BLOCK, NO_BATCH, EvenSteps
+from lightning_shardplus.gradients.ddp.steps import zero_loss
 
 DIM = 4
 

@@ -3,13 +3,10 @@ rank's running sums and counts, as a single-process run would compute them (docs
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
-import torch
-import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from torchmetrics import Metric
 
@@ -125,36 +122,3 @@ class _ExactEvaluation(Callback):
 ExactEvaluation = _ExactEvaluation
 
 
-@contextmanager
-def counted_nowhere(module: pl.LightningModule, drop_logs: bool = True) -> Iterator[None]:
-    """A step run only for its collectives (model parallel: a stand-in batch): its torchmetrics Metrics keep the states
-    they had (list states by a copy of the list, tensors by a clone), its buffers their values (BatchNorm's running
-    statistics), and with ``drop_logs`` what it logs is dropped."""
-    metrics = [m for m in module.modules() if isinstance(m, Metric)]
-    saved = [{k: list(v) if isinstance(v, list) else v.clone() for k, v in m.metric_state.items()} for m in metrics]
-    buffers = [(buffer, buffer.clone()) for buffer in module.buffers()]
-    if drop_logs:
-        module.log = lambda *args, **kwargs: None  # type: ignore[method-assign]  (`log_dict` calls it too)
-    try:
-        yield
-    finally:
-        if drop_logs:
-            del module.log
-        for metric, state in zip(metrics, saved, strict=True):
-            for name, value in state.items():
-                setattr(metric, name, value)
-        # through `.data`, which autograd does not track: a training step's backward (on a loss times 0) still
-        # holds the tensors its forward used, and a tracked in-place write would make it fail; the buffers stay the
-        # same objects (shared ones, references elsewhere)
-        with torch.no_grad():
-            for buffer, value in buffers:
-                buffer.data.copy_(value)
-
-
-def share_rank_zero_buffers(module: torch.nn.Module, ddp_kwargs: dict[str, Any]) -> None:
-    """Before evaluating mid-fit, give every rank rank 0's buffers (BatchNorm running statistics), as DDP's next
-    forward would: each rank's last training step updated its own copy, and exact evaluation skips DDP."""
-    sync = ddp_kwargs.get("forward_sync_buffers")  # DDP: None is its default, True
-    if ddp_kwargs.get("broadcast_buffers", True) if sync is None else sync:
-        for buffer in module.buffers():
-            dist.broadcast(buffer, src=0)

@@ -331,11 +331,6 @@ class EvenSteps:
         if self.on_step_without_data is not None:
             self.on_step_without_data()
 
-    def train_without_data(self, ddp: torch.nn.Module, module: torch.nn.Module) -> torch.Tensor:
-        """The training step of a rank whose stream ran out (``"join"``): see :func:`forward_without_data`."""
-        self.step_without_data()
-        return forward_without_data(ddp, module)
-
     def gradient_correction(self, aggregated: int, average: bool) -> float:
         """The factor that turns the synchronized gradient of the window just ended (``aggregated`` micro-batches) into
         the mean over the ranks (and, with ``average``, micro-batches) that had data; 1 while all ranks have data."""
@@ -345,27 +340,6 @@ class EvenSteps:
         if average:
             return self.world_size * aggregated / sum(window)
         return self.world_size / window[0]  # ranks run out for good: the window's first micro-batch has the most
-
-
-def zero_loss(module: torch.nn.Module) -> torch.Tensor:
-    """A zero depending on every trainable parameter: the loss of a rank without data (DDP communicates as usual)."""
-    parameters = [p for p in module.parameters() if p.requires_grad]
-    if not parameters:
-        return torch.zeros(())
-    return torch.stack([p.sum() for p in parameters]).sum() * 0.0
-
-
-def forward_without_data(ddp: torch.nn.Module, module: torch.nn.Module) -> torch.Tensor:
-    """Run ``ddp``'s forward (and its collectives) over :func:`zero_loss` instead of the module's ``forward``."""
-    own = module.__dict__.get("forward")
-    module.forward = lambda *args, **kwargs: zero_loss(module)  # type: ignore[method-assign]
-    try:
-        return ddp()
-    finally:
-        if own is None:
-            del module.forward
-        else:
-            module.forward = own  # type: ignore[method-assign]
 
 
 def _samples(batch: Any) -> int:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from datetime import timedelta
-from functools import partialmethod
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -17,13 +16,13 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_shardplus._compat import lightning as _lightning
-from lightning_shardplus.data.exact_evaluation import share_rank_zero_buffers
 from lightning_shardplus.data.sharding import PaddingMode
-from lightning_shardplus.data.uneven import NO_BATCH, UnevenInputs
+from lightning_shardplus.data.uneven import NoBatch, UnevenInputs
 from lightning_shardplus.gradients.ddp.compression import GradientCompression, remove_rank_states
 from lightning_shardplus.gradients.ddp.config import check_arguments
 from lightning_shardplus.gradients.ddp.fusion import BucketSetting, FusionResult
 from lightning_shardplus.gradients.ddp.side import DDPGradients, DDPRun
+from lightning_shardplus.gradients.ddp.steps import forward_without_data, share_rank_zero_buffers
 from lightning_shardplus.launch import check_accelerator
 from lightning_shardplus.strategies import registry
 from lightning_shardplus.strategies.data_side import ShardPlusDataSide
@@ -169,9 +168,10 @@ class ShardPlusStrategy(ShardPlusDataSide, DDPStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if args and args[0] is NO_BATCH:  # this rank's stream ran out: DDP's step without running the model
+        if args and isinstance(args[0], NoBatch):  # this rank's stream ran out: DDP's step without running the model
+            self._components.even.step_without_data()  # type: ignore[union-attr]  (what it logs counts nowhere)
             with self.precision_plugin.train_step_context():
-                return self._components.even.train_without_data(self.model, self.lightning_module)  # type: ignore
+                return forward_without_data(self.model, self.lightning_module)
         return super().training_step(*args, **kwargs)
 
     @override
@@ -218,14 +218,25 @@ class ShardPlusStrategy(ShardPlusDataSide, DDPStrategy):
         if self._exact_across_ranks and isinstance(self.model, DistributedDataParallel):
             share_rank_zero_buffers(self.lightning_module, _lightning.ddp_kwargs(self))
 
-    def _evaluation_step(self, step: str, *args: Any, **kwargs: Any) -> Any:
-        """Exact evaluation runs ``step`` without DDP's forward (no gradients; no buffer broadcast per batch)."""
+    def _evaluate(self, through_ddp: Callable, step: Callable, context: Callable, args: tuple, kwargs: dict) -> Any:
+        """Exact evaluation runs the module's ``step`` in its precision ``context``, without DDP's forward (no
+        gradients; no buffer broadcast per batch); else the step goes ``through_ddp`` as under ``"ddp"``."""
         if not self._exact_across_ranks:
-            return getattr(super(), step)(*args, **kwargs)
-        contexts = {"validation_step": "val_step_context", "test_step": "test_step_context"}
-        with getattr(self.precision_plugin, contexts.get(step, "predict_step_context"))():
-            return getattr(self.lightning_module, step)(*args, **kwargs)
+            return through_ddp(*args, **kwargs)
+        with context():
+            return step(*args, **kwargs)
 
-    validation_step = partialmethod(_evaluation_step, "validation_step")
-    test_step = partialmethod(_evaluation_step, "test_step")
-    predict_step = partialmethod(_evaluation_step, "predict_step")
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        module, precision = self.lightning_module, self.precision_plugin
+        return self._evaluate(super().validation_step, module.validation_step, precision.val_step_context, args, kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        module, precision = self.lightning_module, self.precision_plugin
+        return self._evaluate(super().test_step, module.test_step, precision.test_step_context, args, kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        module, precision = self.lightning_module, self.precision_plugin
+        return self._evaluate(super().predict_step, module.predict_step, precision.predict_step_context, args, kwargs)

@@ -6,10 +6,10 @@ docs/model-parallel.md."""
 
 from __future__ import annotations
 
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from datetime import timedelta
-from functools import partial, partialmethod
+from functools import partial
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -23,11 +23,12 @@ from typing_extensions import override
 
 from lightning_shardplus._compat import lightning as _lightning
 from lightning_shardplus.data.config import DataSideConfig, fit_to_lightning
-from lightning_shardplus.data.exact_evaluation import counted_nowhere
 from lightning_shardplus.data.group import data_parallel
 from lightning_shardplus.data.sharding import PaddingMode
 from lightning_shardplus.data.uneven import NoBatch, UnevenInputs
+from lightning_shardplus.gradients.fsdp2.launch import LaunchGatheringWeights
 from lightning_shardplus.gradients.fsdp2.side import FSDP2Gradients
+from lightning_shardplus.gradients.fsdp2.stand_in import counted_nowhere
 from lightning_shardplus.strategies import registry
 from lightning_shardplus.strategies.data_side import ShardPlusDataSide
 from lightning_shardplus.validation import (
@@ -286,15 +287,27 @@ class ShardPlusModelParallelStrategy(ShardPlusDataSide, ModelParallelStrategy):
             return {**output, "loss": output["loss"] * 0.0}
         return output * 0.0 if isinstance(output, torch.Tensor) else output
 
-    def _evaluation_step(self, step: str, *args: Any, **kwargs: Any) -> Any:
-        """A stand-in batch (a data-parallel rank whose shard has fewer batches) runs the step for FSDP's collectives;
-        what it logs, updates or predicts counts nowhere."""
+    def _evaluate(self, step: Callable, args: tuple, kwargs: dict) -> Any:
+        """A stand-in batch (a data-parallel rank whose shard has fewer batches) runs Lightning's ``step`` for FSDP's
+        collectives; what it logs, updates or predicts counts nowhere."""
         if not (args and isinstance(args[0], NoBatch)):
-            return getattr(super(), step)(*args, **kwargs)
+            return step(*args, **kwargs)
         stand_in = self._prepared(args[0], dataloader_idx=args[2] if len(args) > 2 else 0)
         with counted_nowhere(self.lightning_module):
-            getattr(super(), step)(stand_in, *args[1:], **kwargs)
+            step(stand_in, *args[1:], **kwargs)
         return args[0]  # (a prediction that `gather_predictions` leaves out)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._evaluate(super().validation_step, args, kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._evaluate(super().test_step, args, kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._evaluate(super().predict_step, args, kwargs)
 
     def _prepared(self, batch: NoBatch, dataloader_idx: int = 0) -> Any:
         """The stand-in as Lightning's loops prepare a batch: precision conversion, the module's transfer hooks, the
@@ -302,10 +315,6 @@ class ShardPlusModelParallelStrategy(ShardPlusDataSide, ModelParallelStrategy):
         prepared = self.precision_plugin.convert_input(batch.stand_in)
         prepared = self.lightning_module.on_before_batch_transfer(prepared, dataloader_idx)
         return self.batch_to_device(prepared, dataloader_idx=dataloader_idx)
-
-    validation_step = partialmethod(_evaluation_step, "validation_step")
-    test_step = partialmethod(_evaluation_step, "test_step")
-    predict_step = partialmethod(_evaluation_step, "predict_step")
 
 
 def warn_if_tensor_parallel_idle(module: torch.nn.Module, world_size: int, data_parallel_size: int) -> None:
@@ -329,43 +338,6 @@ def sharded_over_tensor_parallel(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` is a DTensor with a shard placement on its mesh's ``tensor_parallel`` dimension."""
     names = getattr(getattr(tensor, "device_mesh", None), "mesh_dim_names", None) or ()
     return "tensor_parallel" in names and tensor.placements[names.index("tensor_parallel")].is_shard()  # type: ignore
-
-
-class LaunchGatheringWeights:
-    """A fork/spawn launcher's ``launch`` whose workers, once a fit returned, gather the module's weights whole for the
-    launching process: Lightning's launcher then computes ``state_dict()`` on every rank and sends rank 0's to the
-    launching process, whose module is not sharded. Nothing of yours runs after that in a worker. (A class: the spawn
-    launcher pickles it.)"""
-
-    def __init__(self, launch: Any) -> None:
-        self.launch = launch
-
-    def __call__(self, function: Any, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
-        return self.launch(_FitThenGather(function, trainer), *args, trainer=trainer, **kwargs)
-
-
-class _FitThenGather:
-    """The Trainer function a worker runs; after a fit, ``state_dict()`` gathers each DTensor whole (a collective on
-    every rank), kept on CPU on local rank 0, whose copy Lightning sends."""
-
-    def __init__(self, function: Any, trainer: Any) -> None:
-        self.function, self.trainer = function, trainer
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        result = self.function(*args, **kwargs)
-        if self.trainer.state.fn == TrainerFn.FITTING:
-            keep = self.trainer.local_rank == 0
-            self.trainer.lightning_module.register_state_dict_post_hook(partial(_whole_tensors, keep))
-        return result
-
-
-def _whole_tensors(keep: bool, module: torch.nn.Module, state_dict: dict[str, Any], prefix: str, _: Any) -> None:
-    """A ``state_dict`` post-hook: each DTensor (an FSDP2 or tensor-parallel shard) gathered whole on every rank, one
-    at a time; on the rank that ``keep``s them, every tensor on CPU."""
-    for key, value in state_dict.items():
-        whole = value.full_tensor() if hasattr(value, "full_tensor") else value
-        if keep and isinstance(whole, torch.Tensor):
-            state_dict[key] = whole.cpu()
 
 
 def refuse_ddp_only(given: dict[str, Any]) -> None:
