@@ -46,17 +46,29 @@ def ray_world_size() -> int:
         ) from error
 
 
-def _check_ray_environment(strategy: Any) -> None:
-    """Ranks and world size must come from Ray: without ``RayLightningEnvironment`` Lightning would count the world
-    from ``devices x num_nodes`` (1 per worker)."""
-    if not isinstance(strategy.cluster_environment, RayLightningEnvironment):
-        raise ValueError(
-            f"{type(strategy).__name__} takes ranks and world size from Ray: build the Trainer with "
-            f"plugins=[RayLightningEnvironment()] (found {type(strategy.cluster_environment).__name__})"
-        )
+class _RayWorkers:
+    """What both Ray strategies say of their processes: Ray started them, one per worker."""
+
+    launcher_name = LAUNCHER
+    processes_setting = WORKERS
+    cluster_environment: Any
+
+    @property
+    def started_processes(self) -> int:
+        return ray_world_size()
+
+    def check_launcher(self) -> None:
+        """Ray started the processes: their number is Ray's, whatever ``devices`` says. Ranks and world size must
+        come from Ray: without ``RayLightningEnvironment`` Lightning would count the world from ``devices x
+        num_nodes`` (1 per worker)."""
+        if not isinstance(self.cluster_environment, RayLightningEnvironment):
+            raise ValueError(
+                f"{type(self).__name__} takes ranks and world size from Ray: build the Trainer with "
+                f"plugins=[RayLightningEnvironment()] (found {type(self.cluster_environment).__name__})"
+            )
 
 
-class RayShardPlusStrategy(ShardPlusStrategy, RayDDPStrategy):
+class RayShardPlusStrategy(_RayWorkers, ShardPlusStrategy, RayDDPStrategy):
     """``ShardPlusStrategy`` over Ray Train's workers, used as Ray documents ``RayDDPStrategy``::
 
         trainer = Trainer(devices="auto", strategy=RayShardPlusStrategy(), plugins=[RayLightningEnvironment()],
@@ -67,27 +79,11 @@ class RayShardPlusStrategy(ShardPlusStrategy, RayDDPStrategy):
     ``process_group_backend``, ``timeout`` and ``start_method`` are Ray's (``TorchConfig``), as for ``RayDDPStrategy``.
     """
 
-    launcher_name = LAUNCHER
-    processes_setting = WORKERS
 
-    @property
-    @override
-    def started_processes(self) -> int:
-        return ray_world_size()
-
-    @override
-    def check_launcher(self) -> None:
-        """Ray started the processes: their number is Ray's, whatever ``devices`` says; its environment must count."""
-        _check_ray_environment(self)
-
-
-class RayShardPlusModelParallelStrategy(ShardPlusModelParallelStrategy):
+class RayShardPlusModelParallelStrategy(_RayWorkers, ShardPlusModelParallelStrategy):
     """``ShardPlusModelParallelStrategy`` (FSDP2 and tensor parallel) over Ray Train's workers. ``"auto"`` sizes:
     tensor parallel 1, data parallel the worker count over it. Ray's ``prepare_trainer`` accepts only its own
     classes: build the Trainer with ``plugins=[RayLightningEnvironment()]`` and do not call it (docs/ray.md)."""
-
-    launcher_name = LAUNCHER
-    processes_setting = WORKERS
 
     def __init__(
         self,
@@ -104,15 +100,6 @@ class RayShardPlusModelParallelStrategy(ShardPlusModelParallelStrategy):
     @override
     def root_device(self) -> torch.device:
         return ray.train.torch.get_device()
-
-    @property
-    @override
-    def started_processes(self) -> int:
-        return ray_world_size()
-
-    @override
-    def check_launcher(self) -> None:
-        _check_ray_environment(self)
 
     @override
     def setup_environment(self) -> None:

@@ -35,6 +35,7 @@ from lightning_shardplus.launch import (
     export_rank_variables,
     unshare_memory,
 )
+from lightning_shardplus.strategies import registry
 
 
 class ShardPlusDataSide(ParallelStrategy):
@@ -54,6 +55,12 @@ class ShardPlusDataSide(ParallelStrategy):
         self._components: RunComponents | None = None  # this Trainer run's, from `setup` to `teardown`
         self._checkpointed: dict[str, Any] = {}  # component states of a checkpoint loaded before `setup`
         self._undo_at_teardown: list[Callable[[], None]] = []  # what `setup_environment` changed for the run
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Each strategy's names, from the one table (``registry.py``)."""
+        registry.register(cls, strategy_registry)
 
     def _gradient_side(self) -> GradientSide:
         """What differs on this strategy's gradient side (``data.gradient_side.GradientSide``)."""

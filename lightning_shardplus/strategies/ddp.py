@@ -24,7 +24,6 @@ from lightning_shardplus.gradients.ddp.fusion import BucketSetting, FusionResult
 from lightning_shardplus.gradients.ddp.side import DDPGradients, DDPRun
 from lightning_shardplus.gradients.ddp.steps import forward_without_data, share_rank_zero_buffers
 from lightning_shardplus.launch import check_accelerator
-from lightning_shardplus.strategies import registry
 from lightning_shardplus.strategies.data_side import ShardPlusDataSide
 
 
@@ -121,11 +120,6 @@ class ShardPlusStrategy(ShardPlusDataSide, DDPStrategy):
         _lightning.set_ddp_kwargs(self, dict.fromkeys(ddp_defaults))  # DDP's defaults left out, as with "ddp"
         self._init_data_side(config)
         self._user_hook, self.start_method = (ddp_comm_hook, ddp_comm_state, ddp_comm_wrapper), start_method  # as given
-
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        registry.register(cls, strategy_registry)
 
     @property
     def num_replicas(self) -> int:

@@ -29,7 +29,6 @@ from lightning_shardplus.data.uneven import NoBatch, UnevenInputs
 from lightning_shardplus.gradients.fsdp2.launch import LaunchGatheringWeights
 from lightning_shardplus.gradients.fsdp2.side import FSDP2Gradients
 from lightning_shardplus.gradients.fsdp2.stand_in import counted_nowhere
-from lightning_shardplus.strategies import registry
 from lightning_shardplus.strategies.data_side import ShardPlusDataSide
 from lightning_shardplus.validation import (
     START_METHODS,
@@ -169,11 +168,6 @@ class ShardPlusModelParallelStrategy(ShardPlusDataSide, ModelParallelStrategy):
         self.start_method = start_method
         self._process_launcher: Any = None  # fork/spawn: Lightning's multiprocessing launcher, built once
         self._init_data_side(config)
-
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        registry.register(cls, strategy_registry)
 
     @property
     def num_replicas(self) -> int:
