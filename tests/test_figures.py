@@ -24,6 +24,7 @@ def _draw_module():
     return module
 
 
+@pytest.mark.timeout(180)  # two processes of its own
 def test_figures_are_small_valid_svg_and_reproducible(tmp_path):
     outputs = []
     for run in ("a", "b"):  # two processes: nothing carried over between the runs

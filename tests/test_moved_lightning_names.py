@@ -90,6 +90,7 @@ def test_a_moved_multiprocessing_launcher_refuses_fork_and_spawn_under_model_par
     ShardPlusStrategy(start_method="fork")  # DDPStrategy builds its own launcher
 
 
+@pytest.mark.timeout(120)  # a process of its own
 def test_the_package_imports_where_a_private_import_moved_and_the_strategy_is_refused_at_construction():
     script = (
         "import importlib, importlib.util\n"
