@@ -228,7 +228,7 @@ def test_the_strategy_help_without_a_name_says_which_names_it_takes_and_shows_th
 
 
 @pytest.mark.timeout(120)
-def test_print_config_shows_the_autotune_defaults_the_options_reference_and_docstring_state(tmp_path, capsys, monkeypatch):
+def test_print_config_shows_the_autotune_defaults_the_reference_and_docstring_state(tmp_path, capsys, monkeypatch):
     from lightning_shardplus import ShardPlusStrategy, cli
 
     monkeypatch.chdir(tmp_path)
