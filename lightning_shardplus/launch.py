@@ -147,19 +147,14 @@ def check_fit(strategy: Any, trainer: Any, model: Any) -> None:
 RANK_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 
 
-def export_rank_variables(environment: ClusterEnvironment, local_world_size: int) -> Callable[[], None]:
-    """Set :data:`RANK_VARIABLES` where absent, with more than one process (Lightning's launchers set neither ``RANK``
-    nor ``LOCAL_WORLD_SIZE``; Mosaic Streaming reads them, and takes their absence for one process); returns what
-    removes the ones it set."""
+def rank_variables(environment: ClusterEnvironment, local_world_size: int) -> dict[str, str]:
+    """The :data:`RANK_VARIABLES` absent from ``os.environ``, with more than one process, to set (Lightning's
+    launchers set neither ``RANK`` nor ``LOCAL_WORLD_SIZE``; Mosaic Streaming reads them, and takes their absence for
+    one process)."""
     values = (environment.global_rank(), environment.world_size(), environment.local_rank(), local_world_size)
-    added = [name for name in RANK_VARIABLES if name not in os.environ and environment.world_size() > 1]
-    os.environ.update({name: str(value) for name, value in zip(RANK_VARIABLES, values, strict=True) if name in added})
-
-    def remove() -> None:
-        for name in added:
-            os.environ.pop(name, None)
-
-    return remove
+    if environment.world_size() < 2:
+        return {}
+    return {name: str(v) for name, v in zip(RANK_VARIABLES, values, strict=True) if name not in os.environ}
 
 
 def unshare_memory(module: torch.nn.Module) -> None:

@@ -9,8 +9,10 @@ import json
 import multiprocessing
 import os
 import signal
+import socket
 import traceback
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -179,3 +181,45 @@ def _report_to(writer, function) -> None:
         writer.send(traceback.format_exc())
     finally:
         os._exit(0)
+
+
+def in_external_ranks(function, world_size: int = 2, timeout: float = 120) -> None:
+    """Run ``function()`` as each rank of a ``world_size``-process job whose processes Lightning finds started
+    (``LOCAL_RANK`` and the rendezvous variables set), each a fork of this process: a rank's code runs before and after its ``fit``, in the
+    same process, and what it raised comes back (as :func:`in_forked_process`)."""
+    port = _free_port()
+    errors = []
+    context = multiprocessing.get_context("fork")
+    children = []
+    for rank in range(world_size):
+        reader, writer = context.Pipe(duplex=False)
+        # what Lightning reads (torchrun sets RANK and LOCAL_WORLD_SIZE too: shardplus exports those itself)
+        variables = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world_size),
+                         LOCAL_RANK=str(rank), NODE_RANK="0")  # fmt: skip
+        child = context.Process(target=_report_to, args=(writer, partial(_as_rank, variables, function)))
+        child.start()
+        writer.close()
+        children.append((reader, child))
+    try:
+        for rank, (reader, _) in enumerate(children):
+            if not reader.poll(timeout):
+                raise TimeoutError(f"rank {rank} of {function.__name__} did not finish in {timeout} s")
+            if (error := reader.recv()) is not None:
+                errors.append(f"rank {rank}:\n{error}")
+    finally:
+        for _, child in children:
+            child.kill()
+            child.join()
+    if errors:
+        raise AssertionError("in the forked ranks:\n" + "\n".join(errors))
+
+
+def _as_rank(variables: dict[str, str], function) -> None:
+    os.environ.update(variables)
+    function()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

@@ -116,7 +116,8 @@ def test_ranks_without_any_evaluation_sample_join_the_reduction(tmp_path):
 
 def test_a_metric_fed_by_update_syncs_in_compute_until_exact_evaluation_defers_its_sync():
     # torchmetrics copies `sync_on_compute` into what `compute` reads at construction and after `forward` only
-    from lightning_shardplus.data.exact_evaluation import defer_metric_sync, restore_metric_sync
+    from lightning_shardplus._compat.changes import RunChanges
+    from lightning_shardplus.data.exact_evaluation import defer_metric_sync
 
     gathered = []
 
@@ -134,10 +135,11 @@ def test_a_metric_fed_by_update_syncs_in_compute_until_exact_evaluation_defers_i
     assert gathered  # it synced
     gathered.clear()
     metric.sync_on_compute = True
-    settings = defer_metric_sync(metric)
+    changes = RunChanges()
+    defer_metric_sync(metric, changes)
     metric.update(torch.tensor([5.0]))
     assert float(metric.compute()) == 3.0 and not gathered
-    restore_metric_sync(metric, settings)
+    changes.undo()
     assert metric.sync_on_compute and not metric.dist_sync_on_step and metric.distributed_available_fn is available
     metric.update(torch.tensor([5.0]))
     metric.compute()
@@ -249,12 +251,15 @@ def test_an_unsharded_evaluation_loader_is_reduced_with_a_warning(stage, exact_e
 
     from lightning.pytorch.trainer.states import RunningStage
 
+    from lightning_shardplus._compat.changes import RunChanges
     from lightning_shardplus.data.loaders import ShardedLoaders
 
     trainer = SimpleNamespace(state=SimpleNamespace(stage=getattr(RunningStage, stage.upper())))
     kwargs = dict(padding="first", seed=0, shuffle=True, exact_evaluation=exact_evaluation, record_indices=False)
-    loaders = ShardedLoaders(trainer, 2, 0, **kwargs)
+    changes = RunChanges()
+    loaders = ShardedLoaders(trainer, 2, 0, changes=changes, **kwargs)
     loader = DataLoader(IndexedDataset(9), batch_size=3)
+
     class Stream(torch.utils.data.IterableDataset):
         def __iter__(self):
             return iter(range(3))
@@ -265,7 +270,7 @@ def test_an_unsharded_evaluation_loader_is_reduced_with_a_warning(stage, exact_e
             warnings.simplefilter("always")
             assert loaders.process(loader) is loader and loaders.process(stream) is stream
     finally:
-        loaders.close()
+        changes.undo()
     said = [str(w.message) for w in caught if "is not sharded" in str(w.message)]
     assert len(said) == (stage != "training" and exact_evaluation)
     assert all("exact_evaluation=False" in message for message in said)

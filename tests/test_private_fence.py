@@ -134,7 +134,9 @@ def private_overrides(modules=None) -> dict[str, str]:
                 continue
             foreign = [base for base in cls.__mro__[1:] if not base.__module__.startswith("lightning_shardplus")]
             for name, value in vars(cls).items():
+                # written in the class's source (not put there by a metaclass: Enum's `_generate_next_value_`)
                 defined_here = inspect.isfunction(value) or isinstance(value, (property, classmethod, staticmethod))
+                defined_here = defined_here and re.search(rf"\b{name}\b", _source(cls)) is not None
                 owner = next((base for base in foreign if name in vars(base)), None)
                 if _private(name) and defined_here and owner is not None:
                     found[f"{module.__name__}.{cls.__qualname__}.{name}"] = _qualified(owner)

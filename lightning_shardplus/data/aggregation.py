@@ -15,6 +15,7 @@ from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
 from lightning_shardplus._compat import lightning as _lightning
+from lightning_shardplus._compat.changes import Change, RunChanges
 from lightning_shardplus.data.gradient_side import GradientSide
 from lightning_shardplus.data.group import DataParallel, data_parallel_size
 from lightning_shardplus.validation import class_name
@@ -76,7 +77,7 @@ def check_aggregation(
 
 
 class GradientAggregation:
-    """Aggregation windows for one fit: ``trainer.accumulate_grad_batches`` is ``frequency`` until :meth:`close`,
+    """Aggregation windows for one fit: ``trainer.accumulate_grad_batches`` is ``frequency`` until the run ends,
     and :meth:`wrap_closure` corrects each window's gradient. ``ranks_correction(aggregated, average)`` corrects
     it further where some ranks had no data (``uneven.EvenSteps.gradient_correction``). A checkpoint inside a window
     holds the window's gradients so far as the gradient side reads them (``gradients.window_gradients``: each rank's
@@ -91,22 +92,18 @@ class GradientAggregation:
         ranks_correction: Callable[[int, bool], float] | None,
         gradients: GradientSide,
         data_parallel: DataParallel,
+        changes: RunChanges,
     ) -> None:
         self.trainer, self.average, self.ranks_correction = trainer, average, ranks_correction
         self.gradients, self.data_parallel = gradients, data_parallel
-        self._user_accumulate = trainer.accumulate_grad_batches
         self._checkpointed: dict[str, Any] | None = None  # the window state of a checkpoint being resumed
         self._announced = False
-        if frequency > 1:
-            trainer.accumulate_grad_batches = frequency
+        if frequency > 1:  # until the run's end
+            changes.set(Change.ACCUMULATION, trainer, "accumulate_grad_batches", frequency)
 
     @property
     def micro_batches_per_step(self) -> int:
         return micro_batches_per_step(self.trainer)
-
-    def close(self) -> None:
-        """The fit ends: the Trainer's own ``accumulate_grad_batches`` again."""
-        self.trainer.accumulate_grad_batches = self._user_accumulate
 
     def announce(self, loader: Any) -> None:
         """Log what one optimizer step is, once per fit, before the progress bar starts; not with one micro-batch."""

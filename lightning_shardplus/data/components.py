@@ -12,6 +12,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_shardplus._compat import lightning as _lightning
+from lightning_shardplus._compat.changes import RunChanges
 from lightning_shardplus.data import aggregation, sharding
 from lightning_shardplus.data.aggregation import GradientAggregation
 from lightning_shardplus.data.config import DataSideConfig
@@ -57,8 +58,11 @@ class RunComponents:
     backend: str = "gloo"  # the process group's
 
     @classmethod
-    def build(cls, config: DataSideConfig, trainer: pl.Trainer, setup: DistributedSetup) -> RunComponents:
-        """The components of ``trainer``'s run; the callbacks shardplus needs are added to the Trainer's."""
+    def build(
+        cls, config: DataSideConfig, trainer: pl.Trainer, setup: DistributedSetup, changes: RunChanges
+    ) -> RunComponents:
+        """The components of ``trainer``'s run, whose changes to Lightning's objects go to ``changes``; the callbacks
+        shardplus needs are added to the Trainer's."""
         exact_across_ranks = config.exact_evaluation and setup.num_replicas > 1
         _add_callbacks(config, trainer, exact_across_ranks)
         fitting, communicates = trainer.state.fn == TrainerFn.FITTING, setup.gradients.forward_communicates
@@ -69,7 +73,7 @@ class RunComponents:
         loaders = ShardedLoaders(
             trainer, setup.num_replicas, setup.data_parallel.rank, padding=config.shard_padding, seed=config.epoch_seed,
             shuffle=shuffle, exact_evaluation=config.exact_evaluation, record_indices=config.verify_sharding,
-            equal_batches=communicates,
+            changes=changes, equal_batches=communicates,
         )  # fmt: skip
         exact = next((cb for cb in trainer.callbacks if isinstance(cb, ExactEvaluation)), None)
         metrics = next((cb for cb in trainer.callbacks if isinstance(cb, AverageTrainingMetrics)), None)
@@ -84,7 +88,7 @@ class RunComponents:
             parts.aggregation = GradientAggregation(
                 trainer, config.aggregation_frequency, config.average_aggregated_gradients,
                 ranks_correction=parts.even.gradient_correction, gradients=setup.gradients,
-                data_parallel=setup.data_parallel,
+                data_parallel=setup.data_parallel, changes=changes,
             )  # fmt: skip
             # once the aggregation frequency is set
             parts.gradients = setup.gradients.start_fit(trainer, setup.backend, setup.device)
@@ -135,12 +139,6 @@ class RunComponents:
         if self.gradients is not None:
             states.update(self.gradients.checkpoint_states(checkpoint_path))
         return {key: state for key, state in states.items() if state is not None}
-
-    def close(self) -> None:
-        """The run ends: what the components changed outside themselves is put back."""
-        self.loaders.close()
-        if self.aggregation is not None:
-            self.aggregation.close()
 
 
 def checkpointed_states(checkpoint: dict[str, Any], checkpoint_path: Any, gradients: GradientSide) -> dict[str, Any]:

@@ -12,6 +12,7 @@ from torchmetrics import Metric
 
 from lightning_shardplus._compat import lightning as _lightning
 from lightning_shardplus._compat import warnings as false_warnings
+from lightning_shardplus._compat.changes import Change, RunChanges
 from lightning_shardplus.data import epoch_values
 
 # Where evaluation values are logged per batch; values logged in epoch-level hooks keep Lightning's handling.
@@ -21,29 +22,19 @@ _PER_BATCH_FX = frozenset(
 )  # fmt: skip
 
 
-# A Metric's sync settings: `sync_on_compute`, `dist_sync_on_step`, `distributed_available_fn`.
-MetricSync = tuple[bool, bool, Callable[[], bool] | None]
-
-
 def _not_distributed() -> bool:
     """The ``distributed_available_fn`` of a Metric whose sync exact evaluation defers: its syncs stay local."""
     return False
 
 
-def defer_metric_sync(metric: Metric) -> MetricSync:
-    """Switch ``metric``'s syncs off (in ``compute()``, and in ``forward`` with ``dist_sync_on_step``); returns its
-    settings for :func:`restore_metric_sync`. ``sync_on_compute`` alone does not do it: torchmetrics copies it into
-    what ``compute()`` reads at construction and after each ``forward`` only (a metric fed by ``update`` would still
-    sync), while ``compute()`` asks ``distributed_available_fn`` at every sync."""
-    settings = (metric.sync_on_compute, metric.dist_sync_on_step, metric.distributed_available_fn)
-    metric.sync_on_compute = metric.dist_sync_on_step = False
-    metric.distributed_available_fn = _not_distributed
-    return settings
-
-
-def restore_metric_sync(metric: Metric, settings: MetricSync) -> None:
-    """Put back the sync settings :func:`defer_metric_sync` returned."""
-    metric.sync_on_compute, metric.dist_sync_on_step, metric.distributed_available_fn = settings
+def defer_metric_sync(metric: Metric, changes: RunChanges) -> None:
+    """Switch ``metric``'s syncs off (in ``compute()``, and in ``forward`` with ``dist_sync_on_step``) until
+    ``changes`` are undone. ``sync_on_compute`` alone does not do it: torchmetrics copies it into what ``compute()``
+    reads at construction and after each ``forward`` only (a metric fed by ``update`` would still sync), while
+    ``compute()`` asks ``distributed_available_fn`` at every sync."""
+    settings = {"sync_on_compute": False, "dist_sync_on_step": False, "distributed_available_fn": _not_distributed}
+    for name, value in settings.items():
+        changes.set(Change.METRIC_SYNC, metric, name, value)
 
 
 def _exactly_reduced(results: Any) -> dict[str, Any]:
@@ -59,26 +50,23 @@ class _ExactEvaluation(Callback):
 
     def __init__(self) -> None:
         self.deferring = False
-        # id -> a Metric deferred for this run and its own settings (by id: a Metric's hash follows its state)
-        self._deferred: dict[int, tuple[Metric, MetricSync]] = {}
+        # id -> a deferred Metric's own `distributed_available_fn` (by id: a Metric's hash follows its state)
+        self._available: dict[int, Callable[[], bool] | None] = {}
         self._silenced: set[str] = set()  # names whose sync_dist advice is ignored until `_close`
-        self._restore_warnings: list[Callable[[], None]] = []
+        self._changes = RunChanges()  # the Metrics' sync settings and the warning filters, for one evaluation
 
     def _close(self, trainer: pl.Trainer) -> None:
         self.deferring = False
-        for restore in self._restore_warnings:
-            restore()
-        self._restore_warnings.clear()
+        self._changes.undo()
         self._silenced.clear()
-        for metric, settings in self._deferred.values():
-            restore_metric_sync(metric, settings)
-        self._deferred.clear()
+        self._available.clear()
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.deferring = True
         for metric in pl_module.modules():
-            if isinstance(metric, Metric):
-                self._deferred[id(metric)] = (metric, defer_metric_sync(metric))
+            if isinstance(metric, Metric) and id(metric) not in self._available:
+                self._available[id(metric)] = metric.distributed_available_fn
+                defer_metric_sync(metric, self._changes)
 
     on_test_start = on_validation_start
 
@@ -86,7 +74,7 @@ class _ExactEvaluation(Callback):
         # before Lightning reads the epoch values (after the last batch of each loader)
         names = {rm.meta.name for rm in _exactly_reduced(_lightning.active_results(trainer)).values()}
         if new := names - self._silenced:
-            self._restore_warnings.append(false_warnings.silence_epoch_sync_advice(new))
+            self._changes.apply(Change.WARNING_FILTERS, false_warnings.silence_epoch_sync_advice(new))
             self._silenced |= new
 
     on_test_batch_end = on_validation_batch_end
@@ -107,9 +95,8 @@ class _ExactEvaluation(Callback):
         loader but the last published again."""
         results = _lightning.active_results(trainer)
         # each deferred Metric syncs here as its own `distributed_available_fn` says
-        available = {key: settings[2] for key, (_, settings) in self._deferred.items()}
         entries = epoch_values.reduce_epoch_values(
-            trainer, pl_module, results, _exactly_reduced(results), distributed_available=available
+            trainer, pl_module, results, _exactly_reduced(results), distributed_available=self._available
         )
         # Lightning published the values of each loader but the last when its loop moved on (before this
         # reduction; those of a loader without a batch here never): publish them again, on every rank.
@@ -120,5 +107,3 @@ class _ExactEvaluation(Callback):
 # The name to import. The class's own name is private so that the `shardplus` command (jsonargparse) does not
 # offer it among the callbacks to add: the strategy adds it where it applies.
 ExactEvaluation = _ExactEvaluation
-
-

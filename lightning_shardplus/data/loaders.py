@@ -4,7 +4,7 @@ resumed run reads exactly the samples that were next. Loaders the user sharded, 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import lightning.pytorch as pl
@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, Sa
 
 from lightning_shardplus._compat import lightning as _lightning
 from lightning_shardplus._compat import warnings as false_warnings
+from lightning_shardplus._compat.changes import Change, RunChanges
 from lightning_shardplus.data import aggregation
 from lightning_shardplus.data.group import DataParallel
 from lightning_shardplus.data.sharding import (
@@ -41,7 +42,7 @@ class ShardedLoaders:
 
     def __init__(
         self, trainer: pl.Trainer, num_replicas: int, rank: int, *, padding: PaddingMode, seed: int, shuffle: bool,
-        exact_evaluation: bool, record_indices: bool, equal_batches: bool = False,
+        exact_evaluation: bool, record_indices: bool, changes: RunChanges, equal_batches: bool = False,
     ) -> None:  # fmt: skip
         self.trainer, self.num_replicas, self.rank, self.equal_batches = trainer, num_replicas, rank, equal_batches
         self.padding, self.seed, self.shuffle = padding, seed, shuffle
@@ -51,18 +52,10 @@ class ShardedLoaders:
         self._resumed_exactly = 0  # training samplers that continue the checkpoint's epoch
         self._without_state = 0  # training samplers that start their epoch at its beginning: no checkpoint state
         self._first_batch_starts_epoch = False  # from `training_loaders_built` to the first training batch
-        self._restore_warnings: Callable[[], None] | None = None
-        self._restore_resume_warning: Callable[[], None] | None = None
-        if exact_evaluation and num_replicas > 1:
+        self._changes, self._resume_warning_silenced = changes, False
+        if exact_evaluation and num_replicas > 1:  # until the run ends
             # Lightning warns that its evaluation sampler replicates samples: not so with exact shards
-            self._restore_warnings = false_warnings.silence_evaluation_sampler_warning()
-
-    def close(self) -> None:
-        """The run ends: put the warning filters back."""
-        for restore in (self._restore_warnings, self._restore_resume_warning):
-            if restore is not None:
-                restore()
-        self._restore_warnings = self._restore_resume_warning = None
+            changes.apply(Change.WARNING_FILTERS, false_warnings.silence_evaluation_sampler_warning())
 
     def injection_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         """The arguments of the sampler Lightning injects. For prediction with exact shards, one replica: Lightning's
@@ -123,8 +116,9 @@ class ShardedLoaders:
         samplers of all training loaders continue a checkpoint's epoch, Lightning's warning that the loaders cannot
         resume mid-epoch is not true: it is silenced until the run ends."""
         continued, loaders = self._resumed_exactly, _lightning.training_loader_count(self.trainer)
-        if continued and continued == loaders and self._restore_resume_warning is None:
-            self._restore_resume_warning = false_warnings.silence_not_resumable_warning()
+        if continued and continued == loaders and not self._resume_warning_silenced:
+            self._changes.apply(Change.WARNING_FILTERS, false_warnings.silence_not_resumable_warning())
+            self._resume_warning_silenced = True
         self._first_batch_starts_epoch = self._without_state > 0
         self._resumed, self._resumed_used, self._resumed_exactly, self._without_state = None, 0, 0, 0
 

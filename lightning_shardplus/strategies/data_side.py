@@ -15,6 +15,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_shardplus._compat import lightning as _lightning
+from lightning_shardplus._compat.changes import Change, RunChanges
 from lightning_shardplus.data.aggregation import effective_batch_size
 from lightning_shardplus.data.components import (
     DistributedSetup,
@@ -32,7 +33,7 @@ from lightning_shardplus.launch import (
     check_fit,
     check_launcher_world_size,
     check_trainer_call,
-    export_rank_variables,
+    rank_variables,
     unshare_memory,
 )
 from lightning_shardplus.strategies import registry
@@ -54,7 +55,7 @@ class ShardPlusDataSide(ParallelStrategy):
         self.config = config
         self._components: RunComponents | None = None  # this Trainer run's, from `setup` to `teardown`
         self._checkpointed: dict[str, Any] = {}  # component states of a checkpoint loaded before `setup`
-        self._undo_at_teardown: list[Callable[[], None]] = []  # what `setup_environment` changed for the run
+        self._changes = RunChanges()  # what this strategy's run changed in objects it does not own, until teardown
 
     @classmethod
     @override
@@ -114,7 +115,9 @@ class ShardPlusDataSide(ParallelStrategy):
         worker starts (it keeps its type for Lightning)."""
         launcher = self._processes_launcher()
         if launcher is not None and not isinstance(launcher.launch, LaunchAfterCheck):
-            launcher.launch = LaunchAfterCheck(self.check_trainer_call, launcher.launch)
+            self._changes.set(
+                Change.LAUNCH, launcher, "launch", LaunchAfterCheck(self.check_trainer_call, launcher.launch)
+            )
         return launcher
 
     def check_trainer_call(self, *call_args: Any, trainer: Any = None) -> None:
@@ -130,15 +133,19 @@ class ShardPlusDataSide(ParallelStrategy):
     def connect(self, model: pl.LightningModule) -> None:
         super().connect(model)
         if self.config.exact_evaluation:  # its shards are empty on some ranks when the dataset is that small
-            model.allow_zero_length_dataloader_with_multiple_devices = True
+            self._changes.set(
+                Change.ZERO_LENGTH_LOADERS, model, "allow_zero_length_dataloader_with_multiple_devices", True
+            )
         check_fit(self, _lightning.attached_trainer(model), model)
 
     @override
     def setup_environment(self) -> None:
         super().setup_environment()  # then the variables stream libraries read (Mosaic)
-        self._undo_at_teardown.append(export_rank_variables(self.cluster_environment, self.num_processes))
+        self._changes.set_environment(
+            Change.RANK_VARIABLES, rank_variables(self.cluster_environment, self.num_processes)
+        )
         if self._exact_across_ranks:  # uneven evaluation streams are safe then, uneven training streams always
-            self._undo_at_teardown.append(silence_litdata_drop_last_warning())
+            self._changes.apply(Change.WARNING_FILTERS, silence_litdata_drop_last_warning())
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             _lightning.destroy_process_group_at_exit()
 
@@ -155,16 +162,13 @@ class ShardPlusDataSide(ParallelStrategy):
     def _build_components(self, trainer: pl.Trainer) -> None:
         """This run's components, once."""
         if self._components is None:
-            self._components = RunComponents.build(self.config, trainer, self._distributed_setup())
+            self._components = RunComponents.build(self.config, trainer, self._distributed_setup(), self._changes)
             self._components.load_states(self._checkpointed)
 
     @override
     def teardown(self) -> None:
-        if self._components is not None:
-            self._components.close()
         self._components, self._checkpointed = None, {}
-        while self._undo_at_teardown:
-            self._undo_at_teardown.pop()()
+        self._changes.undo()
         super().teardown()
 
     @override

@@ -165,7 +165,7 @@ class ShardPlusStrategy(ShardPlusDataSide, DDPStrategy):
         if args and isinstance(args[0], NoBatch):  # this rank's stream ran out: DDP's step without running the model
             self._components.even.step_without_data()  # type: ignore[union-attr]  (what it logs counts nowhere)
             with self.precision_plugin.train_step_context():
-                return forward_without_data(self.model, self.lightning_module)
+                return forward_without_data(self.model, self.lightning_module, self._changes)
         return super().training_step(*args, **kwargs)
 
     @override

@@ -9,7 +9,6 @@ from __future__ import annotations
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from datetime import timedelta
-from functools import partial
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -22,6 +21,7 @@ from torchmetrics import Metric
 from typing_extensions import override
 
 from lightning_shardplus._compat import lightning as _lightning
+from lightning_shardplus._compat.changes import Change
 from lightning_shardplus.data.config import DataSideConfig, fit_to_lightning
 from lightning_shardplus.data.group import data_parallel
 from lightning_shardplus.data.sharding import PaddingMode
@@ -29,6 +29,7 @@ from lightning_shardplus.data.uneven import NoBatch, UnevenInputs
 from lightning_shardplus.gradients.fsdp2.launch import LaunchGatheringWeights
 from lightning_shardplus.gradients.fsdp2.side import FSDP2Gradients
 from lightning_shardplus.gradients.fsdp2.stand_in import counted_nowhere
+from lightning_shardplus.launch import LaunchAfterCheck
 from lightning_shardplus.strategies.data_side import ShardPlusDataSide
 from lightning_shardplus.validation import (
     START_METHODS,
@@ -183,7 +184,9 @@ class ShardPlusModelParallelStrategy(ShardPlusDataSide, ModelParallelStrategy):
             return super()._processes_launcher()
         if self._process_launcher is None:
             self._process_launcher = _lightning.process_launcher(self, self.start_method)
-            self._process_launcher.launch = LaunchGatheringWeights(self._process_launcher.launch)
+        launch = self._process_launcher.launch
+        if not isinstance(launch, (LaunchGatheringWeights, LaunchAfterCheck)):
+            self._changes.set(Change.LAUNCH, self._process_launcher, "launch", LaunchGatheringWeights(launch))
         return self._process_launcher
 
     @override
@@ -222,8 +225,7 @@ class ShardPlusModelParallelStrategy(ShardPlusDataSide, ModelParallelStrategy):
         group = self._data_parallel_group
         for metric in self.lightning_module.modules():
             if isinstance(metric, Metric) and metric.process_group is None and group is not None:
-                metric.process_group = group
-                self._undo_at_teardown.append(partial(setattr, metric, "process_group", None))
+                self._changes.set(Change.METRIC_PROCESS_GROUP, metric, "process_group", group)
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
@@ -275,7 +277,7 @@ class ShardPlusModelParallelStrategy(ShardPlusDataSide, ModelParallelStrategy):
         # (kept, so that every rank keeps every name), or dropped without them
         self._components.even.step_without_data()  # type: ignore[union-attr]
         averaged = self._components.metrics is not None  # type: ignore[union-attr]
-        with counted_nowhere(self.lightning_module, drop_logs=not averaged):
+        with counted_nowhere(self.lightning_module, self._changes, drop_logs=not averaged):
             output = super().training_step(self._prepared(args[0]), *args[1:], **kwargs)
         if isinstance(output, dict) and isinstance(output.get("loss"), torch.Tensor):
             return {**output, "loss": output["loss"] * 0.0}
@@ -287,7 +289,7 @@ class ShardPlusModelParallelStrategy(ShardPlusDataSide, ModelParallelStrategy):
         if not (args and isinstance(args[0], NoBatch)):
             return step(*args, **kwargs)
         stand_in = self._prepared(args[0], dataloader_idx=args[2] if len(args) > 2 else 0)
-        with counted_nowhere(self.lightning_module):
+        with counted_nowhere(self.lightning_module, self._changes):
             step(stand_in, *args[1:], **kwargs)
         return args[0]  # (a prediction that `gather_predictions` leaves out)
 

@@ -5,7 +5,6 @@ are first read; epoch values are each rank's running sums, reduced once at the e
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
@@ -16,6 +15,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 
 from lightning_shardplus._compat import lightning as _lightning
+from lightning_shardplus._compat.changes import Change, RunChanges
 from lightning_shardplus.data import epoch_values
 from lightning_shardplus.data.group import DataParallel, data_parallel
 from lightning_shardplus.data.training_metrics.errors import MetricMismatchError, describe_mismatch
@@ -33,7 +33,8 @@ class _AverageTrainingMetrics(Callback):
         self._reset()
 
     def _reset(self) -> None:
-        self._restore: Callable[[], None] | None = None  # puts Lightning's logging back
+        self._changes = RunChanges()  # Lightning's training logging, intercepted from `on_train_start` to the end
+        self._intercepting = False
         self._results: Any = None
         self._device = torch.device("cpu")
         self._data_parallel = DataParallel(1, 0)
@@ -74,7 +75,10 @@ class _AverageTrainingMetrics(Callback):
         self._device = trainer.strategy.root_device
         self._readers = (reading_interval(trainer), bool(trainer.loggers), trainer.log_every_n_steps)
         self._results = _lightning.training_results(trainer)
-        self._restore = _lightning.intercept_training_logs(self._results, self._take, self._taken)
+        self._changes.apply(
+            Change.TRAINING_LOGS, _lightning.intercept_training_logs(self._results, self._take, self._taken)
+        )
+        self._intercepting = True
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._clear()  # a batch skipped by `on_train_batch_start` returning -1 stays out of the next epoch
@@ -114,7 +118,7 @@ class _AverageTrainingMetrics(Callback):
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
         # the step's values logged so far are complete: start their reduction, to run while backward computes
-        if self._restore is not None and not self._backward_began and _lightning.logs_this_step(trainer):
+        if self._intercepting and not self._backward_began and _lightning.logs_this_step(trainer):
             self._backward_began = True  # in the last micro-batch of an aggregation window: what follows is late
             if self._layout is not None and self._needs_early() and self._read(trainer):
                 self._start("early")
@@ -144,7 +148,7 @@ class _AverageTrainingMetrics(Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if self._restore is None:
+        if not self._intercepting:
             return
         if self._without_data:  # its values count nowhere: not in this rank's epoch values either
             for key, before in self._before.items():
@@ -194,7 +198,7 @@ class _AverageTrainingMetrics(Callback):
 
     def _reduce_unread(self, trainer: pl.Trainer, where: str) -> None:
         """Reduce the last optimizer step if nothing read it, where validation or the epoch end read its values."""
-        if self._restore is None or self._unread is None:
+        if not self._intercepting or self._unread is None:
             return
         current = (self._calls, self._own, self._window, self._without_data, self._started)
         (self._calls, self._own, self._window, self._without_data), self._unread = self._unread, None
@@ -276,7 +280,7 @@ class _AverageTrainingMetrics(Callback):
         return True
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._restore is None:
+        if not self._intercepting:
             return
         self._reduce_unread(trainer, f"the end of epoch {trainer.current_epoch}")
         self._check_names(f"the end of epoch {trainer.current_epoch}")
@@ -289,8 +293,7 @@ class _AverageTrainingMetrics(Callback):
         epoch_values.reduce_epoch_values(trainer, pl_module, self._results, local, combine, synced, notes)
 
     def _stop(self, *_: Any, **__: Any) -> None:
-        if self._restore is not None:
-            self._restore()
+        self._changes.undo()
         self._reset()
 
     on_train_end = on_exception = teardown = _stop

@@ -9,6 +9,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_shardplus._compat.changes import Change, RunChanges
+
 
 def zero_loss(module: torch.nn.Module) -> torch.Tensor:
     """A zero depending on every trainable parameter: the loss of a rank without data (DDP communicates as usual)."""
@@ -18,17 +20,10 @@ def zero_loss(module: torch.nn.Module) -> torch.Tensor:
     return torch.stack([p.sum() for p in parameters]).sum() * 0.0
 
 
-def forward_without_data(ddp: torch.nn.Module, module: torch.nn.Module) -> torch.Tensor:
+def forward_without_data(ddp: torch.nn.Module, module: torch.nn.Module, changes: RunChanges) -> torch.Tensor:
     """Run ``ddp``'s forward (and its collectives) over :func:`zero_loss` instead of the module's ``forward``."""
-    own = module.__dict__.get("forward")
-    module.forward = lambda *args, **kwargs: zero_loss(module)  # type: ignore[method-assign]
-    try:
+    with changes.scoped(Change.FORWARD_WITHOUT_DATA, module, "forward", lambda *args, **kwargs: zero_loss(module)):
         return ddp()
-    finally:
-        if own is None:
-            del module.forward
-        else:
-            module.forward = own  # type: ignore[method-assign]
 
 
 def share_rank_zero_buffers(module: torch.nn.Module, ddp_kwargs: dict[str, Any]) -> None:
