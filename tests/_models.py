@@ -185,8 +185,8 @@ def _report_to(writer, function) -> None:
 
 def in_external_ranks(function, world_size: int = 2, timeout: float = 120) -> None:
     """Run ``function()`` as each rank of a ``world_size``-process job whose processes Lightning finds started
-    (``LOCAL_RANK`` and the rendezvous variables set), each a fork of this process: a rank's code runs before and after its ``fit``, in the
-    same process, and what it raised comes back (as :func:`in_forked_process`)."""
+    (``LOCAL_RANK`` and the rendezvous variables set), each a fork of this process: a rank's code runs before and after
+    its ``fit``, in the same process, and what it raised comes back (as :func:`in_forked_process`)."""
     port = _free_port()
     errors = []
     context = multiprocessing.get_context("fork")

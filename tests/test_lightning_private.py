@@ -15,6 +15,7 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Seque
 
 from lightning_shardplus import ExactShardSampler, ShardPlusStrategy
 from lightning_shardplus._compat import lightning as _lightning
+from lightning_shardplus._compat import results as _results
 from lightning_shardplus._compat import torch as _torch
 from lightning_shardplus._compat import warnings as false_warnings
 
@@ -91,7 +92,7 @@ def test_the_ddp_hook_registration_the_strategy_overrides_exists():
 
 
 # ==========================================================================================================
-# Training metrics: the names `_lightning.intercept_training_logs` and friends use (`training_metrics.py`).
+# Training metrics: the names `_results.intercept_training_logs` and friends use (`training_metrics.py`).
 # ==========================================================================================================
 
 import lightning.pytorch as pl  # noqa: E402
@@ -122,7 +123,7 @@ def test_lightning_module_log_ends_in_the_result_collection_with_the_strategy_sy
 
 def test_the_training_results_and_the_logging_rule_are_where_the_metrics_glue_looks():
     trainer = pl.Trainer(logger=False, enable_progress_bar=False, enable_model_summary=False)
-    results = _lightning.training_results(trainer)
+    results = _results.training_results(trainer)
     assert isinstance(results, _ResultCollection) and results.training
     assert callable(trainer.fit_loop._should_accumulate)
     rule = inspect.getsource(_LoggerConnector.update_train_step_metrics)
@@ -151,7 +152,7 @@ def test_intercepted_logs_skip_lightning_sync_and_expose_their_state(reduce_fx):
     results = _ResultCollection(training=True)
     results.batch = (torch.zeros(5, 2), torch.zeros(5))
     taken = []
-    restore = _lightning.intercept_training_logs(results, lambda log: log.name != "other", taken.append)
+    restore = _results.intercept_training_logs(results, lambda log: log.name != "other", taken.append)
     kwargs = dict(on_step=True, on_epoch=True, reduce_fx=reduce_fx, sync_dist=True, sync_dist_fn=never_called)
     results.log("training_step", "x", torch.tensor(2.0), **kwargs)
     results.log("training_step", "x", torch.tensor(3.0), batch_size=4, **kwargs)
@@ -168,22 +169,22 @@ def test_intercepted_logs_skip_lightning_sync_and_expose_their_state(reduce_fx):
     assert results["training_step.x"].meta.sync.should  # no "use sync_dist=True" warning at epoch end
 
     metric = second.metric
-    _lightning.set_step_value(metric, torch.tensor(7.0))
+    _results.set_step_value(metric, torch.tensor(7.0))
     on_step = results.metrics(on_step=True)
     assert on_step["log"]["x_step"].item() == 7.0 and on_step["callback"]["x"].item() == 7.0
-    _lightning.set_step_value(metric, None)
+    _results.set_step_value(metric, None)
     assert "x_step" not in results.metrics(on_step=True)["log"]
-    _lightning.set_epoch_state(metric, torch.tensor(12.0), torch.tensor(3) if reduce_fx == "mean" else None)
+    _results.set_epoch_state(metric, torch.tensor(12.0), torch.tensor(3) if reduce_fx == "mean" else None)
     assert results.metrics(on_step=False)["log"]["x_epoch"].item() == (4.0 if reduce_fx == "mean" else 12.0)
 
     # after the epoch-end reset, a value written without `self.log` (a rank that follows, without data) counts
     results.reset()
     assert "x_epoch" not in results.metrics(on_step=False)["log"]
-    assert _lightning.epoch_state(metric)[0].item() == fresh.value.item()  # the reset state is the fresh one
-    _lightning.set_epoch_state(metric, torch.tensor(12.0), torch.tensor(3) if reduce_fx == "mean" else None)
+    assert _results.epoch_state(metric)[0].item() == fresh.value.item()  # the reset state is the fresh one
+    _results.set_epoch_state(metric, torch.tensor(12.0), torch.tensor(3) if reduce_fx == "mean" else None)
     assert results.metrics(on_step=False)["log"]["x_epoch"].item() == (4.0 if reduce_fx == "mean" else 12.0)
     results.reset()
-    _lightning.set_step_value(metric, torch.tensor(5.0))
+    _results.set_step_value(metric, torch.tensor(5.0))
     assert results.metrics(on_step=True)["callback"]["x"].item() == 5.0
 
     with pytest.raises(AssertionError, match="own sync ran"):  # what `take` refuses keeps Lightning's sync
@@ -212,7 +213,7 @@ def test_an_intercepted_log_leaves_the_state_lightning_leaves(monkeypatch, inter
     monkeypatch.setattr(_ResultMetric, "to", lambda self, *a, **k: moves.append(self.meta.name) or move(self, *a, **k))
     results, plain = _ResultCollection(training=True), _ResultCollection(training=True)
     if intercepted:
-        _lightning.intercept_training_logs(results, lambda log: True, lambda logged: None)
+        _results.intercept_training_logs(results, lambda log: True, lambda logged: None)
     for step, size in enumerate((5, 7, 2)):
         for collection in (results, plain):
             collection.batch, collection.batch_size = (torch.zeros(size, 2),), None
@@ -238,13 +239,13 @@ def test_an_intercepted_log_leaves_the_state_lightning_leaves(monkeypatch, inter
 
 def test_batch_size_of_the_current_batch_follows_lightning_inference():
     results = _ResultCollection(training=True)
-    assert _lightning.batch_size_of_current_batch(results) is None
+    assert _results.batch_size_of_current_batch(results) is None
     results.batch = {"x": torch.zeros(6, 3)}
-    assert _lightning.batch_size_of_current_batch(results) == 6
+    assert _results.batch_size_of_current_batch(results) == 6
     results.batch_size = 2  # what Lightning cached for this batch
-    assert _lightning.batch_size_of_current_batch(results) == 2
+    assert _results.batch_size_of_current_batch(results) == 2
     results.batch, results.batch_size = "no tensor", None
-    assert _lightning.batch_size_of_current_batch(results) is None
+    assert _results.batch_size_of_current_batch(results) is None
 
 
 # ==========================================================================================================
@@ -427,10 +428,10 @@ def test_the_evaluation_values_of_a_loader_are_published_by_update_eval_epoch_me
     for idx in (0, 1):
         results.dataloader_idx = idx
         results.log("validation_step", "loss", torch.tensor(float(idx + 1)), on_epoch=True, batch_size=1)
-    _lightning.publish_loader_values(trainer, 0)
+    _results.publish_loader_values(trainer, 0)
     assert results.dataloader_idx == 1  # left as it was
     assert trainer._logger_connector._callback_metrics == {"loss/dataloader_idx_0": 1.0}
-    _lightning.publish_loader_values(trainer, 1)
+    _results.publish_loader_values(trainer, 1)
     assert trainer._logger_connector.callback_metrics["loss/dataloader_idx_1"] == 2.0
 
 
@@ -463,12 +464,12 @@ def test_loggers_read_this_step_is_lightnings_own_rule_in_every_training_batch(l
 
     class Compare(pl.Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            lightning = trainer._logger_connector.should_update_logs and _lightning.logs_this_step(trainer)
-            seen.append((_lightning.loggers_read_this_step(trainer), bool(lightning)))
+            lightning = trainer._logger_connector.should_update_logs and _results.logs_this_step(trainer)
+            seen.append((_results.loggers_read_this_step(trainer), bool(lightning)))
             # Lightning also logs at once where a stop was asked for (EarlyStopping, SIGTERM); ours leaves that out:
             # a rank may ask alone (and train on to `min_epochs`), and every rank must decide the same
             trainer.should_stop = True
-            seen.append((_lightning.loggers_read_this_step(trainer), bool(lightning)))
+            seen.append((_results.loggers_read_this_step(trainer), bool(lightning)))
             trainer.should_stop = False
 
     trainer = pl.Trainer(
@@ -575,12 +576,12 @@ def test_argparse_keeps_a_parsers_actions_in_actions():
 
 
 def test_checkpoints_within_epochs_reads_the_model_checkpoint_arguments_that_save_after_a_batch():
-    # `_lightning.checkpoints_within_epochs` (the averaged metrics' readers): ModelCheckpoint keeps them private
+    # `_results.checkpoints_within_epochs` (the averaged metrics' readers): ModelCheckpoint keeps them private
     from datetime import timedelta
 
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    assert not _lightning.checkpoints_within_epochs(ModelCheckpoint())
-    assert not _lightning.checkpoints_within_epochs(ModelCheckpoint(every_n_epochs=3, monitor="loss"))
-    assert _lightning.checkpoints_within_epochs(ModelCheckpoint(every_n_train_steps=3))
-    assert _lightning.checkpoints_within_epochs(ModelCheckpoint(train_time_interval=timedelta(minutes=1)))
+    assert not _results.checkpoints_within_epochs(ModelCheckpoint())
+    assert not _results.checkpoints_within_epochs(ModelCheckpoint(every_n_epochs=3, monitor="loss"))
+    assert _results.checkpoints_within_epochs(ModelCheckpoint(every_n_train_steps=3))
+    assert _results.checkpoints_within_epochs(ModelCheckpoint(train_time_interval=timedelta(minutes=1)))

@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader
 
 from lightning_shardplus import ShardPlusStrategy
 from lightning_shardplus._compat import lightning as _lightning
+from lightning_shardplus._compat import results as _results
 
 
 @pytest.fixture
@@ -32,29 +33,36 @@ def test_every_feature_finds_its_private_lightning_names_on_this_release(probe_a
     assert probe_again() == {}
 
 
-# Private names `_lightning.py` reads that no probe touches, each with why
+# Private names `_compat/lightning.py` and `_compat/results.py` read that no probe touches, each with why
 UNPROBED = {
     "_last_global_step_saved": "ModelCheckpoint's: read only where `hasattr` finds it",
     "_logger_connector": "a Trainer's: only a running Trainer has it (its class `_LoggerConnector` is probed)",
 }
 
 
+def _fenced_trees() -> list[ast.Module]:
+    """The modules that read Lightning's private names: ``_compat/lightning.py`` (with the probes) and
+    ``_compat/results.py``."""
+    return [ast.parse(Path(module.__file__).read_text()) for module in (_lightning, _results)]
+
+
 def test_every_private_name_lightning_py_reads_is_probed_for_the_feature_that_needs_it():
-    tree = ast.parse(Path(_lightning.__file__).read_text())
-    own = {node.name for node in tree.body if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
-    own |= {target.id for node in tree.body if isinstance(node, ast.Assign) for target in node.targets}
+    trees = _fenced_trees()
+    own = {node.name for tree in trees for node in tree.body if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
+    own |= {t.id for tree in trees for node in tree.body if isinstance(node, ast.Assign) for t in node.targets}
     read = {
-        node.attr for node in ast.walk(tree)
+        node.attr for tree in trees for node in ast.walk(tree)
         if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
     }  # fmt: skip
-    probes = [node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name.startswith("_probe")]
+    probes = [node for node in trees[0].body if isinstance(node, ast.FunctionDef) and node.name.startswith("_probe")]
     probed = {
         part for probe in probes for node in ast.walk(probe)
         if isinstance(node, ast.Constant) and isinstance(node.value, str) for part in node.value.split(".")
     }  # fmt: skip
     assert read - own - probed == set(UNPROBED)
     imported = {
-        target.id for node in tree.body if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)
+        target.id for tree in trees for node in tree.body
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)
         and getattr(node.value.func, "id", None) == "_private" for target in node.targets
     }  # fmt: skip
     assert len(imported) >= 8 and imported <= probed  # each name `_private` imports is checked by a probe
@@ -221,9 +229,8 @@ def test_a_private_method_lightning_removed_or_changed_refuses_or_turns_off_its_
 
 
 def test_every_private_method_called_on_a_lightning_class_is_in_the_removal_test():
-    tree = ast.parse(Path(_lightning.__file__).read_text())
     called = {
-        node.func.attr for node in ast.walk(tree)
+        node.func.attr for tree in _fenced_trees() for node in ast.walk(tree)
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr.startswith("_")
         and not node.func.attr.startswith("__")
     }  # fmt: skip

@@ -9,12 +9,12 @@ import warnings
 from pathlib import Path
 
 import pytest
+from _models import IndexedDataset, RecordingModule, cpu_trainer, in_external_ranks
 from torch.utils.data import DataLoader
 from torchmetrics import MeanMetric
 
-from _models import IndexedDataset, RecordingModule, cpu_trainer, in_external_ranks
 from lightning_shardplus import ShardPlusStrategy
-from lightning_shardplus._compat import lightning as _lightning
+from lightning_shardplus._compat import results as _results
 from lightning_shardplus._compat.changes import Change, RunChanges, active_changes
 
 ARCHITECTURE = Path(__file__).resolve().parents[1] / "docs" / "architecture.md"
@@ -56,7 +56,7 @@ def _fit_raise_and_fit_again(record_dir: Path) -> None:
     # Lightning's own `LightningEnvironment.teardown` removes WORLD_SIZE (in a torchrun job too)
     assert dict(os.environ) == {k: v for k, v in environ.items() if k != "WORLD_SIZE"} and warnings.filters == filters
     assert trainer.accumulate_grad_batches == 1
-    assert "log" not in vars(_lightning.training_results(trainer))
+    assert "log" not in vars(_results.training_results(trainer))
     assert module.allow_zero_length_dataloader_with_multiple_devices is False
     mean = module.mean
     assert (mean.sync_on_compute, mean.dist_sync_on_step, mean.distributed_available_fn) == metric_settings
@@ -64,7 +64,7 @@ def _fit_raise_and_fit_again(record_dir: Path) -> None:
     os.environ["WORLD_SIZE"] = environ["WORLD_SIZE"]
     second = cpu_trainer("ddp", 2, max_epochs=1, limit_val_batches=0)
     second.fit(RecordingModule(record_dir), DataLoader(IndexedDataset(8), batch_size=2))
-    assert second.accumulate_grad_batches == 1 and "log" not in vars(_lightning.training_results(second))
+    assert second.accumulate_grad_batches == 1 and "log" not in vars(_results.training_results(second))
     assert "RANK" not in os.environ and "train_loss" in second.callback_metrics
 
 

@@ -64,7 +64,7 @@ class RunChanges:
         self._undos.append((change, lambda: _put_back(owner, name, previous)))
 
     def set_environment(self, change: Change, values: dict[str, str]) -> None:
-        """Set ``os.environ`` entries (none: nothing changes); the undo puts back each one's previous value or absence."""
+        """Set ``os.environ`` entries (none: no change); the undo puts back each one's previous value or absence."""
         if not values:
             return
         previous = {name: os.environ.get(name) for name in values}

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torchmetrics import Metric
 
-from lightning_shardplus._compat import lightning as _lightning
+from lightning_shardplus._compat import results as _results
 from lightning_shardplus.data.group import data_parallel
 
 _IDENTITY = {"mean": 0.0, "sum": 0.0, "max": float("-inf"), "min": float("inf")}
@@ -127,7 +127,7 @@ def reduce_epoch_values(
         for i, key in enumerate(tensor_keys):
             value = how(entries[key], stacked[:, i, 0], stacked[:, i, 1], stacked[:, i, 2])
             rm = result_metrics[key]
-            _lightning.set_computed(rm, value.to(dtype=rm.value.dtype, device=rm.value.device))
+            _results.set_computed(rm, value.to(dtype=rm.value.dtype, device=rm.value.device))
     for key, entry in entries.items():
         if entry["reduction"] == "metric":
             metric = result_metrics[key].value
@@ -137,7 +137,7 @@ def reduce_epoch_values(
                 process_group=dp.group, should_sync=True, should_unsync=True, distributed_available=available
             ):
                 value = type(metric).compute(metric)
-            _lightning.set_computed(result_metrics[key], torch.as_tensor(value))
+            _results.set_computed(result_metrics[key], torch.as_tensor(value))
     return entries
 
 
@@ -148,4 +148,4 @@ def _register(
         value: Any = pl_module.get_submodule(entry["metric_attribute"])
     else:
         value = torch.tensor(_IDENTITY[entry["reduction"]], device=trainer.strategy.root_device)
-    return _lightning.log_placeholder(results, entry, value, sync_dist_fn or trainer.strategy.reduce)
+    return _results.log_placeholder(results, entry, value, sync_dist_fn or trainer.strategy.reduce)

@@ -10,7 +10,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from torchmetrics import Metric
 
-from lightning_shardplus._compat import lightning as _lightning
+from lightning_shardplus._compat import results as _results
 from lightning_shardplus._compat import warnings as false_warnings
 from lightning_shardplus._compat.changes import Change, RunChanges
 from lightning_shardplus.data import epoch_values
@@ -39,7 +39,7 @@ def defer_metric_sync(metric: Metric, changes: RunChanges) -> None:
 
 def _exactly_reduced(results: Any) -> dict[str, Any]:
     """The epoch values of ``results`` that exact evaluation reduces, by key: those logged per batch, for all ranks."""
-    metrics = _lightning.epoch_result_metrics(results).items()
+    metrics = _results.epoch_result_metrics(results).items()
     return {k: rm for k, rm in metrics if rm.meta.fx.split(".")[0] in _PER_BATCH_FX and not rm.meta.sync.rank_zero_only}
 
 
@@ -72,7 +72,7 @@ class _ExactEvaluation(Callback):
 
     def on_validation_batch_end(self, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
         # before Lightning reads the epoch values (after the last batch of each loader)
-        names = {rm.meta.name for rm in _exactly_reduced(_lightning.active_results(trainer)).values()}
+        names = {rm.meta.name for rm in _exactly_reduced(_results.active_results(trainer)).values()}
         if new := names - self._silenced:
             self._changes.apply(Change.WARNING_FILTERS, false_warnings.silence_epoch_sync_advice(new))
             self._silenced |= new
@@ -93,7 +93,7 @@ class _ExactEvaluation(Callback):
     def reduce_epoch(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Every rank: the epoch values over all ranks (:func:`epoch_values.reduce_epoch_values`), then those of each
         loader but the last published again."""
-        results = _lightning.active_results(trainer)
+        results = _results.active_results(trainer)
         # each deferred Metric syncs here as its own `distributed_available_fn` says
         entries = epoch_values.reduce_epoch_values(
             trainer, pl_module, results, _exactly_reduced(results), distributed_available=self._available
@@ -101,7 +101,7 @@ class _ExactEvaluation(Callback):
         # Lightning published the values of each loader but the last when its loop moved on (before this
         # reduction; those of a loader without a batch here never): publish them again, on every rank.
         for dataloader_idx in {entry["dataloader_idx"] for entry in entries.values()} - {results.dataloader_idx}:
-            _lightning.publish_loader_values(trainer, dataloader_idx)
+            _results.publish_loader_values(trainer, dataloader_idx)
 
 
 # The name to import. The class's own name is private so that the `shardplus` command (jsonargparse) does not

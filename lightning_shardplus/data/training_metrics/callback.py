@@ -14,7 +14,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 
-from lightning_shardplus._compat import lightning as _lightning
+from lightning_shardplus._compat import results as _results
 from lightning_shardplus._compat.changes import Change, RunChanges
 from lightning_shardplus.data import epoch_values
 from lightning_shardplus.data.group import DataParallel, data_parallel
@@ -74,9 +74,9 @@ class _AverageTrainingMetrics(Callback):
             return
         self._device = trainer.strategy.root_device
         self._readers = (reading_interval(trainer), bool(trainer.loggers), trainer.log_every_n_steps)
-        self._results = _lightning.training_results(trainer)
+        self._results = _results.training_results(trainer)
         self._changes.apply(
-            Change.TRAINING_LOGS, _lightning.intercept_training_logs(self._results, self._take, self._taken)
+            Change.TRAINING_LOGS, _results.intercept_training_logs(self._results, self._take, self._taken)
         )
         self._intercepting = True
 
@@ -86,7 +86,7 @@ class _AverageTrainingMetrics(Callback):
         self._unread, self._stale, self._after_unread = None, {}, False
         self._bar_total = bar_total(trainer)  # as the bar reads it in its own epoch start, after this callback's
 
-    def _take(self, log: _lightning.TrainingLog) -> bool:
+    def _take(self, log: _results.TrainingLog) -> bool:
         if not log.on_step or not log.is_tensor or log.rank_zero_only:
             return False
         if log.sync_dist and log.sync_dist_group is not None:
@@ -102,10 +102,10 @@ class _AverageTrainingMetrics(Callback):
             )
         return False
 
-    def _taken(self, logged: _lightning.LoggedValue) -> None:
+    def _taken(self, logged: _results.LoggedValue) -> None:
         log, late = logged.log, self._backward_began
         reduction = logged.reduce_fx if log.sync_dist and logged.reduce_fx != "mean" else "mean"
-        size = _lightning.batch_size_of_current_batch(self._results) if log.batch_size is None else log.batch_size
+        size = _results.batch_size_of_current_batch(self._results) if log.batch_size is None else log.batch_size
         self._calls[log.key] = Call(logged.value, 1.0 if size is None else float(size), reduction, late)
         self._own[log.key] = logged.value
         self._metrics[log.key] = logged.metric
@@ -118,7 +118,7 @@ class _AverageTrainingMetrics(Callback):
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
         # the step's values logged so far are complete: start their reduction, to run while backward computes
-        if self._intercepting and not self._backward_began and _lightning.logs_this_step(trainer):
+        if self._intercepting and not self._backward_began and _results.logs_this_step(trainer):
             self._backward_began = True  # in the last micro-batch of an aggregation window: what follows is late
             if self._layout is not None and self._needs_early() and self._read(trainer):
                 self._start("early")
@@ -152,13 +152,13 @@ class _AverageTrainingMetrics(Callback):
             return
         if self._without_data:  # its values count nowhere: not in this rank's epoch values either
             for key, before in self._before.items():
-                _lightning.set_epoch_state(self._metrics[key], *before)
+                _results.set_epoch_state(self._metrics[key], *before)
         else:
             self._epoch_keys.update(self._calls)
-        if not _lightning.logs_this_step(trainer):
+        if not _results.logs_this_step(trainer):
             # inside an aggregation window: the previous step's values until the window is reduced
             for key in self._calls:
-                _lightning.set_step_value(self._metrics[key], self._last.get(key))
+                _results.set_step_value(self._metrics[key], self._last.get(key))
             self._window += [] if self._without_data else [self._calls]
             self._calls, self._before, self._without_data = {}, {}, False
             return
@@ -183,7 +183,7 @@ class _AverageTrainingMetrics(Callback):
                 if self._plans["late"].entries:
                     self._start("late")
             self._finish()
-            if _lightning.loggers_read_this_step(trainer, logs=True) or _lightning.ends_epoch(trainer):
+            if _results.loggers_read_this_step(trainer, logs=True) or _results.ends_epoch(trainer):
                 self._check_and_reduce_again(where)
         finally:
             self._clear()
@@ -207,7 +207,7 @@ class _AverageTrainingMetrics(Callback):
         self._check_and_reduce_again(where)
         self._calls, self._own, self._window, self._without_data, self._started = current
         self._stale, self._after_unread = {}, False
-        _lightning.publish_step_values(trainer, self._results)
+        _results.publish_step_values(trainer, self._results)
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._reduce_unread(trainer, f"the validation in epoch {trainer.current_epoch}")
@@ -245,7 +245,7 @@ class _AverageTrainingMetrics(Callback):
                     shown = torch.where(calls[j].to(local.device) > 0, vector[j], shown)
                 step = torch.where(calls[i].to(local.device) > 0, vector[i], shown)
             self._last[key] = step.reshape(local.shape)
-            _lightning.set_step_value(metric, self._last[key])
+            _results.set_step_value(metric, self._last[key])
 
     def _check_names(self, where: str) -> bool:
         """Every rank, at the same step: read the summed slot 0 since the last check (one host read); if a rank
@@ -289,7 +289,7 @@ class _AverageTrainingMetrics(Callback):
         reductions = {key: reduction for key, (reduction, _) in (self._layout or {}).items()}
         reductions |= {key: reduction for key, (reduction, _, _) in self._latest.items()}
         notes = {key: {"over_ranks": reductions.get(key, "mean")} for key in local}
-        combine, synced = epoch_values.combine_training, _lightning.synced_by_shardplus
+        combine, synced = epoch_values.combine_training, _results.synced_by_shardplus
         epoch_values.reduce_epoch_values(trainer, pl_module, self._results, local, combine, synced, notes)
 
     def _stop(self, *_: Any, **__: Any) -> None:

@@ -13,6 +13,7 @@ from lightning.pytorch.callbacks.progress import ProgressBar, TQDMProgressBar
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 
 from lightning_shardplus._compat import lightning as _lightning
+from lightning_shardplus._compat import results as _results
 from lightning_shardplus.data.aggregation import micro_batches_per_step
 
 _PER_BATCH_HOOKS = (
@@ -66,7 +67,7 @@ def _callback_interval(callback: Any) -> int:
         rate = max(0, getattr(callback, "refresh_rate", 1))  # RichProgressBar reads every batch, whatever its rate
         return rate if isinstance(callback, TQDMProgressBar) else int(rate > 0)
     if isinstance(callback, ModelCheckpoint):
-        return int(_lightning.checkpoints_within_epochs(callback))
+        return int(_results.checkpoints_within_epochs(callback))
     return 0
 
 
@@ -75,9 +76,9 @@ def reads_this_step(trainer: pl.Trainer, interval: int, loggers: bool, total: in
     rank): a reader every batch; the ``loggers`` at their steps; the epoch's end; a reader every ``interval``-th
     batch (TQDM's refresh: after batch ``n``, from 1, where ``n % interval == 0 or n == total``) at that batch or a
     later one before the next step, as the step's values show until then."""
-    if interval == 1 or _lightning.ends_epoch(trainer):
+    if interval == 1 or _results.ends_epoch(trainer):
         return True
-    if loggers and _lightning.loggers_read_this_step(trainer, True):
+    if loggers and _results.loggers_read_this_step(trainer, True):
         return True
     if interval < 2:
         return False
