@@ -25,7 +25,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 from lightning_shardplus import ShardPlusStrategy
 from lightning_shardplus._compat import lightning as _lightning
 from lightning_shardplus.diagnostics import CommunicationCounter
-from lightning_shardplus.gradients.ddp import fusion
+from lightning_shardplus.gradients.ddp import fusion, fusion_cache
 from lightning_shardplus.gradients.ddp.fusion import ROUNDS, AutotuneSettings, BucketSetting, TensorFusion, decide
 
 # ---------------------------------------------------------------------------------------------- one process
@@ -249,15 +249,15 @@ def test_steps_that_span_an_interruption_are_not_timed():
 
 def test_cache_key_follows_the_parameter_layout_and_the_setup():
     params = [torch.zeros(3, 4, requires_grad=True), torch.zeros(4, requires_grad=True)]
-    key = fusion.cache_key(params, 2, "cpu", "gloo", {"hook": None})
+    key = fusion_cache.cache_key(params, 2, "cpu", "gloo", {"hook": None})
     same = [torch.ones(3, 4, requires_grad=True), torch.ones(4, requires_grad=True)]
-    assert key == fusion.cache_key(same, 2, "cpu", "gloo", {"hook": None})
-    assert key == fusion.cache_key([*params, torch.zeros(5)], 2, "cpu", "gloo", {"hook": None})  # no gradient
-    assert key != fusion.cache_key(params[::-1], 2, "cpu", "gloo", {"hook": None})
-    assert key != fusion.cache_key(params, 4, "cpu", "gloo", {"hook": None})
-    assert key != fusion.cache_key(params, 2, "cuda", "nccl", {"hook": None})
-    assert key != fusion.cache_key([p.double() for p in params], 2, "cpu", "gloo", {"hook": None})
-    assert key != fusion.cache_key(params, 2, "cpu", "gloo", {"hook": "fp16"})
+    assert key == fusion_cache.cache_key(same, 2, "cpu", "gloo", {"hook": None})
+    assert key == fusion_cache.cache_key([*params, torch.zeros(5)], 2, "cpu", "gloo", {"hook": None})  # no gradient
+    assert key != fusion_cache.cache_key(params[::-1], 2, "cpu", "gloo", {"hook": None})
+    assert key != fusion_cache.cache_key(params, 4, "cpu", "gloo", {"hook": None})
+    assert key != fusion_cache.cache_key(params, 2, "cuda", "nccl", {"hook": None})
+    assert key != fusion_cache.cache_key([p.double() for p in params], 2, "cpu", "gloo", {"hook": None})
+    assert key != fusion_cache.cache_key(params, 2, "cpu", "gloo", {"hook": "fp16"})
 
 
 def test_first_bucket_tuning_follows_what_ddp_takes():
@@ -388,13 +388,13 @@ def test_an_autotune_file_in_a_read_only_directory_is_refused_at_construction(tm
 
 def test_the_default_cache_follows_xdg_cache_home(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert fusion.default_cache_path() == tmp_path / "xdg" / "lightning_shardplus" / "fusion.json"
+    assert fusion_cache.default_cache_path() == tmp_path / "xdg" / "lightning_shardplus" / "fusion.json"
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     for unset in ("", "relative/cache"):  # the XDG spec ignores an empty or relative value
         monkeypatch.setenv("XDG_CACHE_HOME", unset)
-        assert fusion.default_cache_path() == tmp_path / "home" / ".cache" / "lightning_shardplus" / "fusion.json"
+        assert fusion_cache.default_cache_path() == tmp_path / "home" / ".cache" / "lightning_shardplus" / "fusion.json"
     monkeypatch.delenv("XDG_CACHE_HOME")
-    assert fusion.default_cache_path() == tmp_path / "home" / ".cache" / "lightning_shardplus" / "fusion.json"
+    assert fusion_cache.default_cache_path() == tmp_path / "home" / ".cache" / "lightning_shardplus" / "fusion.json"
 
 
 def test_the_default_cache_is_checked_only_when_tuning(tmp_path, monkeypatch):
@@ -497,10 +497,10 @@ def test_an_existing_file_that_is_not_an_autotune_cache_is_refused_and_never_ove
 def test_an_empty_file_or_a_cache_is_taken_as_the_autotune_cache(tmp_path):
     empty, cache = tmp_path / "empty.json", tmp_path / "cache.json"
     empty.touch()
-    fusion.store_cached(cache, "key", {"bucket_cap_mb": 4.0, "first_bucket_mb": None})
+    fusion_cache.store_cached(cache, "key", {"bucket_cap_mb": 4.0, "first_bucket_mb": None})
     for path in (empty, cache):
         ShardPlusStrategy(auto_tune_tensor_fusion=True, autotune_cache=str(path))
-    fusion.store_cached(empty, "key", {"bucket_cap_mb": 4.0, "first_bucket_mb": None})
+    fusion_cache.store_cached(empty, "key", {"bucket_cap_mb": 4.0, "first_bucket_mb": None})
     assert json.loads(empty.read_text()) == json.loads(cache.read_text())
 
 

@@ -253,7 +253,7 @@ def test_both_sides_share_one_finder_and_one_namespace_module(tmp_path, chosen):
 def test_both_sides_cache_tuned_fusion_in_one_file():
     mirror, _ = package("pytorch_lightning")
     path = importlib.import_module(f"{mirror.__name__}.gradients.ddp.fusion").default_cache_path()
-    ours = lightning_shardplus.gradients.ddp.fusion.default_cache_path()
+    ours = lightning_shardplus.gradients.ddp.fusion_cache.default_cache_path()
     assert path == ours and path.parts[-2:] == ("lightning_shardplus", "fusion.json")
 
 

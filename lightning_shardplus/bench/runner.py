@@ -29,7 +29,7 @@ from lightning_shardplus.bench.workloads import BenchConfig, RankStream, bench_m
 from lightning_shardplus.data.aggregation import effective_batch_size
 from lightning_shardplus.data.datamodule import SyntheticDataModule
 from lightning_shardplus.diagnostics import STEP_PHASES, CollectiveCalls, CommunicationCounter, ScalingReport
-from lightning_shardplus.gradients.ddp.fusion import cpu_model
+from lightning_shardplus.gradients.ddp.fusion_cache import cpu_model
 from lightning_shardplus.strategies.ddp import ShardPlusStrategy
 
 _COLLECTIVES = ("all_reduce", "barrier")  # the kinds of collectives counted per optimizer step

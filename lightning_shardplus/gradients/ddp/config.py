@@ -30,7 +30,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightning_shardplus.data.aggregation import check_static_graph
 from lightning_shardplus.data.config import DataSideConfig, fit_to_lightning
-from lightning_shardplus.gradients.ddp import fusion
+from lightning_shardplus.gradients.ddp import fusion, fusion_cache
 from lightning_shardplus.gradients.ddp.compression import GRADIENT_COMPRESSIONS, GradientCompression
 from lightning_shardplus.validation import (
     START_METHODS,
@@ -85,7 +85,7 @@ class ShardPlusConfig(DataSideConfig):
                 f"`autotune_cache`={self.autotune_cache!r} is not valid: expected True, False or a file path."
             )
         if self.autotune_cache is not False and (self.autotune_cache is not True or self.auto_tune_tensor_fusion):
-            fusion.check_cache_file("autotune_cache", self.autotune_cache)  # the default only where it is used
+            fusion_cache.check_cache_file("autotune_cache", self.autotune_cache)  # the default only where it is used
         _ = self.autotune_settings  # checked even when tuning is off: a YAML typo fails early
 
     @classmethod

@@ -5,14 +5,10 @@ from __future__ import annotations
 
 import csv
 import dataclasses
-import hashlib
 import inspect
-import json
 import math
 import numbers
 import os
-import platform
-import re
 import statistics
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -26,7 +22,15 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_shardplus._compat.torch import DDP_DEFAULT_FIRST_BUCKET_BYTES
 from lightning_shardplus.data.aggregation import micro_batch_size
-from lightning_shardplus.validation import check_int, check_writable_file
+from lightning_shardplus.gradients.ddp.fusion_cache import (
+    NotACacheError,
+    cache_key,
+    default_cache_path,
+    device_model,
+    read_cache,
+    store_cached,
+)
+from lightning_shardplus.validation import check_int
 
 _MB = 1024 * 1024  # DDP's megabyte
 # DDP hands its reducer int(bucket_cap_mb * 2**20) as a 64-bit integer: 2**43 MB and more fail there (exclusive).
@@ -156,95 +160,12 @@ def decide(times: dict[BucketSetting, list[float]], reference: BucketSetting, to
     return (best, gain) if faster and gain > 1 / (1 - tolerance) else (reference, 1.0)
 
 
-def default_cache_path() -> Path:
-    """``$XDG_CACHE_HOME/lightning_shardplus/fusion.json``; ``~/.cache/...`` where it is unset, empty or relative."""
-    base = os.environ.get("XDG_CACHE_HOME", "")
-    root = Path(base) if os.path.isabs(base) else Path("~/.cache").expanduser()
-    return root / "lightning_shardplus" / "fusion.json"
-
-
-def cpu_model() -> str:
-    """The CPU's model name, as /proc/cpuinfo or the platform module tells it."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor() or platform.machine()
-    match = re.search(r"^model name\s*:\s*(.+)$", text, re.MULTILINE)
-    return match.group(1).strip() if match else platform.machine()
-
-
-def device_model(device: torch.device) -> str:
-    """The model of ``device`` for the cache key: the GPU's name, the CPU's, else the device type."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return cpu_model() if device.type == "cpu" else device.type
-
-
-def cache_key(
-    parameters: Iterable[torch.Tensor], world_size: int, device_type: str, backend: str, extra: dict | None = None
-) -> str:
-    """A hash of what the best setting depends on: parameter shapes, dtypes, world, device, backend, torch."""
-    layout = [[list(p.shape), str(p.dtype)] for p in parameters if p.requires_grad]
-    described = {"parameters": layout, "world_size": world_size, "device_type": device_type, "backend": backend,
-                 "torch": torch.__version__, "extra": extra or {}}  # fmt: skip
-    return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()[:32]
-
-
-class NotACacheError(ValueError):
-    """A file that is not an autotune cache: it is neither read nor overwritten."""
-
-
-def read_cache(path: Path) -> dict[str, Any]:
-    """The entries of the cache at ``path`` ({} for none); :class:`NotACacheError` for a file that is not a cache."""
-    try:
-        text = Path(path).read_bytes()
-    except FileNotFoundError:
-        return {}
-    try:
-        entries = json.loads(text) if text.strip() else {}
-    except ValueError:  # a UnicodeDecodeError too
-        raise NotACacheError("not JSON") from None
-    if not isinstance(entries, dict) or not all(isinstance(e, dict) and "bucket_cap_mb" in e for e in entries.values()):
-        raise NotACacheError("JSON, but not an object of tuned settings each with a `bucket_cap_mb`")
-    return entries
-
-
-def check_cache_file(name: str, cache: str | os.PathLike | bool) -> Path:
-    """The path of ``autotune_cache`` (True: the default), refused if not writable or an existing non-cache file."""
-    expected = "a writable file path, or False (no cache)"
-    path = check_writable_file(name, cache, default_cache_path() if cache is True else None, replaced=True,
-                               expected=expected)  # fmt: skip
-    given = f"`{name}`={cache!r}" + (f" ({path})" if cache is True else "")
-    try:
-        read_cache(path)
-    except NotACacheError as reason:
-        raise ValueError(
-            f"{given} is not an autotune cache ({reason}), and it is not overwritten: expected the path of a new "
-            "file, of an empty one or of a cache lightning_shardplus wrote, or False (no cache)."
-        ) from None
-    except OSError as error:
-        raise ValueError(f"{given} cannot be read ({error}): expected {expected}.") from None
-    return path
-
-
 def cached_setting(entry: dict[str, Any]) -> BucketSetting:
     """The setting of a cache or checkpoint entry; ValueError saying what is wrong (a hand-edited file)."""
     cap, first = entry.get("bucket_cap_mb"), entry.get("first_bucket_mb")
     if not is_bucket_size(cap) or not (first is None or is_bucket_size(first)):
         raise ValueError(f"`bucket_cap_mb` {cap!r}, `first_bucket_mb` {first!r}: expected {BUCKET_SIZE_RANGE} or null")
     return BucketSetting(float(cap), None if first is None else float(first))
-
-
-def store_cached(path: Path, key: str, entry: dict[str, Any]) -> None:
-    """Add ``entry`` under ``key`` (written beside, then renamed); :class:`NotACacheError` when it is not a cache."""
-    entries = read_cache(path) | {key: entry}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        temporary.write_text(json.dumps(entries, indent=1, sort_keys=True))
-        os.replace(temporary, path)
-    finally:
-        temporary.unlink(missing_ok=True)
 
 
 @dataclass
