@@ -6,9 +6,11 @@ given step)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import tempfile
+import threading
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -142,20 +144,53 @@ class KillOnce(pl.Callback):
         os._exit(1)
 
 
+@ray.remote(num_cpus=0)
+class Gate:
+    """An event between the training function and the test's driver: ``open`` releases ``wait`` (both coroutines,
+    on the actor's event loop)."""
+
+    def __init__(self) -> None:
+        self.event = asyncio.Event()
+
+    async def open(self) -> None:
+        self.event.set()
+
+    async def wait(self) -> None:
+        await self.event.wait()
+
+
+class WaitForResize(pl.Callback):
+    """On ``world_size`` workers, before step ``step``: once Ray committed the checkpoints reported so far, rank 0
+    opens ``gate`` (the driver adds a node) and every rank waits for Ray to replace the worker group; no step past
+    ``step`` runs on ``world_size`` workers, whenever Ray resizes."""
+
+    def __init__(self, world_size: int, step: int, gate) -> None:
+        self.world_size, self.step, self.gate = world_size, step, gate
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.world_size != self.world_size or trainer.global_step != self.step:
+            return
+        ray.train.get_all_reported_checkpoints(consistency_mode=CheckpointConsistencyMode.COMMITTED)
+        if trainer.global_rank == 0:
+            ray.get(self.gate.open.remote())
+        threading.Event().wait()  # until Ray ends this process to start the resized group
+
+
 def resumable_train_function(config: dict) -> None:
     """A shardplus fit that reports a checkpoint every ``every_n_steps`` steps and resumes from
-    ``ray.train.get_checkpoint()`` after a restart, or from ``config["resume_from"]`` (a checkpoint's path) in a new
-    run; ``kill`` = ``(rank, step, marker)`` ends that rank's process once, before that step."""
+    ``ray.train.get_checkpoint()`` after a restart or a resize; ``kill`` = ``(rank, step, marker)`` ends that
+    rank's process once, before that step; ``grow`` = ``(world_size, step, gate)`` stops there for a resize
+    (``WaitForResize``)."""
     record_dir = Path(config["record_dir"])
     record_dir.mkdir(parents=True, exist_ok=True)
     checkpoint = ray.train.get_checkpoint()
-    if checkpoint is None and config.get("resume_from"):
-        checkpoint = ray.train.Checkpoint(config["resume_from"])
     pl.seed_everything(0)
     model = RayRegression(str(record_dir))
     callbacks = [RayTrainReportCallback(), RayReportEveryNSteps(config["every_n_steps"])]
     if config.get("kill") and checkpoint is None:
         callbacks.append(KillOnce(*config["kill"]))
+    if config.get("grow"):
+        callbacks.append(WaitForResize(*config["grow"]))
     trainer = _trainer(RayShardPlusStrategy(), callbacks=callbacks, max_epochs=config["epochs"])
     batch_size = config["batch_size"]
     loaders = (

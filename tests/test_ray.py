@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,8 @@ ray = pytest.importorskip("ray")
 pytest.importorskip("ray.train.lightning")
 
 from _models import read_records  # noqa: E402
-from _ray_probe import RayRegression, RegressionData, resumable_train_function, train_function  # noqa: E402
+from _ray_probe import Gate, RayRegression, RegressionData, resumable_train_function, train_function  # noqa: E402
+from ray.cluster_utils import Cluster  # noqa: E402
 from ray.train import FailureConfig, RunConfig, ScalingConfig  # noqa: E402
 from ray.train.torch import TorchTrainer  # noqa: E402
 
@@ -26,20 +28,25 @@ pytestmark = pytest.mark.timeout(600)
 
 @pytest.fixture(scope="module")
 def local_ray():
-    """One local Ray instance for the module (each worker takes half a CPU: 3 fit in it); the workers import the
-    tests' helpers."""
+    """One local Ray instance for the module (each worker takes half a CPU: 3 fit in it), a cluster of one node
+    that a test can add nodes to (all on this machine); the workers import the tests' helpers. ``slot``: a resource
+    of which the head node has 2, for the elastic test."""
     tests = str(Path(__file__).parent)
     path = os.pathsep.join(filter(None, [str(Path(tests).parent), tests, os.environ.get("PYTHONPATH")]))
-    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": path}})
-    yield
+    cluster = Cluster(
+        initialize_head=True, head_node_args={"num_cpus": 2, "resources": {"slot": 2}, "include_dashboard": False}
+    )
+    ray.init(address=cluster.address, runtime_env={"env_vars": {"PYTHONPATH": path}})
+    yield cluster
     ray.shutdown()
+    cluster.shutdown()
 
 
-def _fit(tmp_path: Path, workers, function=train_function, max_failures: int = 0, **config):
+def _fit(tmp_path: Path, workers, function=train_function, max_failures: int = 0, scaling=None, **config):
     config = dict(record_dir=str(tmp_path / "records"), strategy="shardplus", epochs=2, batch_size=2) | config
+    scaling = dict(num_workers=workers, use_gpu=False, resources_per_worker={"CPU": 0.5}) | (scaling or {})
     trainer = TorchTrainer(
-        function, train_loop_config=config,
-        scaling_config=ScalingConfig(num_workers=workers, use_gpu=False, resources_per_worker={"CPU": 0.5}),
+        function, train_loop_config=config, scaling_config=ScalingConfig(**scaling),
         run_config=RunConfig(
             storage_path=str(tmp_path / "storage"), name="run", failure_config=FailureConfig(max_failures=max_failures)
         ),
@@ -78,16 +85,29 @@ def killed_and_restarted(local_ray, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def resized(killed_and_restarted, tmp_path_factory):
-    """A new run on 3 workers (``ScalingConfig(num_workers=(2, 3))``, elastic: all 3 fit in the local instance) from
-    the killed run's checkpoint of step 4 (inside epoch 1), given in the training function's config; 3 epochs."""
-    result, *_ = killed_and_restarted
-    (checkpoint,) = [c for c, metrics in result.best_checkpoints if metrics["step"] == KILL_STEP]
-    directory = tmp_path_factory.mktemp("ray_resized")
-    return _fit(
-        directory, (2, 3), resumable_train_function, train_size=9, val_size=7, every_n_steps=2, epochs=3,
-        resume_from=checkpoint.path,
+def grown(local_ray, tmp_path_factory):
+    """``two_workers``'s fit under ``ScalingConfig(num_workers=(2, 3))`` with workers that take a ``slot`` each: the
+    head node has 2, so Ray starts 2 workers. Before step 4 (after its checkpoint) they stop, the driver adds a node
+    with one more slot, and Ray's elastic policy replaces the group with 3 workers, which resume from
+    ``ray.train.get_checkpoint()``; 3 epochs."""
+    gate = Gate.remote()
+
+    def add_node() -> None:
+        ray.get(gate.wait.remote())
+        # Without exit hooks: they set signal handlers, which only the main thread may (it runs `fit`); the
+        # fixture's `cluster.shutdown()` stops this node too.
+        local_ray._shutdown_at_exit = False
+        local_ray.add_node(num_cpus=1, resources={"slot": 1})
+
+    thread = threading.Thread(target=add_node, daemon=True)
+    thread.start()
+    scaling = dict(resources_per_worker={"CPU": 0.5, "slot": 1}, elastic_resize_monitor_interval_s=1.0)
+    run = _fit(
+        tmp_path_factory.mktemp("ray_grown"), (2, 3), resumable_train_function, scaling=scaling, train_size=9,
+        val_size=7, every_n_steps=2, epochs=3, grow=(2, KILL_STEP, gate),
     )  # fmt: skip
+    thread.join()
+    return run
 
 
 def _one_process_values(result, val_size: int) -> tuple[float, float]:
@@ -180,25 +200,29 @@ def test_ray_restart_after_a_killed_worker_resumes_mid_epoch_exactly(killed_and_
     assert result.metrics["val_mse"] == reference.metrics["val_mse"]
 
 
-def test_ray_resume_on_more_workers_reads_each_remaining_sample_once(resized, killed_and_restarted, two_workers):
-    """The killed run's checkpoint of step 4 (epoch 1, 4 of 9 positions consumed on 2 workers) resumed by a new run
-    on 3 workers: the remaining 5 positions of epoch 1's order are read once over the 3 workers, padding only after
-    them, and epoch 2 is whole (9 samples, 3 a worker)."""
-    _, records, _ = resized
+def test_ray_elastic_resize_from_2_to_3_workers_reads_each_remaining_sample_once(grown, two_workers):
+    """Ray's elastic policy grows the worker group from 2 to 3 when a node joins; the 3 workers resume from the
+    checkpoint of step 4 (epoch 1, 4 of 9 positions consumed): the 2 workers' samples before it are the uninterrupted
+    run's, the remaining 5 positions of epoch 1 are read once over 3 workers (padding after them), epoch 2 is whole."""
+    result, records, _ = grown
     _, reference_records, _ = two_workers
     starts = _starts(records)
     assert {key: (row["epoch"], row["step"], row["world_size"]) for key, row in starts.items()} == {
-        ("resumed", rank): (1, KILL_STEP, 3) for rank in range(3)
-    }
-    seen = _by_rank_and_epoch(records, "train")
+        ("fresh", 0): (0, 0, 2), ("fresh", 1): (0, 0, 2),
+        ("resumed", 0): (1, KILL_STEP, 3), ("resumed", 1): (1, KILL_STEP, 3), ("resumed", 2): (1, KILL_STEP, 3),
+    }  # fmt: skip
+    trained = [row for row in records if row["stage"] == "train"]
     reference = _by_rank_and_epoch(reference_records, "train")
+    before = _by_rank_and_epoch([row for row in trained if row["attempt"] == "fresh"], "train")
+    assert before == {key: reference[key] for key in [(0, 0), (1, 0)]} | {
+        (rank, 1): reference[(rank, 1)][:2] for rank in (0, 1)
+    }  # epoch 0, then epoch 1's first batch: no step past the checkpoint on 2 workers
+    after = _by_rank_and_epoch([row for row in trained if row["attempt"] == "resumed"], "train")
     epoch_order = _global_order([reference[(rank, 1)] for rank in (0, 1)])
-    consumed = 2 * 2  # 1 batch of 2 on each of 2 workers
-    remaining = _global_order([seen[(rank, 1)] for rank in range(3)])
-    assert len(remaining) == 6 and remaining[:5] == epoch_order[consumed:9]  # then one position of padding
-    assert sorted(epoch_order[:consumed] + remaining[:5]) == list(range(9))
-    assert [len(seen[(rank, 2)]) for rank in range(3)] == [3, 3, 3]
-    assert sorted(_global_order([seen[(rank, 2)] for rank in range(3)])) == list(range(9))
+    remaining = _global_order([after[(rank, 1)] for rank in range(3)])
+    assert len(remaining) == 6 and remaining[:5] == epoch_order[4:9]  # then one position of padding
+    assert sorted(_global_order([after[(rank, 2)] for rank in range(3)])) == list(range(9))
+    assert result.error is None
 
 
 def test_ray_training_metrics_are_averaged_over_workers(two_workers):
