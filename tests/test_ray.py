@@ -221,6 +221,7 @@ def test_ray_elastic_resize_from_2_to_3_workers_reads_each_remaining_sample_once
     epoch_order = _global_order([reference[(rank, 1)] for rank in (0, 1)])
     remaining = _global_order([after[(rank, 1)] for rank in range(3)])
     assert len(remaining) == 6 and remaining[:5] == epoch_order[4:9]  # then one position of padding
+    assert sorted(_global_order([before[(rank, 1)] for rank in (0, 1)]) + remaining[:5]) == list(range(9))
     assert sorted(_global_order([after[(rank, 2)] for rank in range(3)])) == list(range(9))
     assert result.error is None
 
