@@ -1,15 +1,23 @@
 """What each Ray Train worker runs in tests/test_ray.py: a regression fit under a given strategy, as Ray documents its
 Lightning integration (``devices="auto"``, ``RayLightningEnvironment``, ``RayTrainReportCallback``,
-``prepare_trainer``); each rank appends what it saw to its own JSON-lines file."""
+``prepare_trainer``); each rank appends what it saw to its own JSON-lines file. ``resumable_train_function``: a fit
+that reports checkpoints mid-epoch and resumes from Ray's latest one after a restart (a worker killed once, at a
+given step)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
+import tempfile
+import threading
 from pathlib import Path
 
 import lightning.pytorch as pl
+import ray.train
 import torch
 import torch.nn.functional as F
+from ray.train import CheckpointConsistencyMode
 from ray.train.lightning import RayDDPStrategy, RayLightningEnvironment, RayTrainReportCallback, prepare_trainer
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
@@ -37,10 +45,16 @@ class RayRegression(pl.LightningModule):
         super().__init__()
         self.record_dir = Path(record_dir)
         self.layer = nn.Linear(4, 1)
+        self.attempt = "fresh"  # "resumed" where the fit resumes a checkpoint
 
     def record(self, **row) -> None:
+        row = {"rank": self.global_rank, "epoch": self.current_epoch, "step": self.global_step, **row}
         with open(self.record_dir / f"rank{self.global_rank}.jsonl", "a") as f:
-            f.write(json.dumps({"rank": self.global_rank, "epoch": self.current_epoch, **row}) + "\n")
+            f.write(json.dumps({"attempt": self.attempt, **row}) + "\n")
+
+    def on_train_start(self) -> None:
+        """Where this fit starts (a resumed one: the checkpoint's epoch and step) and on how many workers."""
+        self.record(stage="start", world_size=self.trainer.world_size)
 
     def forward(self, inputs):
         return self.layer(inputs).squeeze(-1)
@@ -96,6 +110,98 @@ def train_function(config: dict) -> None:
     trainer.fit(
         model, _loader(config["train_size"], 1, batch_size, shuffle=True), _loader(config["val_size"], 2, batch_size)
     )
+
+
+class RayReportEveryNSteps(pl.Callback):
+    """Reports a checkpoint to Ray every ``n`` optimizer steps, as ``RayTrainReportCallback`` does at epoch ends:
+    what a restarted worker group resumes mid-epoch from (``ray.train.get_checkpoint()``)."""
+
+    def __init__(self, every_n_train_steps: int) -> None:
+        self.every_n_train_steps = every_n_train_steps
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step % self.every_n_train_steps:
+            return
+        with tempfile.TemporaryDirectory() as directory:  # every worker reports (Ray merges the folders); rank 0 saves
+            trainer.save_checkpoint(Path(directory, RayTrainReportCallback.CHECKPOINT_NAME), weights_only=False)
+            metrics = {"epoch": trainer.current_epoch, "step": trainer.global_step, "mid_epoch": 1}
+            ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(directory))
+        trainer.strategy.barrier()
+
+
+class KillOnce(pl.Callback):
+    """Ends ``rank``'s process (``os._exit``) before training step ``step``, once: the marker file says it happened.
+    It waits until Ray committed the checkpoints reported so far, so the restart resumes the latest one."""
+
+    def __init__(self, rank: int, step: int, marker: str) -> None:
+        self.rank, self.step, self.marker = rank, step, Path(marker)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_rank != self.rank or trainer.global_step != self.step or self.marker.exists():
+            return
+        ray.train.get_all_reported_checkpoints(consistency_mode=CheckpointConsistencyMode.COMMITTED)
+        self.marker.write_text(json.dumps({"epoch": trainer.current_epoch, "step": trainer.global_step}))
+        os._exit(1)
+
+
+@ray.remote(num_cpus=0)
+class Gate:
+    """An event between the training function and the test's driver: ``open`` releases ``wait`` (both coroutines,
+    on the actor's event loop)."""
+
+    def __init__(self) -> None:
+        self.event = asyncio.Event()
+
+    async def open(self) -> None:
+        self.event.set()
+
+    async def wait(self) -> None:
+        await self.event.wait()
+
+
+class WaitForResize(pl.Callback):
+    """On ``world_size`` workers, before step ``step``: once Ray committed the checkpoints reported so far, rank 0
+    opens ``gate`` (the driver adds a node) and every rank waits for Ray to replace the worker group; no step past
+    ``step`` runs on ``world_size`` workers, whenever Ray resizes."""
+
+    def __init__(self, world_size: int, step: int, gate) -> None:
+        self.world_size, self.step, self.gate = world_size, step, gate
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.world_size != self.world_size or trainer.global_step != self.step:
+            return
+        ray.train.get_all_reported_checkpoints(consistency_mode=CheckpointConsistencyMode.COMMITTED)
+        if trainer.global_rank == 0:
+            ray.get(self.gate.open.remote())
+        threading.Event().wait()  # until Ray ends this process to start the resized group
+
+
+def resumable_train_function(config: dict) -> None:
+    """A shardplus fit that reports a checkpoint every ``every_n_steps`` steps and resumes from
+    ``ray.train.get_checkpoint()`` after a restart or a resize; ``kill`` = ``(rank, step, marker)`` ends that
+    rank's process once, before that step; ``grow`` = ``(world_size, step, gate)`` stops there for a resize
+    (``WaitForResize``)."""
+    record_dir = Path(config["record_dir"])
+    record_dir.mkdir(parents=True, exist_ok=True)
+    checkpoint = ray.train.get_checkpoint()
+    pl.seed_everything(0)
+    model = RayRegression(str(record_dir))
+    callbacks = [RayTrainReportCallback(), RayReportEveryNSteps(config["every_n_steps"])]
+    if config.get("kill") and checkpoint is None:
+        callbacks.append(KillOnce(*config["kill"]))
+    if config.get("grow"):
+        callbacks.append(WaitForResize(*config["grow"]))
+    trainer = _trainer(RayShardPlusStrategy(), callbacks=callbacks, max_epochs=config["epochs"])
+    batch_size = config["batch_size"]
+    loaders = (
+        _loader(config["train_size"], 1, batch_size, shuffle=True), _loader(config["val_size"], 2, batch_size)
+    )  # fmt: skip
+    if checkpoint is None:
+        trainer.fit(model, *loaders)
+        return
+    model.attempt = "resumed"
+    with checkpoint.as_directory() as directory:
+        trainer.fit(model, *loaders, ckpt_path=Path(directory, RayTrainReportCallback.CHECKPOINT_NAME))
 
 
 def _loader(size: int, seed: int, batch_size: int, shuffle: bool = False) -> DataLoader:

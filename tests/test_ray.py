@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -17,8 +18,9 @@ ray = pytest.importorskip("ray")
 pytest.importorskip("ray.train.lightning")
 
 from _models import read_records  # noqa: E402
-from _ray_probe import RayRegression, RegressionData, train_function  # noqa: E402
-from ray.train import RunConfig, ScalingConfig  # noqa: E402
+from _ray_probe import Gate, RayRegression, RegressionData, resumable_train_function, train_function  # noqa: E402
+from ray.cluster_utils import Cluster  # noqa: E402
+from ray.train import FailureConfig, RunConfig, ScalingConfig  # noqa: E402
 from ray.train.torch import TorchTrainer  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
@@ -26,21 +28,28 @@ pytestmark = pytest.mark.timeout(600)
 
 @pytest.fixture(scope="module")
 def local_ray():
-    """One local Ray instance for the module (each worker takes half a CPU: 3 fit in it); the workers import the
-    tests' helpers."""
+    """One local Ray instance for the module (each worker takes half a CPU: 3 fit in it), a cluster of one node
+    that a test can add nodes to (all on this machine); the workers import the tests' helpers. ``slot``: a resource
+    of which the head node has 2, for the elastic test."""
     tests = str(Path(__file__).parent)
     path = os.pathsep.join(filter(None, [str(Path(tests).parent), tests, os.environ.get("PYTHONPATH")]))
-    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": path}})
-    yield
+    cluster = Cluster(
+        initialize_head=True, head_node_args={"num_cpus": 2, "resources": {"slot": 2}, "include_dashboard": False}
+    )
+    ray.init(address=cluster.address, runtime_env={"env_vars": {"PYTHONPATH": path}})
+    yield cluster
     ray.shutdown()
+    cluster.shutdown()
 
 
-def _fit(tmp_path: Path, workers: int, **config):
+def _fit(tmp_path: Path, workers, function=train_function, max_failures: int = 0, scaling=None, **config):
     config = dict(record_dir=str(tmp_path / "records"), strategy="shardplus", epochs=2, batch_size=2) | config
+    scaling = dict(num_workers=workers, use_gpu=False, resources_per_worker={"CPU": 0.5}) | (scaling or {})
     trainer = TorchTrainer(
-        train_function, train_loop_config=config,
-        scaling_config=ScalingConfig(num_workers=workers, use_gpu=False, resources_per_worker={"CPU": 0.5}),
-        run_config=RunConfig(storage_path=str(tmp_path / "storage"), name="run"),
+        function, train_loop_config=config, scaling_config=ScalingConfig(**scaling),
+        run_config=RunConfig(
+            storage_path=str(tmp_path / "storage"), name="run", failure_config=FailureConfig(max_failures=max_failures)
+        ),
     )  # fmt: skip
     result = trainer.fit()
     assert result.error is None
@@ -58,6 +67,47 @@ def two_workers(local_ray, tmp_path_factory):
 def three_workers(local_ray, tmp_path_factory):
     """7 training samples (padded to 9) and 2 validation samples on 3 workers: the third has no sample."""
     return _fit(tmp_path_factory.mktemp("ray3"), 3, train_size=7, val_size=2)
+
+
+KILL_STEP = 4  # rank 1 ends before step 5 (epoch 1's second of 3 batches), after the checkpoint of step 4
+
+
+@pytest.fixture(scope="module")
+def killed_and_restarted(local_ray, tmp_path_factory):
+    """``two_workers``'s fit (9 training samples on 2 workers, 3 steps an epoch), reporting a checkpoint every 2
+    steps, under ``FailureConfig(max_failures=1)``: rank 1's process ends before step 5 in the first attempt; Ray
+    restarts the worker group, which resumes from ``ray.train.get_checkpoint()`` (step 4, inside epoch 1)."""
+    directory = tmp_path_factory.mktemp("ray_killed")
+    kill = (1, KILL_STEP, str(directory / "killed.json"))
+    return _fit(
+        directory, 2, resumable_train_function, max_failures=1, train_size=9, val_size=7, every_n_steps=2, kill=kill
+    )
+
+
+@pytest.fixture(scope="module")
+def grown(local_ray, tmp_path_factory):
+    """``two_workers``'s fit under ``ScalingConfig(num_workers=(2, 3))`` with workers that take a ``slot`` each: the
+    head node has 2, so Ray starts 2 workers. Before step 4 (after its checkpoint) they stop, the driver adds a node
+    with one more slot, and Ray's elastic policy replaces the group with 3 workers, which resume from
+    ``ray.train.get_checkpoint()``; 3 epochs."""
+    gate = Gate.remote()
+
+    def add_node() -> None:
+        ray.get(gate.wait.remote())
+        # Without exit hooks: they set signal handlers, which only the main thread may (it runs `fit`); the
+        # fixture's `cluster.shutdown()` stops this node too.
+        local_ray._shutdown_at_exit = False
+        local_ray.add_node(num_cpus=1, resources={"slot": 1})
+
+    thread = threading.Thread(target=add_node, daemon=True)
+    thread.start()
+    scaling = dict(resources_per_worker={"CPU": 0.5, "slot": 1}, elastic_resize_monitor_interval_s=1.0)
+    run = _fit(
+        tmp_path_factory.mktemp("ray_grown"), (2, 3), resumable_train_function, scaling=scaling, train_size=9,
+        val_size=7, every_n_steps=2, epochs=3, grow=(2, KILL_STEP, gate),
+    )  # fmt: skip
+    thread.join()
+    return run
 
 
 def _one_process_values(result, val_size: int) -> tuple[float, float]:
@@ -110,6 +160,70 @@ def test_ray_training_shards_are_padded_equal_and_reshuffled(request, run, train
         assert set().union(*shards) == set(range(train_size))  # every sample, padded with a repeat
         orders.append(shards)
     assert orders[0] != orders[1]  # a new global permutation in epoch 1
+
+
+def _starts(records: list[dict]) -> dict[tuple[str, int], dict]:
+    return {(row["attempt"], row["rank"]): row for row in records if row["stage"] == "start"}
+
+
+def _global_order(shards: list[list[int]]) -> list[int]:
+    """The epoch's order from the ranks' shards: rank ``r`` reads positions ``r, r + W, ...`` (docs/sharding.md)."""
+    return [shards[p % len(shards)][p // len(shards)] for p in range(sum(map(len, shards)))]
+
+
+def test_ray_restart_after_a_killed_worker_resumes_mid_epoch_exactly(killed_and_restarted, two_workers):
+    """Rank 1 ends before step 5 (``os._exit``); Ray restarts both workers, the training function resumes from
+    ``ray.train.get_checkpoint()`` (step 4, after 1 of epoch 1's 3 batches), and each rank's samples before that
+    checkpoint and after the resume are, batch by batch, the uninterrupted run's (``two_workers``): every sample of
+    the padded epoch order once. The final weights equal that run's bitwise."""
+    result, records, record_dir = killed_and_restarted
+    reference, reference_records, _ = two_workers
+    killed = json.loads((record_dir.parent / "killed.json").read_text())
+    assert killed == {"epoch": 1, "step": KILL_STEP}
+    starts = _starts(records)
+    assert {key: (row["epoch"], row["step"]) for key, row in starts.items()} == {
+        ("fresh", 0): (0, 0), ("fresh", 1): (0, 0), ("resumed", 0): (1, KILL_STEP), ("resumed", 1): (1, KILL_STEP),
+    }  # fmt: skip
+    trained = [row for row in records if row["stage"] == "train"]
+    assert not [row for row in trained if row["attempt"] == "fresh" and row["rank"] == 1 and row["step"] >= KILL_STEP]
+    kept = [row for row in trained if row["attempt"] == "resumed" or row["step"] < KILL_STEP]
+    expected = _by_rank_and_epoch(reference_records, "train")
+    assert _by_rank_and_epoch(kept, "train") == expected
+    for epoch in (0, 1):
+        order = _global_order([expected[(rank, epoch)] for rank in (0, 1)])
+        assert sorted(order[:9]) == list(range(9)) and len(order) == 10  # each sample once, one padding at the end
+    with result.checkpoint.as_directory() as resumed, reference.checkpoint.as_directory() as uninterrupted:
+        weights = torch.load(Path(resumed) / "checkpoint.ckpt", weights_only=False)["state_dict"]
+        expected_weights = torch.load(Path(uninterrupted) / "checkpoint.ckpt", weights_only=False)["state_dict"]
+    assert weights.keys() == expected_weights.keys()
+    assert all(torch.equal(weights[name], expected_weights[name]) for name in weights)
+    assert result.metrics["val_mse"] == reference.metrics["val_mse"]
+
+
+def test_ray_elastic_resize_from_2_to_3_workers_reads_each_remaining_sample_once(grown, two_workers):
+    """Ray's elastic policy grows the worker group from 2 to 3 when a node joins; the 3 workers resume from the
+    checkpoint of step 4 (epoch 1, 4 of 9 positions consumed): the 2 workers' samples before it are the uninterrupted
+    run's, the remaining 5 positions of epoch 1 are read once over 3 workers (padding after them), epoch 2 is whole."""
+    result, records, _ = grown
+    _, reference_records, _ = two_workers
+    starts = _starts(records)
+    assert {key: (row["epoch"], row["step"], row["world_size"]) for key, row in starts.items()} == {
+        ("fresh", 0): (0, 0, 2), ("fresh", 1): (0, 0, 2),
+        ("resumed", 0): (1, KILL_STEP, 3), ("resumed", 1): (1, KILL_STEP, 3), ("resumed", 2): (1, KILL_STEP, 3),
+    }  # fmt: skip
+    trained = [row for row in records if row["stage"] == "train"]
+    reference = _by_rank_and_epoch(reference_records, "train")
+    before = _by_rank_and_epoch([row for row in trained if row["attempt"] == "fresh"], "train")
+    assert before == {key: reference[key] for key in [(0, 0), (1, 0)]} | {
+        (rank, 1): reference[(rank, 1)][:2] for rank in (0, 1)
+    }  # epoch 0, then epoch 1's first batch: no step past the checkpoint on 2 workers
+    after = _by_rank_and_epoch([row for row in trained if row["attempt"] == "resumed"], "train")
+    epoch_order = _global_order([reference[(rank, 1)] for rank in (0, 1)])
+    remaining = _global_order([after[(rank, 1)] for rank in range(3)])
+    assert len(remaining) == 6 and remaining[:5] == epoch_order[4:9]  # then one position of padding
+    assert sorted(_global_order([before[(rank, 1)] for rank in (0, 1)]) + remaining[:5]) == list(range(9))
+    assert sorted(_global_order([after[(rank, 2)] for rank in range(3)])) == list(range(9))
+    assert result.error is None
 
 
 def test_ray_training_metrics_are_averaged_over_workers(two_workers):
