@@ -23,7 +23,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 from ray.train import FailureConfig, RunConfig, ScalingConfig  # noqa: E402
 from ray.train.torch import TorchTrainer  # noqa: E402
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.xdist_group("ray")]  # one Ray instance, in one xdist worker
 
 
 @pytest.fixture(scope="module")
