@@ -15,6 +15,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
+from torch.multiprocessing import ProcessRaisedException  # what a forked rank raised, in this process
 from torch.utils.data import DataLoader
 
 import lightning_shardplus  # noqa: F401
@@ -272,7 +273,7 @@ def test_powersgd_resume_without_the_per_rank_files_warns_and_restarts_error_fee
     message = r"PowerSGD state '.*rank-0-of-2\.pt' is missing; '.*rank-1-of-2\.pt' is missing: .*error feedback"
     with warnings.catch_warnings():  # the ranks (forked) inherit the filter: the warning stops the fit, named
         warnings.filterwarnings("error", message=".*per-rank PowerSGD state")
-        with pytest.raises(Exception, match=message):
+        with pytest.raises(ProcessRaisedException, match=message):
             fit(tmp_path / "resumed", epochs=3, ckpt_path=str(checkpoint), **kwargs)
     with warnings.catch_warnings():  # with its files, the other checkpoint resumes without a word
         warnings.filterwarnings("error", message=".*per-rank PowerSGD state")

@@ -11,6 +11,7 @@ from _models import IndexedDataset, RecordingModule, cpu_trainer, read_records
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
+from torch.multiprocessing import ProcessRaisedException  # what a forked rank raised, in this process
 from torch.utils.data import DataLoader
 
 import lightning_shardplus  # noqa: F401
@@ -183,7 +184,8 @@ def test_a_hand_edited_sampler_state_is_refused_on_resume_saying_what_is_wrong(t
     checkpoint = torch.load(tmp_path / "first" / "checkpoints" / "step=4.ckpt", weights_only=False)
     checkpoint[CHECKPOINT_KEY] |= edit
     torch.save(checkpoint, tmp_path / "edited.ckpt")
-    with pytest.raises(Exception, match=message):  # raised on every rank, at setup: no rank waits for another
+    # raised on every rank, at setup: no rank waits for another
+    with pytest.raises(ProcessRaisedException, match=message):
         fit(tmp_path / "resumed", 2, ckpt_path=tmp_path / "edited.ckpt")
 
 
@@ -207,7 +209,7 @@ def test_a_sampler_state_of_another_epoch_than_the_fit_loop_is_refused_on_resume
         rf"the checkpoint's training sampler is in epoch {epoch} \({consumed} of 22 samples read\), but the fit "
         rf"loop resumes epoch {1 - epoch}: resumed, the epoch's first samples would be trained twice"
     )
-    with pytest.raises(Exception, match=message):  # raised on every rank, before the first batch
+    with pytest.raises(ProcessRaisedException, match=message):  # raised on every rank, before the first batch
         fit(tmp_path / "resumed", 2, ckpt_path=edited)
     assert not [r for r in read_records(tmp_path / "resumed") if r["stage"] == "train"]  # no batch trained
 
@@ -222,7 +224,7 @@ def test_a_mid_epoch_checkpoint_of_plain_ddp_is_refused_before_the_first_step_sa
         r"another strategy wrote it.*the fit loop resumes epoch 0 after 3 of its batches.*To go on, resume from a "
         r"checkpoint saved at the end of an epoch"
     )
-    with pytest.raises(Exception, match=message):  # raised on every rank, before the first step
+    with pytest.raises(ProcessRaisedException, match=message):  # raised on every rank, before the first step
         fit(tmp_path / "resumed", 2, ckpt_path=tmp_path / "ddp" / "checkpoints" / "step=3.ckpt")
     assert not [r for r in read_records(tmp_path / "resumed") if r["stage"] == "train"]  # no batch trained
 

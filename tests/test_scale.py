@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from _models import IndexedDataset, RecordingModule, cpu_trainer, read_records
 from lightning.pytorch.callbacks import BasePredictionWriter
+from torch.multiprocessing import ProcessRaisedException  # what a forked rank raised, in this process
 from torch.utils.data import DataLoader
 
 from lightning_shardplus import ShardPlusStrategy
@@ -64,5 +65,5 @@ def test_verify_sharding_catches_an_overlapping_shard_at_eight_ranks(tmp_path):
             return 4 if training and rank == 5 else rank
 
     trainer = cpu_trainer(RankFiveReadsRankFoursShard(start_method="fork", verify_sharding=True), WORLD, max_epochs=1)
-    with pytest.raises(Exception, match="verify_sharding: in epoch 0, ranks 4 and 5 both read sample"):
+    with pytest.raises(ProcessRaisedException, match="verify_sharding: in epoch 0, ranks 4 and 5 both read sample"):
         trainer.fit(RecordingModule(tmp_path), DataLoader(IndexedDataset(40), batch_size=5))

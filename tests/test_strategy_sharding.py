@@ -4,6 +4,7 @@ from collections import Counter
 
 import pytest
 from _models import IndexedDataset, RecordingModule, cpu_trainer, in_process_run, read_records
+from torch.multiprocessing import ProcessRaisedException  # what a forked rank raised, in this process
 from torch.utils.data import DataLoader, DistributedSampler
 
 import lightning_shardplus  # noqa: F401
@@ -94,7 +95,7 @@ def test_user_distributed_sampler_and_use_distributed_sampler_false_are_left_alo
 @pytest.mark.timeout(60)
 def test_empty_training_set_is_a_clear_error(tmp_path):
     trainer = cpu_trainer(ShardPlusStrategy(start_method="fork"), 2, max_epochs=1)
-    with pytest.raises(Exception, match=r"training dataset is empty"):
+    with pytest.raises(ProcessRaisedException, match=r"training dataset is empty"):
         trainer.fit(RecordingModule(tmp_path), DataLoader(IndexedDataset(0), batch_size=2))
 
 
@@ -129,7 +130,7 @@ def test_padding_a_large_share_of_the_epoch_is_a_warning(tmp_path, n_train, worl
         if warned:
             padding = -(-n_train // world_size) * world_size - n_train
             message = rf"shardplus: padding makes up {padding} of the {n_train + padding} training samples"
-            with pytest.raises(Exception, match=message):
+            with pytest.raises(ProcessRaisedException, match=message):
                 run()
         else:
             run()

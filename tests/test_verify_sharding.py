@@ -7,6 +7,7 @@ import logging
 import pytest
 from _models import IndexedDataset, RecordingModule, cpu_trainer
 from lightning.pytorch.callbacks import Callback
+from torch.multiprocessing import ProcessRaisedException  # what a forked rank raised, in this process
 from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_shardplus import ShardPlusStrategy
@@ -28,7 +29,7 @@ def test_verify_sharding_raises_when_shards_overlap(tmp_path):
             )
 
     trainer = cpu_trainer(Broken(start_method="fork", verify_sharding=True), 2, max_epochs=1)
-    with pytest.raises(Exception, match="verify_sharding: in epoch 0, ranks 0 and 1 both read sample"):
+    with pytest.raises(ProcessRaisedException, match="verify_sharding: in epoch 0, ranks 0 and 1 both read sample"):
         trainer.fit(RecordingModule(tmp_path), DataLoader(IndexedDataset(10), batch_size=5, shuffle=True))
 
 

@@ -10,6 +10,7 @@ import torch
 from _models import IndexedDataset, RecordingModule, cpu_trainer
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
+from torch.multiprocessing import ProcessRaisedException  # what a forked rank raised, in this process
 from torch.utils.data import DataLoader, IterableDataset
 
 import lightning_shardplus  # noqa: F401
@@ -79,7 +80,8 @@ def test_a_stream_without_state_dict_is_warned_about_only_where_a_checkpoint_can
     with warnings.catch_warnings():  # the ranks (forked) inherit the filter: the warning stops the fit, named
         warnings.filterwarnings("error", message=".*stream's loader has no `state_dict`")
         if checkpointing:
-            with pytest.raises(Exception, match="a checkpoint saved mid-epoch resumes at the start of the epoch"):
+            expected = "a checkpoint saved mid-epoch resumes at the start of the epoch"
+            with pytest.raises(ProcessRaisedException, match=expected):
                 trainer.fit(RecordingModule(tmp_path / "r"), DataLoader(Stream(), batch_size=2))
         else:
             trainer.fit(RecordingModule(tmp_path / "r"), DataLoader(Stream(), batch_size=2))
@@ -103,7 +105,7 @@ def test_a_mid_epoch_resume_that_shardplus_makes_exact_is_not_called_unreliable(
         # Lightning's warning where it is true: a loader shardplus does not shard (its own sampler)
         sampled = DataLoader(IndexedDataset(40), batch_size=2, sampler=list(range(40)))
         trainer = cpu_trainer(ShardPlusStrategy(start_method="fork"), 2, max_epochs=1)
-        with pytest.raises(Exception, match="not resumable"):
+        with pytest.raises(ProcessRaisedException, match="not resumable"):
             trainer.fit(RecordingModule(tmp_path / "custom"), sampled, ckpt_path=mid_epoch)
 
 
