@@ -10,12 +10,15 @@ import multiprocessing
 import os
 import signal
 import socket
+import subprocess
+import time
 import traceback
 from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 
 import lightning.pytorch as pl
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -223,3 +226,36 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def run_commands(commands: list[list[str]], cwd: Path, env: dict[str, str], timeout: float) -> list[tuple[int, str]]:
+    """Start the commands together in ``cwd`` (each in a process group of its own) and return each one's exit code and
+    output (stderr in it); on a timeout the test fails with every output's tail. Either way every process group is
+    killed and every process whose command line names ``cwd`` (a test's tmp_path), so nothing outlives the test."""
+    procs = [
+        subprocess.Popen(
+            cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        )
+        for cmd in commands
+    ]
+    results = []
+    deadline = time.monotonic() + timeout
+    try:
+        for proc in procs:
+            output, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            results.append((proc.returncode, output))
+    except subprocess.TimeoutExpired:
+        outputs = []
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+            outputs.append(proc.communicate()[0] or "")
+        tails = "\n".join(f"--- process {i} ---\n{out[-3000:]}" for i, out in enumerate(outputs))
+        pytest.fail(f"launch did not finish within {timeout} s: {commands}\n{tails}")
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        kill_leftover_processes(str(cwd))
+    return results

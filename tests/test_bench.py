@@ -3,7 +3,6 @@ measurement)."""
 
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -14,6 +13,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
+from _models import run_commands
 from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning.pytorch.strategies import DDPStrategy
 
@@ -276,21 +276,15 @@ def test_scale_bench_counts_what_shardplus_adds_over_ddp_at_two_processes(tmp_pa
 
 
 @pytest.mark.timeout(150)
-def test_one_process_fits_after_the_first_do_not_hang_in_a_forked_worker():
+def test_one_process_fits_after_the_first_do_not_hang_in_a_forked_worker(tmp_path):
     # One process per fit (--devices 1, as on a machine with one GPU) gets all the cores: after a first fit, the
     # second one's first parallel op hung in libgomp when the benchmark process had run one itself. A fresh
     # interpreter without this suite's OMP_NUM_THREADS=1, as a user runs it.
     env = {key: value for key, value in os.environ.items() if key != "OMP_NUM_THREADS"}
     tiny = ["--repeats=1", "--steps=4", "--warmup=1", "--global-batch-size=256", "--input-dim=256", "--devices=1"]
     command = [sys.executable, "-m", "lightning_shardplus.bench", *tiny, "--configs=ddp,shardplus,shardplus-plain"]
-    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               start_new_session=True)
-    try:
-        out, err = process.communicate(timeout=120)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)  # the benchmark and its forked fit
-        out, err = process.communicate()
-    assert process.returncode == 0, err[-2000:]
+    [(returncode, out)] = run_commands([command], tmp_path, env, timeout=120)  # killed with its forked fit
+    assert returncode == 0, out[-2000:]
     assert [line.split(":")[0] for line in out.splitlines() if line.startswith("run ")] == [
         "run 1/3 ddp", "run 2/3 shardplus", "run 3/3 shardplus-plain"
     ]

@@ -4,8 +4,6 @@ last checkpoint and ends with bitwise the weights of an uninterrupted run, every
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
@@ -13,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from _elastic_probe import EPOCHS, NUM_SAMPLES, fit
-from _models import kill_leftover_processes, read_records
+from _models import read_records, run_commands
 
 ROOT = Path(__file__).resolve().parents[1]
 FAIL_AT_STEP = 9  # the 4th step of epoch 1; last.ckpt holds step 8
@@ -51,24 +49,8 @@ def test_torchrun_restart_after_a_worker_dies_resumes_to_the_uninterrupted_resul
         str(tmp_path / "elastic"),
         str(FAIL_AT_STEP),
     ]
-    process = subprocess.Popen(
-        command,
-        cwd=tmp_path,
-        env=job_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        output, _ = process.communicate(timeout=150)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        output, _ = process.communicate()
-        pytest.fail(f"torchrun did not finish within 150 s:\n{output[-5000:]}")
-    finally:
-        kill_leftover_processes(str(tmp_path))
-    assert process.returncode == 0, output[-5000:]
+    [(returncode, output)] = run_commands([command], tmp_path, job_env(), timeout=150)
+    assert returncode == 0, output[-5000:]
 
     rows = [r for r in read_records(tmp_path / "elastic" / "record") if r["stage"] == "train"]
     assert {r["attempt"] for r in rows} == {0, 1}, "rank 1 did not die, or torchrun did not restart"

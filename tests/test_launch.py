@@ -11,16 +11,14 @@ import importlib.util
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import yaml
-from _models import kill_leftover_processes
+from _models import run_commands
 from lightning.fabric.plugins.environments import (
     LightningEnvironment,
     SLURMEnvironment,
@@ -80,37 +78,6 @@ def write_config(tmp_path: Path, devices: int, num_nodes: int) -> Path:
     return path
 
 
-def run_all(commands: list[list[str]], cwd: Path, env: dict[str, str], timeout: float) -> list[tuple[int, str]]:
-    """Start the commands together; on a timeout or a failure kill every process group, so nothing hangs."""
-    procs = [
-        subprocess.Popen(
-            cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
-        )
-        for cmd in commands
-    ]
-    results = []
-    deadline = time.monotonic() + timeout
-    try:
-        for proc in procs:
-            output, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            results.append((proc.returncode, output))
-    except subprocess.TimeoutExpired:
-        outputs = []
-        for proc in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-            outputs.append(proc.communicate()[0] or "")
-        tails = "\n".join(f"--- process {i} ---\n{out[-3000:]}" for i, out in enumerate(outputs))
-        pytest.fail(f"launch did not finish within {timeout} s: {commands}\n{tails}")
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        kill_leftover_processes(str(cwd))
-    return results
-
-
 def read_ranks(tmp_path: Path) -> dict[int, dict]:
     rows = [json.loads(p.read_text()) for p in sorted((tmp_path / "record").glob("rank*.json"))]
     return {row["global_rank"]: row for row in rows}
@@ -158,7 +125,7 @@ def test_two_node_torchrun_job(tmp_path):
         ]
         for node in (0, 1)
     ]
-    results = run_all(commands, tmp_path, job_env(), timeout=180)
+    results = run_commands(commands, tmp_path, job_env(), timeout=180)
     for code, output in results:
         assert code == 0, output[-5000:]
     ranks = read_ranks(tmp_path)
@@ -185,7 +152,7 @@ def test_torchrun_world_size_mismatch_fails_before_training(tmp_path):
         "--config",
         str(config),
     ]
-    [(code, output)] = run_all([command], tmp_path, job_env(), timeout=120)
+    [(code, output)] = run_commands([command], tmp_path, job_env(), timeout=120)
     assert code != 0
     assert "ValueError: torchrun started 2 processes in all (world size 2)" in output, output[-5000:]
     assert "devices=1 x num_nodes=1 = 1" in output and "set devices=2 and num_nodes=1" in output
@@ -230,7 +197,7 @@ def test_two_process_mpirun_job(tmp_path):
         "--config",
         str(config),
     ]
-    [(code, output)] = run_all([command], tmp_path, env, timeout=180)
+    [(code, output)] = run_commands([command], tmp_path, env, timeout=180)
     assert code == 0, output[-5000:]
     ranks = read_ranks(tmp_path)
     assert sorted(ranks) == [0, 1]
