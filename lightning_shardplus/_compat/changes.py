@@ -49,6 +49,11 @@ class RunChanges:
         self._undos: list[tuple[Change, Callable[[], None]]] = []
         _LIVE.add(self)
 
+    def __reduce__(self) -> tuple[type, tuple[()]]:
+        """A copy sent to another process (the strategy of a spawn worker) starts empty: each process undoes its own
+        changes."""
+        return (RunChanges, ())
+
     @property
     def active(self) -> list[Change]:
         """The kinds of change in effect, oldest first."""
@@ -116,5 +121,6 @@ def _put_back(owner: Any, name: str, previous: Any) -> None:
 
 
 def active_changes() -> list[Change]:
-    """The changes in effect in this process, over every owner (empty between Trainer runs)."""
+    """The changes in effect in this process, over every owner. Between Trainer runs, only ``LAUNCH`` of a strategy
+    whose Trainer ran in the workers it launched (fork, spawn): that process runs no ``teardown``."""
     return [change for changes in list(_LIVE) for change in changes.active]
