@@ -46,9 +46,8 @@ def fit(dp: int, tp: int, data: str, folder: Path, shuffle: bool, workers: int, 
     return model
 
 
-if __name__ == "__main__":
-    dp, tp, data, folder = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], Path(sys.argv[4])
-    shuffle, workers = sys.argv[5] == "1", int(sys.argv[6])
+def main(dp: int, tp: int, data: str, folder: Path, shuffle: bool, workers: int) -> None:
+    """A fit saved at step 2 (unless saved before, on another mesh), then its resume: what each read, per rank."""
     saved = folder / "step=2.ckpt"
     whole = None if saved.exists() else fit(dp, tp, data, folder, shuffle, workers).seen  # saved before: another mesh
     with warnings.catch_warnings(record=True) as caught:
@@ -59,3 +58,7 @@ if __name__ == "__main__":
     # on a rank whose stream ran out, reads its last batch again and trains nothing)
     found = {"whole": whole, "resumed": resumed.seen, "trained": resumed.samples_trained, "said": said}
     (folder / f"found.{dp}.{dist.get_rank()}.json").write_text(json.dumps(found))
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], Path(sys.argv[4]), sys.argv[5] == "1", int(sys.argv[6]))

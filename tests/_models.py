@@ -186,10 +186,13 @@ def _report_to(writer, function) -> None:
         os._exit(0)
 
 
-def in_external_ranks(function, world_size: int = 2, timeout: float = 120) -> None:
+def in_external_ranks(
+    function, world_size: int = 2, timeout: float = 120, cwd: str | os.PathLike | None = None
+) -> None:
     """Run ``function()`` as each rank of a ``world_size``-process job whose processes Lightning finds started
     (``LOCAL_RANK`` and the rendezvous variables set), each a fork of this process: a rank's code runs before and after
-    its ``fit``, in the same process, and what it raised comes back (as :func:`in_forked_process`)."""
+    its ``fit``, in the same process, and what it raised comes back (as :func:`in_forked_process`); ``cwd``: each
+    rank's working directory (a test's tmp_path: what libraries write beside them stays there)."""
     port = _free_port()
     errors = []
     context = multiprocessing.get_context("fork")
@@ -199,7 +202,7 @@ def in_external_ranks(function, world_size: int = 2, timeout: float = 120) -> No
         # what Lightning reads (torchrun sets RANK and LOCAL_WORLD_SIZE too: shardplus exports those itself)
         variables = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world_size),
                          LOCAL_RANK=str(rank), NODE_RANK="0")  # fmt: skip
-        child = context.Process(target=_report_to, args=(writer, partial(_as_rank, variables, function)))
+        child = context.Process(target=_report_to, args=(writer, partial(_as_rank, variables, function, cwd)))
         child.start()
         writer.close()
         children.append((reader, child))
@@ -217,8 +220,10 @@ def in_external_ranks(function, world_size: int = 2, timeout: float = 120) -> No
         raise AssertionError("in the forked ranks:\n" + "\n".join(errors))
 
 
-def _as_rank(variables: dict[str, str], function) -> None:
+def _as_rank(variables: dict[str, str], function, cwd) -> None:
     os.environ.update(variables)
+    if cwd is not None:
+        os.chdir(cwd)
     function()
 
 

@@ -1,17 +1,15 @@
 """Evaluation across ranks gives the single-process values, evaluates every sample once, and never hangs."""
 
 import json
-import os
-import subprocess
-import sys
 import warnings
 from collections import Counter
+from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-from _models import IndexedDataset, RecordingModule, cpu_trainer, read_records
+from _models import IndexedDataset, RecordingModule, cpu_trainer, in_external_ranks, read_records
 from torch import nn
 from torch.multiprocessing import ProcessRaisedException  # what a forked rank raised, in this process
 from torch.utils.data import DataLoader
@@ -155,23 +153,12 @@ def test_exact_evaluation_false_keeps_lightnings_padded_sampler(tmp_path):
     assert sum(seen.values()) == 6 and seen[0] == 2  # padded with a duplicate, as DistributedSampler does
 
 
-PREDICT_SCRIPT = """
-import json, sys
-sys.path.insert(0, {tests!r})
-import lightning.pytorch as pl
-from torch.utils.data import DataLoader
-import lightning_shardplus
-from _models import IndexedDataset, RecordingModule
-
-if __name__ == "__main__":
-    trainer = pl.Trainer(
-        accelerator="cpu", devices={devices}, strategy="shardplus", logger=False, enable_progress_bar=False
-    )
-    predictions = trainer.predict(RecordingModule({out!r}), DataLoader(IndexedDataset({n}), batch_size={batch}))
-    flat = [int(i) for batch in predictions for i in batch]
-    with open({out!r} + f"/returned{{trainer.global_rank}}.json", "w") as f:
-        json.dump(flat, f)
-"""
+def _predict_on_this_rank(out: Path, devices: int, n: int, batch: int) -> None:
+    """One rank of a ``devices``-process prediction; writes what ``predict`` returned to it."""
+    trainer = cpu_trainer("shardplus", devices)
+    predictions = trainer.predict(RecordingModule(out), DataLoader(IndexedDataset(n), batch_size=batch))
+    returned = [int(i) for batch in predictions for i in batch]
+    (out / f"returned{trainer.global_rank}.json").write_text(json.dumps(returned))
 
 
 @pytest.mark.timeout(240)
@@ -183,17 +170,10 @@ if __name__ == "__main__":
 def test_predict_returns_every_sample_once_in_dataset_order(tmp_path, devices, n, batch, per_rank):
     # fewer samples than processes: Lightning's own predict sampler asserts that every rank has one, before
     # shardplus puts its exact shards in (issue 18)
-    script = tmp_path / "predict.py"
-    tests = str(Path(__file__).parent)
-    script.write_text(PREDICT_SCRIPT.format(tests=tests, out=str(tmp_path), devices=devices, n=n, batch=batch))
-    # this checkout first, not an installed copy of the package (the script runs in tmp_path)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    result = subprocess.run(
-        [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=200
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    # Lightning returns predictions on every rank under the popen launcher: rank 0 returns all of them, in order;
-    # the others only their own shard (memory per rank does not grow with the dataset)
+    in_external_ranks(partial(_predict_on_this_rank, tmp_path, devices, n, batch), world_size=devices, timeout=200)
+    # Lightning returns predictions on every rank where each rank runs the script (popen, torchrun: here, forks with
+    # torchrun's variables): rank 0 returns all of them, in order; the others only their own shard (memory per rank
+    # does not grow with the dataset)
     assert json.loads((tmp_path / "returned0.json").read_text()) == list(range(n))
     for rank in range(1, devices):
         start, stop = shard_bounds(n, devices, rank)

@@ -1,6 +1,7 @@
 """``ShardPlusModelParallelStrategy``: shardplus's data side under Lightning's ``ModelParallelStrategy`` (FSDP2 over the
-data-parallel ranks, tensor parallel over the others), on CPU processes started by Lightning's own launcher
-(``tests/_model_parallel_probe.py``), each result against a hand computation or a one-process run."""
+data-parallel ranks, tensor parallel over the others), on CPU processes (``tests/_model_parallel_probe.py`` on forks of
+the test process that Lightning finds started, as torchrun's; scripts under Lightning's own launcher), each result
+against a hand computation or a one-process run."""
 
 import csv
 import importlib.util
@@ -9,12 +10,13 @@ import logging
 import os
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
 import torch
-from _models import cpu_trainer
+from _models import cpu_trainer, in_external_ranks
 from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.demos.boring_classes import BoringModel
 from torch.utils.data import DataLoader, IterableDataset
@@ -45,7 +47,10 @@ def _launch(script: Path, tmp_path: Path, *args: object) -> subprocess.Completed
 
 
 def _run(tmp_path: Path, dp: int, tp: int) -> list[dict]:
-    _launch(PROBE, tmp_path, dp, tp, tmp_path / "found")
+    """The probe on ``dp x tp`` ranks, forks of this process that Lightning finds started (as torchrun's)."""
+    import _model_parallel_probe as probe
+
+    in_external_ranks(partial(probe.main, dp, tp, str(tmp_path / "found")), dp * tp, timeout=300, cwd=tmp_path)
     return [json.loads((tmp_path / f"found.{rank}.json").read_text()) for rank in range(dp * tp)]
 
 
@@ -127,9 +132,10 @@ def test_the_data_side_holds_over_the_data_parallel_ranks(tmp_path, dp, tp):
 def test_a_mid_epoch_resume_reads_what_the_uninterrupted_run_read_next_on_any_data_parallel_size(tmp_path):
     """Saved at optimizer step 4 (one batch into epoch 1) on 2 x 2, in a distributed and a full checkpoint; and inside
     an aggregation window (FSDP2 holds its gradients unsharded until the window's reduce-scatter)."""
-    resume = PROBE.parent / "_model_parallel_resume.py"
-    _launch(resume, tmp_path, 2, 2, tmp_path)
-    _launch(resume, tmp_path, 3, 1, tmp_path)
+    import _model_parallel_resume as resume
+
+    for dp, tp in ((2, 2), (3, 1)):
+        in_external_ranks(partial(resume.main, dp, tp, tmp_path), dp * tp, timeout=280, cwd=tmp_path)
     same = [json.loads((tmp_path / f"found.2.{rank}.json").read_text()) for rank in range(4)]
     other = [json.loads((tmp_path / f"found.3.{rank}.json").read_text()) for rank in range(3)]
     for distributed in (True, False):

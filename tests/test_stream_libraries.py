@@ -13,12 +13,13 @@ import os
 import subprocess
 import sys
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-from _models import IndexedDataset, RecordingModule, cpu_trainer
+from _models import IndexedDataset, RecordingModule, cpu_trainer, in_external_ranks
 from test_uneven import Regression, SaveAtStep, assert_state_close, batches_of, rows, sample, write_litdata
 from torch.utils.data import DataLoader, IterableDataset
 
@@ -345,10 +346,11 @@ def _write_ids(library: str, directory: Path, count: int) -> Path:
 
 
 def _run_streams(tmp_path: Path, library: str, dp: int = 2, tp: int = 2) -> list[dict]:
-    from test_model_parallel import _launch
+    import _model_parallel_streams as probe
 
     data = _write_ids(library.split("-")[0], tmp_path / "data", 10)
-    _launch(STREAMS_PROBE, tmp_path, dp, tp, library, data, tmp_path / "found")
+    run = partial(probe.main, dp, tp, library, str(data), str(tmp_path / "found"))
+    in_external_ranks(run, world_size=dp * tp, timeout=300, cwd=tmp_path)
     return [json.loads((tmp_path / f"found.{rank}.json").read_text()) for rank in range(dp * tp)]
 
 
@@ -375,11 +377,11 @@ def test_litdata_reads_by_the_data_parallel_rank_under_tensor_parallel(tmp_path)
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize(("shuffle", "workers"), [(False, 0), (True, 2)], ids=["in-order", "shuffled-2-workers"])
 def test_a_litdata_stream_resumes_mid_epoch_where_it_was_under_tensor_parallel(tmp_path, shuffle, workers):
-    from test_model_parallel import _launch
+    import _model_parallel_stream_resume as probe
 
-    data = _write_ids("litdata", tmp_path / "data", 20)
-    probe = Path(__file__).parent / "_model_parallel_stream_resume.py"
-    _launch(probe, tmp_path, 2, 2, data, tmp_path, int(shuffle), workers)
+    data = str(_write_ids("litdata", tmp_path / "data", 20))
+    run = partial(probe.main, 2, 2, data, tmp_path, shuffle, workers)
+    in_external_ranks(run, world_size=4, timeout=300, cwd=tmp_path)
     found = [json.loads((tmp_path / f"found.2.{rank}.json").read_text()) for rank in range(4)]
     for rank, result in enumerate(found):
         assert result == found[rank - rank % 2]  # tensor-parallel peers read alike, in both fits
@@ -388,7 +390,8 @@ def test_a_litdata_stream_resumes_mid_epoch_where_it_was_under_tensor_parallel(t
             assert result["whole"] == list(range(10 * (rank // 2), 10 * (rank // 2) + 10))  # its half, in order
     assert sorted(found[0]["whole"] + found[2]["whole"]) == list(range(20))  # every sample once per epoch
     # the same checkpoint on 3 data-parallel ranks: the streams restart their epoch, said once; every sample once
-    _launch(probe, tmp_path, 3, 1, data, tmp_path, int(shuffle), workers)
+    run = partial(probe.main, 3, 1, data, tmp_path, shuffle, workers)
+    in_external_ranks(run, world_size=3, timeout=300, cwd=tmp_path)
     elsewhere = [json.loads((tmp_path / f"found.3.{rank}.json").read_text()) for rank in range(3)]
     assert {i for result in elsewhere for i in result["resumed"]} == set(range(20))
     assert elsewhere[0]["trained"] == 20  # each once (a rank whose stream ran out runs stand-ins: untrained)
