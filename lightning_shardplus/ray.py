@@ -51,6 +51,8 @@ class _RayWorkers:
 
     launcher_name = LAUNCHER
     processes_setting = WORKERS
+    # Ray's workers save checkpoints to report them (RayTrainReportCallback, ray.train.report), with checkpointing off
+    saves_outside_callbacks = True
     cluster_environment: Any
 
     @property

@@ -2,7 +2,7 @@
 Lightning integration (``devices="auto"``, ``RayLightningEnvironment``, ``RayTrainReportCallback``,
 ``prepare_trainer``); each rank appends what it saw to its own JSON-lines file. ``resumable_train_function``: a fit
 that reports checkpoints mid-epoch and resumes from Ray's latest one after a restart (a worker killed once, at a
-given step)."""
+given step). ``ray_data_train_function``: fits on Ray Data shards (``ray.train.get_dataset_shard``)."""
 
 from __future__ import annotations
 
@@ -11,16 +11,17 @@ import json
 import os
 import tempfile
 import threading
+import warnings
 from pathlib import Path
 
 import lightning.pytorch as pl
 import ray.train
 import torch
 import torch.nn.functional as F
-from ray.train import CheckpointConsistencyMode
+from ray.train import CheckpointConsistencyMode, DataConfig
 from ray.train.lightning import RayDDPStrategy, RayLightningEnvironment, RayTrainReportCallback, prepare_trainer
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from lightning_shardplus.ray import RayShardPlusModelParallelStrategy, RayShardPlusStrategy
 
@@ -239,3 +240,114 @@ def _trainer(strategy, prepare: bool = True, callbacks=None, **kwargs) -> pl.Tra
 
 def _write(record_dir: Path, name: str, text: str) -> None:
     (record_dir / f"{name}.txt").write_text(text)
+
+
+# Ray Data: shards of different lengths, read as a Lightning user does
+
+
+def ray_data_rows(length: int, seed: int) -> list[dict]:
+    """``RegressionData``'s samples as Ray Data rows (``ray.data.from_items``): columns ``id``, ``x``, ``y``."""
+    data = RegressionData(length, seed)
+    return [{"id": i, "x": data.inputs[i].numpy(), "y": float(data.targets[i])} for i in range(length)]
+
+
+class UnequalSplit(DataConfig):
+    """Ray's ``DataConfig``, but the datasets named in ``unequal`` are split without dropping rows
+    (``streaming_split(equal=False)``; Ray's own split is ``equal=True``, which drops up to W-1 rows): the workers'
+    shards then differ in length, which shardplus's ``uneven_inputs`` makes safe."""
+
+    def __init__(self, unequal: list[str], **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.unequal = set(unequal)
+
+    def configure(self, datasets, world_size, worker_handles, worker_node_ids, **kwargs):
+        rest = {name: ds for name, ds in datasets.items() if name not in self.unequal}
+        output = super().configure(rest, world_size, worker_handles, worker_node_ids, **kwargs)
+        for name in self.unequal & datasets.keys():  # as docs/ray.md shows it
+            dataset = datasets[name].copy(datasets[name])
+            dataset.context.execution_options = DataConfig.default_ingest_options()
+            splits = dataset.streaming_split(world_size, equal=False, locality_hints=worker_node_ids)
+            for rank, split in enumerate(splits):
+                output[rank][name] = split
+        return output
+
+
+class RayDataRegression(RayRegression):
+    """``RayRegression`` on Ray Data's batches (dicts of columns); records each training epoch's end step."""
+
+    def training_step(self, batch, batch_idx):
+        return super().training_step(_columns(batch), batch_idx)
+
+    def validation_step(self, batch, batch_idx):
+        return super().validation_step(_columns(batch), batch_idx)
+
+    def on_train_epoch_end(self) -> None:
+        self.record(stage="epoch_end")
+
+
+def _columns(batch: dict) -> tuple:
+    return batch["x"].float(), batch["y"].float(), batch["id"]
+
+
+class RayShardStream(IterableDataset):
+    """A Ray Data shard as a torch ``IterableDataset`` of batches (``DataLoader(..., batch_size=None)``): each pass
+    is a new epoch of the shard; ``on_batch`` is told each batch's ids."""
+
+    def __init__(self, name: str, batch_size: int, on_batch) -> None:
+        self.name, self.batch_size, self.on_batch = name, batch_size, on_batch
+
+    def __iter__(self):
+        for batch in ray.train.get_dataset_shard(self.name).iter_torch_batches(batch_size=self.batch_size):
+            self.on_batch(batch["id"].tolist())
+            yield batch
+
+
+class SaveAt(pl.Callback):
+    """Saves ``epoch_end.ckpt`` at the end of epoch 0 (where ``RayTrainReportCallback`` saves) and ``mid_epoch.ckpt``
+    after epoch 1's first batch, in ``directory``; records the step of each."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        if trainer.current_epoch == 0:
+            trainer.save_checkpoint(self.directory / "epoch_end.ckpt")
+            pl_module.record(stage="saved", name="epoch_end")
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.current_epoch == 1 and batch_idx == 0:
+            trainer.save_checkpoint(self.directory / "mid_epoch.ckpt")
+            pl_module.record(stage="saved", name="mid_epoch")
+
+
+def ray_data_train_function(config: dict) -> None:
+    """Fits of ``RayShardPlusStrategy`` on the shards of Ray Data's ``train`` (split unequally), ``train_equal``
+    (Ray's equal split) and ``val`` (unequally): ``join`` (2 epochs, validation, checkpoints saved at epoch 0's end
+    and in epoch 1), ``drop`` (1 epoch), ``equal`` (1 epoch, ``join``), then a resume of each saved checkpoint. Each
+    fit's records carry its name (``attempt``); the warnings of each fit are saved per rank."""
+    record_dir = Path(config["record_dir"])
+    record_dir.mkdir(parents=True, exist_ok=True)
+    batch_size = config["batch_size"]
+    fits = [
+        ("join", "train", 2, True, None), ("drop", "train", 1, False, None),
+        ("equal", "train_equal", 1, False, None), ("from_epoch_end", "train", 2, False, "epoch_end.ckpt"),
+        ("from_mid_epoch", "train", 2, False, "mid_epoch.ckpt"),
+    ]  # fmt: skip
+    for name, dataset, epochs, first, checkpoint in fits:
+        pl.seed_everything(0)
+        model = RayDataRegression(str(record_dir))
+        model.attempt = name
+        stream = RayShardStream(dataset, batch_size, lambda ids, m=model: m.record(stage="yielded", indices=ids))
+        strategy = RayShardPlusStrategy(uneven_inputs="drop" if name == "drop" else "join")
+        callbacks = [RayTrainReportCallback(), SaveAt(record_dir)] if first else []
+        trainer = _trainer(strategy, callbacks=callbacks, max_epochs=epochs)
+        # validation as Ray documents it for Lightning: the shard's iterable itself
+        val = ray.train.get_dataset_shard("val").iter_torch_batches(batch_size=batch_size) if first else None
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            resume = checkpoint and record_dir / checkpoint
+            trainer.fit(model, DataLoader(stream, batch_size=None), val, ckpt_path=resume)
+        _write(record_dir, f"warnings_{name}_{trainer.global_rank}", json.dumps([str(w.message) for w in caught]))
+        if first:
+            metrics = {key: value.item() for key, value in trainer.callback_metrics.items()}
+            _write(record_dir, f"metrics_{trainer.global_rank}", json.dumps(metrics))

@@ -18,7 +18,16 @@ ray = pytest.importorskip("ray")
 pytest.importorskip("ray.train.lightning")
 
 from _models import read_records  # noqa: E402
-from _ray_probe import Gate, RayRegression, RegressionData, resumable_train_function, train_function  # noqa: E402
+from _ray_probe import (  # noqa: E402
+    Gate,
+    RayRegression,
+    RegressionData,
+    UnequalSplit,
+    ray_data_rows,
+    ray_data_train_function,
+    resumable_train_function,
+    train_function,
+)
 from ray.cluster_utils import Cluster  # noqa: E402
 from ray.train import FailureConfig, RunConfig, ScalingConfig  # noqa: E402
 from ray.train.torch import TorchTrainer  # noqa: E402
@@ -42,7 +51,9 @@ def local_ray():
     cluster.shutdown()
 
 
-def _fit(tmp_path: Path, workers, function=train_function, max_failures: int = 0, scaling=None, **config):
+def _fit(
+    tmp_path: Path, workers, function=train_function, max_failures: int = 0, scaling=None, trainer_kwargs=None, **config
+):
     config = dict(record_dir=str(tmp_path / "records"), strategy="shardplus", epochs=2, batch_size=2) | config
     scaling = dict(num_workers=workers, use_gpu=False, resources_per_worker={"CPU": 0.5}) | (scaling or {})
     trainer = TorchTrainer(
@@ -50,6 +61,7 @@ def _fit(tmp_path: Path, workers, function=train_function, max_failures: int = 0
         run_config=RunConfig(
             storage_path=str(tmp_path / "storage"), name="run", failure_config=FailureConfig(max_failures=max_failures)
         ),
+        **(trainer_kwargs or {}),
     )  # fmt: skip
     result = trainer.fit()
     assert result.error is None
@@ -108,6 +120,24 @@ def grown(local_ray, tmp_path_factory):
     )  # fmt: skip
     thread.join()
     return run
+
+
+TRAIN_ROWS, VAL_ROWS = 11, 9  # Ray Data rows, in 3 blocks each: an unequal split gives 2 blocks to one worker
+
+
+@pytest.fixture(scope="module")
+def ray_data(local_ray, tmp_path_factory):
+    """Fits on Ray Data shards (``ray_data_train_function``) on 2 workers: ``train`` (11 rows) and ``val`` (9) split
+    without dropping rows (``UnequalSplit``: the greedy split gives one worker 2 of the 3 blocks), ``train_equal``
+    (the same 11 rows) by Ray's own equal split; batches of 2."""
+    pytest.importorskip("ray.data")
+    datasets = {
+        "train": ray.data.from_items(ray_data_rows(TRAIN_ROWS, 1), override_num_blocks=3),
+        "train_equal": ray.data.from_items(ray_data_rows(TRAIN_ROWS, 1), override_num_blocks=3),
+        "val": ray.data.from_items(ray_data_rows(VAL_ROWS, 2), override_num_blocks=3),
+    }
+    kwargs = dict(datasets=datasets, dataset_config=UnequalSplit(["train", "val"]))
+    return _fit(tmp_path_factory.mktemp("ray_data"), 2, ray_data_train_function, trainer_kwargs=kwargs)
 
 
 def _one_process_values(result, val_size: int) -> tuple[float, float]:
@@ -251,6 +281,106 @@ def test_ray_mesh_that_does_not_fit_workers_is_refused(two_workers):
     *_, record_dir = two_workers
     message = (record_dir / "refusal.txt").read_text()
     assert "mesh of 4 processes" in message and "starts 2 (ScalingConfig(num_workers=...))" in message
+
+
+def _batches(records: list[dict], fit: str, stage: str) -> dict[tuple[int, int], list[list[int]]]:
+    """The row ids of each batch of ``fit``'s ``stage`` (``yielded``: what the Ray Data shard gave), by rank and
+    epoch, in order."""
+    seen: dict[tuple[int, int], list[list[int]]] = {}
+    for row in records:
+        if row["attempt"] == fit and row["stage"] == stage:
+            seen.setdefault((row["rank"], row["epoch"]), []).append(row["indices"])
+    return seen
+
+
+def _rows(batches: list[list[int]]) -> list[int]:
+    return [i for batch in batches for i in batch]
+
+
+def _epoch_end_steps(records: list[dict], fit: str) -> dict[tuple[int, int], int]:
+    """The optimizer steps taken by the end of each epoch of ``fit``, by rank and epoch."""
+    ends = [row for row in records if (row["attempt"], row["stage"]) == (fit, "epoch_end")]
+    return {(row["rank"], row["epoch"]): row["step"] for row in ends}
+
+
+def test_ray_data_shards_of_different_lengths_join_every_row_once_in_equal_steps(ray_data):
+    """``uneven_inputs="join"`` on Ray Data shards of different batch counts (``streaming_split(equal=False)``), read
+    through a ``DataLoader`` over an ``IterableDataset``: both workers take the longer shard's number of steps, each
+    batch its shard yielded is trained once, and every row once over the workers, in each epoch."""
+    _, records, _ = ray_data
+    yielded, trained = _batches(records, "join", "yielded"), _batches(records, "join", "train")
+    ends, steps = _epoch_end_steps(records, "join"), 0
+    for epoch in (0, 1):
+        counts = [len(yielded[(rank, epoch)]) for rank in (0, 1)]
+        assert counts[0] != counts[1]  # the shards are uneven
+        assert sorted(_rows(yielded[(0, epoch)]) + _rows(yielded[(1, epoch)])) == list(range(TRAIN_ROWS))
+        assert all(trained[(rank, epoch)] == yielded[(rank, epoch)] for rank in (0, 1))
+        steps += max(counts)
+        assert ends[(0, epoch)] == ends[(1, epoch)] == steps
+
+
+def test_ray_data_shards_of_different_lengths_drop_stops_at_the_shortest(ray_data):
+    """``uneven_inputs="drop"``: both workers stop after the shorter shard's batches; the longer shard's rest is read
+    (and counted as dropped) but not trained on."""
+    _, records, _ = ray_data
+    yielded, trained = _batches(records, "drop", "yielded"), _batches(records, "drop", "train")
+    counts = [len(yielded[(rank, 0)]) for rank in (0, 1)]
+    assert counts[0] != counts[1]
+    shortest = min(counts)
+    assert all(trained[(rank, 0)] == yielded[(rank, 0)][:shortest] for rank in (0, 1))
+    assert _epoch_end_steps(records, "drop") == {(0, 0): shortest, (1, 0): shortest}
+    assert sorted(_rows(yielded[(0, 0)]) + _rows(yielded[(1, 0)])) == list(range(TRAIN_ROWS))
+
+
+def test_ray_data_default_equal_split_is_even_and_drops_a_row(ray_data):
+    """Ray's own split (``DataConfig``: ``streaming_split(equal=True)``): equal shards, so equal steps without
+    shardplus's help, and 11 rows on 2 workers lose one (11 mod 2), never trained."""
+    _, records, _ = ray_data
+    yielded, trained = _batches(records, "equal", "yielded"), _batches(records, "equal", "train")
+    rows = [_rows(yielded[(rank, 0)]) for rank in (0, 1)]
+    assert len(rows[0]) == len(rows[1]) == TRAIN_ROWS // 2
+    assert len(set(rows[0] + rows[1])) == TRAIN_ROWS - 1
+    assert all(trained[(rank, 0)] == yielded[(rank, 0)] for rank in (0, 1))
+    assert _epoch_end_steps(records, "equal") == {(0, 0): 3, (1, 0): 3}
+
+
+def test_ray_data_unequal_validation_shards_are_evaluated_exactly(ray_data):
+    """Validation on Ray Data shards split without dropping rows (3 batches on one worker, 2 on the other), passed as
+    ``iter_torch_batches`` itself: every row once per epoch, and the reported ``val_mse`` and sum-reduced count equal
+    a one-process evaluation of the final weights over the 9 rows."""
+    result, records, record_dir = ray_data
+    val = _batches(records, "join", "val")
+    for epoch in (0, 1):
+        assert len(val[(0, epoch)]) != len(val[(1, epoch)])
+        assert sorted(_rows(val[(0, epoch)]) + _rows(val[(1, epoch)])) == list(range(VAL_ROWS))
+    val_mse, count = _one_process_values(result, VAL_ROWS)
+    assert result.metrics["val_count"] == count == VAL_ROWS
+    assert result.metrics["val_mse"] == pytest.approx(val_mse, rel=1e-5)
+    for rank in (0, 1):
+        metrics = json.loads((record_dir / f"metrics_{rank}.txt").read_text())
+        assert metrics["val_mse"] == pytest.approx(val_mse, rel=1e-5) and metrics["val_count"] == VAL_ROWS
+
+
+def test_ray_data_stream_has_no_mid_epoch_position_and_says_so(ray_data):
+    """A Ray Data stream has no ``state_dict``: shardplus warns once when the fit starts (Ray's workers save
+    checkpoints without a checkpoint callback). A checkpoint from an epoch's end resumes with the next epoch whole; one
+    saved after epoch 1's first step resumes with epoch 1's stream from its start (its rows read again)."""
+    _, records, record_dir = ray_data
+    warned = json.loads((record_dir / "warnings_join_0.txt").read_text())
+    assert len([w for w in warned if "no `state_dict`" in w and "iter_torch_batches" in w]) == 1
+    ends = _epoch_end_steps(records, "join")
+    saved = {row["name"]: row["step"] for row in records if row["stage"] == "saved" and row["rank"] == 0}
+    assert saved == {"epoch_end": ends[(0, 0)], "mid_epoch": ends[(0, 0)] + 1}
+    from_end = _batches(records, "from_epoch_end", "train")
+    assert set(from_end) == {(0, 1), (1, 1)}
+    assert sorted(_rows(from_end[(0, 1)]) + _rows(from_end[(1, 1)])) == list(range(TRAIN_ROWS))
+    steps = _epoch_end_steps(records, "from_epoch_end")
+    assert steps[(0, 1)] == steps[(1, 1)] == ends[(0, 1)]
+    from_mid = _batches(records, "from_mid_epoch", "train")
+    assert set(from_mid) == {(0, 1), (1, 1)}
+    assert sorted(_rows(from_mid[(0, 1)]) + _rows(from_mid[(1, 1)])) == list(range(TRAIN_ROWS))  # the whole epoch
+    steps = _epoch_end_steps(records, "from_mid_epoch")
+    assert steps[(0, 1)] == steps[(1, 1)] == ends[(0, 1)] + 1  # the first step's rows trained a second time
 
 
 def test_ray_front_in_the_namespace_ray_does_not_use_is_refused_at_import():

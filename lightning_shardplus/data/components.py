@@ -38,6 +38,7 @@ class DistributedSetup:
     device: torch.device
     gradients: GradientSide
     launcher_name: str | None = None  # named in the start-up line where it is not Lightning's or as found (Ray Train)
+    saves_outside_callbacks: bool = False  # checkpoints come from elsewhere than Lightning's callbacks (Ray's reports)
 
     @property
     def num_replicas(self) -> int:
@@ -83,8 +84,9 @@ class RunComponents:
         if fitting:
             abstain = metrics.abstain_this_step if metrics is not None else None
             parts.even = EvenSteps(
-                config.uneven_inputs, setup.data_parallel, setup.backend, trainer, abstain, keeps_stand_in=communicates
-            )
+                config.uneven_inputs, setup.data_parallel, setup.backend, trainer, abstain, keeps_stand_in=communicates,
+                saves_outside_callbacks=setup.saves_outside_callbacks,
+            )  # fmt: skip
             parts.aggregation = GradientAggregation(
                 trainer, config.aggregation_frequency, config.average_aggregated_gradients,
                 ranks_correction=parts.even.gradient_correction, gradients=setup.gradients,

@@ -205,8 +205,11 @@ class EvenSteps:
     def __init__(
         self, policy: UnevenInputs, data_parallel: DataParallel, backend: str = "gloo", trainer: Any = None,
         on_step_without_data: Callable[[], None] | None = None, keeps_stand_in: bool = False,
+        saves_outside_callbacks: bool = False,
     ) -> None:  # fmt: skip
         self.policy, self.data_parallel, self.backend, self.trainer = policy, data_parallel, backend, trainer
+        # checkpoints are saved without a Lightning checkpoint callback (Ray's workers report them: ray.train.report)
+        self.saves_outside_callbacks = saves_outside_callbacks
         self.world_size = data_parallel.size  # the ranks that read different samples
         self.keeps_stand_in, self.stand_in = keeps_stand_in, None  # model parallel: the batch a rank without data runs
         self.on_step_without_data = on_step_without_data
@@ -228,10 +231,11 @@ class EvenSteps:
         self._count_stream()
         if resumable:
             return ResumableAgreedLoader(loader, self)
-        if self.trainer is None or self.trainer.checkpoint_callbacks:  # only where a checkpoint can be saved
-            rank_zero_warn(
-                "shardplus: the training stream's loader has no `state_dict`: a checkpoint saved mid-epoch resumes "
-                "at the start of the epoch (litdata's StreamingDataLoader can resume mid-epoch)."
+        if self.trainer is None or self.trainer.checkpoint_callbacks or self.saves_outside_callbacks:
+            rank_zero_warn(  # only where a checkpoint can be saved
+                "shardplus: the training stream's loader has no `state_dict` (a plain iterable, such as Ray Data's "
+                "`iter_torch_batches`): a checkpoint saved mid-epoch resumes at the start of the epoch (litdata's "
+                "StreamingDataLoader can resume mid-epoch)."
             )
         return AgreedLoader(loader, self)
 

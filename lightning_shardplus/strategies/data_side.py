@@ -49,6 +49,7 @@ class ShardPlusDataSide(ParallelStrategy):
     start_method: str  # how the processes start: "popen", "fork", "spawn" or "forkserver"
     launcher_name: str | None = None  # who starts the processes, in the start-up line; None: Lightning or as found
     processes_setting = "devices x num_nodes"  # what sets the number of processes, named in refusals
+    saves_outside_callbacks = False  # whether checkpoints are saved without Lightning's checkpoint callbacks (Ray)
     components_after_checks = False  # built in the gradient side's `setup`, once Lightning's checks of the module pass
 
     def _init_data_side(self, config: DataSideConfig) -> None:
@@ -75,7 +76,10 @@ class ShardPlusDataSide(ParallelStrategy):
         group = data_parallel(self)
         data_parallel_group = DataParallel(kwargs["num_replicas"], kwargs["rank"], group.group, group.groups)
         gradients, launcher = self._gradient_side(), self.launcher_name
-        return DistributedSetup(data_parallel_group, backend, self.root_device, gradients, launcher_name=launcher)
+        return DistributedSetup(
+            data_parallel_group, backend, self.root_device, gradients, launcher_name=launcher,
+            saves_outside_callbacks=self.saves_outside_callbacks,
+        )  # fmt: skip
 
     @property
     def started_processes(self) -> int:
