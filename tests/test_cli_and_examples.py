@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from _models import in_external_ranks
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_shardplus.cli import shardplus_names
@@ -290,11 +291,19 @@ def test_stream_example_takes_the_same_steps_on_every_rank(tmp_path, policy, ste
     assert "final metrics" in result.stdout
 
 
-@pytest.mark.timeout(300)
-def test_a_second_run_without_a_logger_in_the_same_directory_runs(tmp_path):
-    # without a logger the CLI saves its config.yaml in the working directory; Lightning's default refuses a second run
+def _validate_twice() -> None:
+    from lightning_shardplus import cli
+
+    sys.argv = ["shardplus"]  # this forked rank's own
     for _ in range(2):
-        shardplus("validate", "--config", str(ROOT / "configs" / "digits.yaml"), "--trainer.logger=false", cwd=tmp_path)
+        cli.main(["validate", "--config", str(ROOT / "configs" / "digits.yaml"), "--trainer.logger=false"])
+
+
+@pytest.mark.timeout(180)
+def test_a_second_run_without_a_logger_in_the_same_directory_runs(tmp_path):
+    # without a logger the CLI saves its config.yaml in the working directory; Lightning's default refuses a second run.
+    # Both runs in each of the config's 2 ranks (forks that Lightning finds started)
+    in_external_ranks(_validate_twice, world_size=2, timeout=150, cwd=tmp_path)
     assert (tmp_path / "config.yaml").exists()
 
 
