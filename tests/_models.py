@@ -167,7 +167,7 @@ def in_forked_process(function, timeout: float = 120) -> None:
     writer.close()
     try:
         if not reader.poll(timeout):
-            raise TimeoutError(f"{function.__name__} did not finish in {timeout} s")
+            raise TimeoutError(f"{function!r} did not finish in {timeout} s")
         error = reader.recv()
     finally:
         child.kill()
@@ -209,7 +209,7 @@ def in_external_ranks(
     try:
         for rank, (reader, _) in enumerate(children):
             if not reader.poll(timeout):
-                raise TimeoutError(f"rank {rank} of {function.__name__} did not finish in {timeout} s")
+                raise TimeoutError(f"rank {rank} of {function!r} did not finish in {timeout} s")
             if (error := reader.recv()) is not None:
                 errors.append(f"rank {rank}:\n{error}")
     finally:

@@ -16,7 +16,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
-from _models import cpu_trainer, in_external_ranks
+from _models import cpu_trainer, in_external_ranks, in_forked_process
 from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.demos.boring_classes import BoringModel
 from torch.utils.data import DataLoader, IterableDataset
@@ -166,9 +166,11 @@ def test_checkpoints_of_plain_model_parallel_resume_at_an_epoch_end_and_are_refu
     """Lightning's ``ModelParallelStrategy`` saves no sampler position, in a distributed or a full checkpoint: inside
     the epoch (2 of its 3 batches done) shardplus refuses it before the first step; at the epoch's end it resumes, and
     the next epoch reads every sample once."""
-    script = PROBE.parent / "_cross_strategy_resume.py"
-    _launch(script, tmp_path, "save", tmp_path)
-    _launch(script, tmp_path, "resume", tmp_path)
+    import _cross_strategy_resume as script
+
+    # saved by plain ModelParallelStrategy on 2 ranks; resumed under shardplus's fork launch from one process
+    in_external_ranks(partial(script.main, "save", tmp_path), world_size=2, timeout=280, cwd=tmp_path)
+    in_forked_process(partial(script.main, "resume", tmp_path), timeout=280)
     found = json.loads((tmp_path / "resumed.json").read_text())
     for distributed in (True, False):
         refused = found[f"distributed={distributed} step=2"]
