@@ -54,7 +54,7 @@ def _fit_raise_and_fit_again(record_dir: Path) -> None:
         Change.RANK_VARIABLES, Change.WARNING_FILTERS, Change.ZERO_LENGTH_LOADERS, Change.ACCUMULATION,
         Change.TRAINING_LOGS, Change.METRIC_SYNC,
     }  # fmt: skip
-    assert Counter(active_changes()) == before
+    assert not Counter(active_changes()) - before  # none left but those (other strategies may be collected meanwhile)
     # Lightning's own `LightningEnvironment.teardown` removes WORLD_SIZE (in a torchrun job too)
     assert dict(os.environ) == {k: v for k, v in environ.items() if k != "WORLD_SIZE"} and warnings.filters == filters
     assert trainer.accumulate_grad_batches == 1

@@ -5,6 +5,7 @@ are first read; epoch values are each rank's running sums, reduced once at the e
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import lightning.pytorch as pl
@@ -25,6 +26,36 @@ from lightning_shardplus.data.training_metrics.readers import bar_total, reading
 STALE = "\0stale:"  # in a reduction after unread steps, the section of each name's latest unread calls
 
 
+def takes_over(log: _results.TrainingLog, warned: set[str]) -> bool:
+    """Whether the averager takes ``log`` over: a tensor logged ``on_step`` for every rank, not synced over a
+    sub-group, not from ``on_train_batch_end`` (after the step's values were averaged: warned once per key)."""
+    if not log.on_step or not log.is_tensor or log.rank_zero_only:
+        return False
+    if log.sync_dist and log.sync_dist_group is not None:
+        return False  # a sync over a sub-group: Lightning's
+    if log.fx != "on_train_batch_end":
+        return True
+    if log.key not in warned:
+        warned.add(log.key)
+        rank_zero_warn(
+            f"shardplus: `{log.name}` is logged in `on_train_batch_end`, after the training metrics of the step "
+            "were averaged across ranks (at the start of that hook, before callbacks read them): it is this "
+            "rank's own value. Log it from `training_step` to average it."
+        )
+    return False
+
+
+def _step_value(local: Tensor, vector: Tensor, calls: Tensor, i: int, j: int | None, own: bool) -> Tensor:
+    """A name's reduced step value from ``vector`` (its slot ``i``; ``j``: its latest unread steps'): with ``own``,
+    the reduction; else where some rank logged it in the step, else in earlier unread steps, else ``local``."""
+    if own:
+        return vector[i]
+    shown = local.reshape(())
+    if j is not None:
+        shown = torch.where(calls[j].to(local.device) > 0, vector[j], shown)
+    return torch.where(calls[i].to(local.device) > 0, vector[i], shown)
+
+
 class _AverageTrainingMetrics(Callback):
     """Replaces the training values logged on each rank by their reduction over the ranks, in each optimizer step
     something reads; put first in the Trainer's callbacks (by the strategy), before any other callback reads them."""
@@ -34,7 +65,6 @@ class _AverageTrainingMetrics(Callback):
 
     def _reset(self) -> None:
         self._changes = RunChanges()  # Lightning's training logging, intercepted from `on_train_start` to the end
-        self._intercepting = False
         self._results: Any = None
         self._device = torch.device("cpu")
         self._data_parallel = DataParallel(1, 0)
@@ -75,32 +105,14 @@ class _AverageTrainingMetrics(Callback):
         self._device = trainer.strategy.root_device
         self._readers = (reading_interval(trainer), bool(trainer.loggers), trainer.log_every_n_steps)
         self._results = _results.training_results(trainer)
-        self._changes.apply(
-            Change.TRAINING_LOGS, _results.intercept_training_logs(self._results, self._take, self._taken)
-        )
-        self._intercepting = True
+        take = partial(takes_over, warned=self._warned)
+        self._changes.apply(Change.TRAINING_LOGS, _results.intercept_training_logs(self._results, take, self._taken))
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._clear()  # a batch skipped by `on_train_batch_start` returning -1 stays out of the next epoch
         self._epoch_keys.clear()
         self._unread, self._stale, self._after_unread = None, {}, False
         self._bar_total = bar_total(trainer)  # as the bar reads it in its own epoch start, after this callback's
-
-    def _take(self, log: _results.TrainingLog) -> bool:
-        if not log.on_step or not log.is_tensor or log.rank_zero_only:
-            return False
-        if log.sync_dist and log.sync_dist_group is not None:
-            return False  # a sync over a sub-group: Lightning's
-        if log.fx != "on_train_batch_end":
-            return True
-        if log.key not in self._warned:
-            self._warned.add(log.key)
-            rank_zero_warn(
-                f"shardplus: `{log.name}` is logged in `on_train_batch_end`, after the training metrics of the step "
-                "were averaged across ranks (at the start of that hook, before callbacks read them): it is this "
-                "rank's own value. Log it from `training_step` to average it."
-            )
-        return False
 
     def _taken(self, logged: _results.LoggedValue) -> None:
         log, late = logged.log, self._backward_began
@@ -118,7 +130,7 @@ class _AverageTrainingMetrics(Callback):
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
         # the step's values logged so far are complete: start their reduction, to run while backward computes
-        if self._intercepting and not self._backward_began and _results.logs_this_step(trainer):
+        if self._changes.active and not self._backward_began and _results.logs_this_step(trainer):
             self._backward_began = True  # in the last micro-batch of an aggregation window: what follows is late
             if self._layout is not None and self._needs_early() and self._read(trainer):
                 self._start("early")
@@ -148,7 +160,7 @@ class _AverageTrainingMetrics(Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if not self._intercepting:
+        if not self._changes.active:
             return
         if self._without_data:  # its values count nowhere: not in this rank's epoch values either
             for key, before in self._before.items():
@@ -198,7 +210,7 @@ class _AverageTrainingMetrics(Callback):
 
     def _reduce_unread(self, trainer: pl.Trainer, where: str) -> None:
         """Reduce the last optimizer step if nothing read it, where validation or the epoch end read its values."""
-        if not self._intercepting or self._unread is None:
+        if not self._changes.active or self._unread is None:
             return
         current = (self._calls, self._own, self._window, self._without_data, self._started)
         (self._calls, self._own, self._window, self._without_data), self._unread = self._unread, None
@@ -236,14 +248,8 @@ class _AverageTrainingMetrics(Callback):
             on = (local.dtype, local.device)
             if (vector := converted.get(on)) is None:
                 vector = converted[on] = values.to(dtype=local.dtype, device=local.device)
-            i, j = plan.position[key], plan.position.get(STALE + key)
-            if call is not None and not self._without_data:  # its own value is in it
-                step = vector[i]
-            else:  # where some rank logged it in the step, else in earlier unread steps, else its last value
-                shown = local.reshape(())
-                if j is not None:
-                    shown = torch.where(calls[j].to(local.device) > 0, vector[j], shown)
-                step = torch.where(calls[i].to(local.device) > 0, vector[i], shown)
+            own = call is not None and not self._without_data  # its own value is in the reduction
+            step = _step_value(local, vector, calls, plan.position[key], plan.position.get(STALE + key), own)
             self._last[key] = step.reshape(local.shape)
             _results.set_step_value(metric, self._last[key])
 
@@ -280,7 +286,7 @@ class _AverageTrainingMetrics(Callback):
         return True
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if not self._intercepting:
+        if not self._changes.active:
             return
         self._reduce_unread(trainer, f"the end of epoch {trainer.current_epoch}")
         self._check_names(f"the end of epoch {trainer.current_epoch}")
