@@ -377,11 +377,13 @@ def test_litdata_reads_by_the_data_parallel_rank_under_tensor_parallel(tmp_path)
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize(("shuffle", "workers"), [(False, 0), (True, 2)], ids=["in-order", "shuffled-2-workers"])
 def test_a_litdata_stream_resumes_mid_epoch_where_it_was_under_tensor_parallel(tmp_path, shuffle, workers):
-    import _model_parallel_stream_resume as probe
+    # scripts, not forks of this process: with loader workers (forked again from each rank) torch 2.14's CUDA build
+    # aborted in the autograd engine's thread start ("Invalid thread pool!", the streams compat stage)
+    from test_model_parallel import _launch
 
-    data = str(_write_ids("litdata", tmp_path / "data", 20))
-    run = partial(probe.main, 2, 2, data, tmp_path, shuffle, workers)
-    in_external_ranks(run, world_size=4, timeout=300, cwd=tmp_path)
+    data = _write_ids("litdata", tmp_path / "data", 20)
+    probe = Path(__file__).parent / "_model_parallel_stream_resume.py"
+    _launch(probe, tmp_path, 2, 2, data, tmp_path, int(shuffle), workers)
     found = [json.loads((tmp_path / f"found.2.{rank}.json").read_text()) for rank in range(4)]
     for rank, result in enumerate(found):
         assert result == found[rank - rank % 2]  # tensor-parallel peers read alike, in both fits
@@ -390,8 +392,7 @@ def test_a_litdata_stream_resumes_mid_epoch_where_it_was_under_tensor_parallel(t
             assert result["whole"] == list(range(10 * (rank // 2), 10 * (rank // 2) + 10))  # its half, in order
     assert sorted(found[0]["whole"] + found[2]["whole"]) == list(range(20))  # every sample once per epoch
     # the same checkpoint on 3 data-parallel ranks: the streams restart their epoch, said once; every sample once
-    run = partial(probe.main, 3, 1, data, tmp_path, shuffle, workers)
-    in_external_ranks(run, world_size=3, timeout=300, cwd=tmp_path)
+    _launch(probe, tmp_path, 3, 1, data, tmp_path, int(shuffle), workers)
     elsewhere = [json.loads((tmp_path / f"found.3.{rank}.json").read_text()) for rank in range(3)]
     assert {i for result in elsewhere for i in result["resumed"]} == set(range(20))
     assert elsewhere[0]["trained"] == 20  # each once (a rank whose stream ran out runs stand-ins: untrained)
