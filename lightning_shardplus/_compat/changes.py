@@ -15,7 +15,6 @@ Example::
 from __future__ import annotations
 
 import enum
-import inspect
 import os
 import weakref
 from collections.abc import Callable, Iterator
@@ -62,9 +61,7 @@ class RunChanges:
     def set(self, change: Change, owner: Any, name: str, value: Any) -> None:
         """``setattr(owner, name, value)``; the undo puts the previous value back, or removes an attribute that
         shadowed the class's (a method patched on an instance)."""
-        previous = vars(owner).get(name, _ABSENT) if hasattr(owner, "__dict__") else _ABSENT
-        if previous is _ABSENT and isinstance(inspect.getattr_static(type(owner), name, None), property):
-            previous = getattr(owner, name)
+        previous = vars(owner).get(name, _ABSENT)
         setattr(owner, name, value)
         self._undos.append((change, lambda: _put_back(owner, name, previous)))
 
